@@ -1,0 +1,5 @@
+import sys
+
+from profuse.cli import main
+
+sys.exit(main())

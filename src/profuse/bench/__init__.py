@@ -1,0 +1,1 @@
+"""Timing, statistics and byte models: the harness behind every number profuse reports."""

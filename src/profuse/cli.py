@@ -1,0 +1,313 @@
+"""The command line: argparse -> configs -> run -> report.
+
+    profuse [flags]              the lab's main job: Part A (profile a training step), then Part B
+    profuse profile [flags]      Part A alone (also: profuse --profile-only)
+    profuse sweep [flags]        Part B over several sizes, with CSV and plots
+    profuse report RESULTS.json  print a saved run again (--markdown for a table to paste)
+    profuse diff A.json B.json   compare two saved runs variant by variant
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from profuse import __version__
+from profuse.errors import UsageError
+
+SUBCOMMANDS = ("profile", "sweep", "report", "diff")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (exit 2), without the usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+# --------------------------------------------------------------------------------------------
+# Argument types
+# --------------------------------------------------------------------------------------------
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def trial_count(text: str) -> int:
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError("at least 2 trials are needed for a confidence interval")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """'1024,8192,32768' -> [1024, 8192, 32768]; each must be positive."""
+    parts = [p for p in text.replace(" ", "").split(",") if p]
+    if not parts:
+        raise argparse.ArgumentTypeError("expected a comma-separated list of sizes")
+    return [positive_int(p) for p in parts]
+
+
+DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
+
+
+# --------------------------------------------------------------------------------------------
+# Shared flag groups
+# --------------------------------------------------------------------------------------------
+
+
+def _add_device_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device", default="auto", choices=("auto", "cuda", "cpu"),
+        help="where to run: auto picks cuda when a GPU is there, else cpu (default: auto)",
+    )  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed for inputs and the trial order (default: 0)")
+
+
+def _add_bench_args(p: argparse.ArgumentParser, sizes_are_lists: bool = False) -> None:
+    size = int_list if sizes_are_lists else positive_int
+    what = "comma-separated list of " if sizes_are_lists else ""
+    g = p.add_argument_group("Part B: the fused tail benchmark")
+    g.add_argument("--rows", type=size, default=[8192] if sizes_are_lists else 8192,
+                   help=f"{what}rows of the tail's tensors (default: 8192)")  # fmt: skip
+    g.add_argument("--cols", type=size, default=[4096] if sizes_are_lists else 4096,
+                   help=f"{what}columns, the hidden size N (default: 4096)")  # fmt: skip
+    g.add_argument("--trials", type=trial_count, default=30, help="interleaved timed trials (default: 30)")
+    g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="input dtype; auto is bf16 on CUDA, fp32 on CPU (default: auto)")  # fmt: skip
+    g.add_argument("--backward", action="store_true",
+                   help="time forward + backward (gradients of gate, up, residual and weight)")  # fmt: skip
+    g.add_argument(
+        "--variants", default=None,
+        help="comma-separated variants to run, from: eager, rms_norm, compile, compile-max, triton, "
+        "liger (default: all but compile-max; eager, the baseline, is always in)",
+    )  # fmt: skip
+    g.add_argument("--warm-cache", action="store_true",
+                   help="do not flush the L2 cache before each timed call (CUDA)")  # fmt: skip
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("Part A: the profiled GPT training step")
+    g.add_argument("--layers", type=int, default=None, help="transformer blocks (default: 4)")
+    g.add_argument("--d-model", type=int, default=None, help="hidden size (default: 256)")
+    g.add_argument("--heads", type=int, default=None, help="attention heads; must divide --d-model (default: 4)")
+    g.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (default: 8192)")
+    g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 256)")
+    g.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: 8)")
+    g.add_argument("--profile-steps", type=positive_int, default=4, help="profiled training steps (default: 4)")
+    g.add_argument("--compile-step", action="store_true",
+                   help="also profile the step with the model under torch.compile, side by side")  # fmt: skip
+
+
+def _add_out_arg(p: argparse.ArgumentParser, default: str, what: str) -> None:
+    p.add_argument("--out", type=Path, default=Path(default), help=f"folder for {what} (default: {default})")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="profuse",
+        description="Profile a GPT training step (Part A), then fuse its memory-bound tail "
+        "rms_norm(silu(gate) * up + residual) * weight with torch.compile and Triton and time it "
+        "against eager with bootstrap confidence intervals (Part B). "
+        f"Other commands: {', '.join(SUBCOMMANDS)} (profuse COMMAND --help).",
+    )
+    p.add_argument("--version", action="version", version=f"profuse {__version__}")
+    p.add_argument("--skip-profile", action="store_true", help="skip Part A, run Part B only")
+    p.add_argument("--profile-only", action="store_true", help="run Part A only")
+    _add_device_args(p)
+    _add_bench_args(p)
+    _add_model_args(p)
+    _add_out_arg(p, ".", "trace.json and results.json")
+    return p
+
+
+def build_profile_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="profuse profile", description="Part A: profile a few training steps of a small GPT.")
+    _add_device_args(p)
+    _add_model_args(p)
+    _add_out_arg(p, ".", "trace.json and profile.json")
+    p.add_argument("--nproc", type=positive_int, default=None,
+                   help="profile data-parallel training on N processes (DDP; NCCL on GPUs, gloo on CPU)")  # fmt: skip
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# Progress: a bar on an interactive terminal, nothing in logs and pipes
+# --------------------------------------------------------------------------------------------
+
+
+class Progress:
+    """Feeds `progress(stage, done, total)` callbacks into tqdm bars on stderr (TTY only)."""
+
+    def __init__(self, enabled: bool | None = None):
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self._bar = None
+        self._stage = None
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        if stage != self._stage:
+            self.close()
+            self._stage = stage
+            self._bar = tqdm(total=total, desc=stage, leave=False, file=sys.stderr, dynamic_ncols=True)
+        self._bar.n = done
+        self._bar.refresh()
+
+    def message(self, text: str) -> None:
+        self("" + text, 0, 1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+            self._stage = None
+
+
+# --------------------------------------------------------------------------------------------
+# Commands
+# --------------------------------------------------------------------------------------------
+
+
+def _bench_config(args, device, rows: int, cols: int):
+    from profuse.bench.tail import DEFAULT_VARIANTS, TailBenchConfig
+    from profuse.env import resolve_dtype
+
+    names = DEFAULT_VARIANTS if args.variants is None else tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    return TailBenchConfig(
+        rows=rows,
+        cols=cols,
+        dtype=resolve_dtype(args.dtype, device),
+        device=device,
+        trials=args.trials,
+        seed=args.seed,
+        backward=args.backward,
+        variants=names,
+        flush_l2=not args.warm_cache,
+    )
+
+
+def _profile_config(args, device):
+    from profuse.model import GPTConfig
+    from profuse.profiling import ProfileConfig
+
+    overrides = {
+        "n_layer": args.layers,
+        "d_model": args.d_model,
+        "n_head": args.heads,
+        "vocab_size": args.vocab_size,
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+    }
+    model = GPTConfig(**{k: v for k, v in overrides.items() if v is not None})
+    return ProfileConfig(model=model, device=device, steps=args.profile_steps, out_dir=args.out, seed=args.seed)
+
+
+def run_part_a(args, device) -> None:
+    try:
+        from profuse.profiling import run_profile
+        from profuse.report.profile import format_profile, format_profile_comparison
+    except ImportError:
+        print("=== Part A: not available yet (profuse.profiling is missing); use --skip-profile ===\n")
+        return
+    from dataclasses import replace
+
+    from profuse.files import write_json
+
+    cfg = _profile_config(args, device)
+    progress = Progress()
+    say = lambda text: progress(text, 0, 1)
+    eager = run_profile(cfg, progress=say)
+    progress.close()
+    print(format_profile(eager))
+    summary = {"eager": eager.to_dict()}
+    if args.compile_step:
+        compiled = run_profile(replace(cfg, compile=True, trace_name="trace_compiled.json"), progress=say)
+        progress.close()
+        print()
+        print(format_profile_comparison(eager, compiled))
+        summary["compiled"] = compiled.to_dict()
+    write_json(Path(args.out) / "profile.json", summary)
+    print()
+
+
+def run_part_b(args, device) -> None:
+    from profuse.bench.tail import run_tail_bench
+    from profuse.files import write_json
+    from profuse.report.bench import format_tail_bench
+
+    cfg = _bench_config(args, device, args.rows, args.cols)
+    progress = Progress()
+    try:
+        res = run_tail_bench(cfg, progress=progress)
+    finally:
+        progress.close()
+    print(format_tail_bench(res))
+    path = write_json(Path(args.out) / "results.json", res.to_dict())
+    print(f"results: {path}")
+
+
+def cmd_main(argv: list[str]) -> int:
+    from profuse.env import resolve_device
+
+    args = build_parser().parse_args(argv)
+    if args.skip_profile and args.profile_only:
+        raise UsageError("--skip-profile and --profile-only leave nothing to run: pick one")
+    device = resolve_device(args.device)
+    if not args.skip_profile:
+        run_part_a(args, device)
+    if not args.profile_only:
+        run_part_b(args, device)
+    return 0
+
+
+def cmd_profile(argv: list[str]) -> int:
+    from profuse.env import resolve_device
+
+    args = build_profile_parser().parse_args(argv)
+    if args.nproc is not None:
+        from profuse.distributed import launch_profile  # Part A on N processes
+
+        return launch_profile(args)
+    run_part_a(args, resolve_device(args.device))
+    return 0
+
+
+def cmd_sweep(argv: list[str]) -> int:
+    raise UsageError("profuse sweep is not available yet")
+
+
+def cmd_report(argv: list[str]) -> int:
+    raise UsageError("profuse report is not available yet")
+
+
+def cmd_diff(argv: list[str]) -> int:
+    raise UsageError("profuse diff is not available yet")
+
+
+COMMANDS = {"profile": cmd_profile, "sweep": cmd_sweep, "report": cmd_report, "diff": cmd_diff}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = cmd_main
+    if argv and argv[0] in COMMANDS:
+        command, argv = COMMANDS[argv[0]], argv[1:]
+    try:
+        return command(argv)
+    except UsageError as err:
+        print(f"profuse: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("profuse: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,168 @@
+"""Where a run happens: the device it asked for, what that device has, and the software around it."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import subprocess
+import sys
+
+import torch
+
+from profuse.errors import UsageError
+
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def resolve_device(name: str | torch.device | None = "auto") -> torch.device:
+    """'auto' (or None) picks cuda when a GPU is there, else cpu; 'cuda' without a GPU is an error."""
+    if name is None or str(name) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as err:
+        raise UsageError(f"unknown device {name!r}: use auto, cuda or cpu") from err
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda was asked for, but no CUDA GPU is available here")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise UsageError(
+                f"device {device} is not there: this machine has {torch.cuda.device_count()} GPU(s)"
+            )
+    elif device.type != "cpu":
+        raise UsageError(f"device {name!r} is not supported: use auto, cuda or cpu")
+    return device
+
+
+def resolve_dtype(name: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """None picks bf16 on CUDA and fp32 on CPU, as the lab does."""
+    if isinstance(name, torch.dtype):
+        return name
+    if name is None or name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return DTYPES[name.lower()]
+    except KeyError:
+        raise UsageError(f"unknown dtype {name!r}: use bf16, fp16 or fp32") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on `device`, or None where that cannot be read."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        # Memory the caching allocator holds but does not use can be handed out again.
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        reserved = torch.cuda.memory_reserved(idx) - torch.cuda.memory_allocated(idx)
+        return int(free + reserved)
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(need_bytes: int, device: torch.device, what: str) -> None:
+    """Raise UsageError when `need_bytes` will not fit in what `device` has free."""
+    free = free_memory_bytes(device)
+    if free is not None and need_bytes > 0.9 * free:
+        raise UsageError(
+            f"{what} needs about {need_bytes / 1e9:.1f} GB on {device}, "
+            f"but only {free / 1e9:.1f} GB is free: choose smaller sizes"
+        )
+
+
+def l2_cache_bytes(device: torch.device) -> int:
+    """The device's L2 size (60 MB on an H200), or 50 MB where torch cannot say."""
+    props = torch.cuda.get_device_properties(device)
+    return int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors on a GPU; a small stand-in on the CPU (the Triton interpreter)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _nvidia_smi(device: torch.device) -> dict[str, str]:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return {}
+    fields = [
+        "name",
+        "driver_version",
+        "clocks.sm",
+        "clocks.mem",
+        "clocks.max.sm",
+        "clocks.max.mem",
+        "power.limit",
+        "temperature.gpu",
+    ]
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        out = subprocess.run(
+            [exe, f"--id={idx}", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    values = [v.strip() for v in out.split(",")]
+    return dict(zip(fields, values)) if len(values) == len(fields) else {}
+
+
+def environment(device: torch.device) -> dict:
+    """What a result needs beside it to be compared later: card, clocks, driver, versions."""
+    info: dict = {
+        "device": str(device),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "argv": sys.argv[1:],
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(
+            gpu=props.name,
+            compute_capability=f"{props.major}.{props.minor}",
+            sm_count=props.multi_processor_count,
+            memory_gb=round(props.total_memory / 1e9, 1),
+            l2_cache_mb=round(l2_cache_bytes(device) / 2**20, 1),
+            cuda=torch.version.cuda,
+        )
+        smi = _nvidia_smi(device)
+        if smi:
+            info["driver"] = smi.pop("driver_version", None)
+            info["nvidia_smi"] = smi
+    return info
+
+
+def card_name(env: dict) -> str:
+    """A short name for the hardware a result came from: the GPU, or 'cpu'."""
+    return env.get("gpu") or f"cpu ({env.get('cpu_count')} cores)"
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__

@@ -1,0 +1,485 @@
+"""The fused SwiGLU tail in Triton: one pass forward, one pass backward.
+
+    y = h * rstd * w,   h = silu(g) * u + r,   rstd = 1 / sqrt(mean(h^2) + eps)
+
+Forward reads g, u, r once and writes y once (4 tensors; eager moves 15, see bench/traffic.py);
+it also writes one fp32 rstd per row for the backward. All arithmetic is fp32 whatever the input
+dtype; only the stores round.
+
+Backward (x_hat = h * rstd, s = sigmoid(g), silu(g) = g * s, N = cols):
+    dh  = rstd * (w * dy - x_hat * mean(x_hat * w * dy))
+    dr  = dh
+    du  = dh * silu(g)
+    dg  = dh * u * s * (1 + g * (1 - s))
+    dw  = sum over rows of dy * x_hat
+It reads g, u, r, dy and writes dg, du, dr (7 tensors); h, s and x_hat are recomputed in
+registers. dw is summed in fp32 per program over a persistent grid, then the (programs, N)
+partials are summed by torch in one fixed order: no atomics, so gradients are bitwise repeatable.
+
+Rows wider than a program can hold in registers take a chunked path: pass 1 streams the row's
+chunks to get the row's sum, pass 2 walks the chunks again in reverse order, so the chunks read
+last (still in L2) are read first.
+
+Layout: the @triton.jit kernels, their launchers (flatten to 2-D, allocate, pick a config,
+launch), the custom ops (so torch.compile calls them without a graph break), the
+autograd.Function, and `tail_triton`.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from profuse.env import sm_count
+
+# --------------------------------------------------------------------------------------------
+# Kernels
+# --------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _tail_fwd_kernel(
+    G_ptr,
+    U_ptr,
+    R_ptr,
+    W_ptr,
+    Y_ptr,
+    RSTD_ptr,  # (n_rows,) fp32, for the backward
+    g_row_stride,  # row strides in elements; columns are contiguous
+    u_row_stride,
+    r_row_stride,
+    y_row_stride,
+    n_rows,
+    n_cols,
+    eps,
+    BLOCK_M: tl.constexpr,  # rows per tile: several when rows are narrow
+    BLOCK_N: tl.constexpr,  # next power of two >= n_cols: the whole row is held
+    STORE_RSTD: tl.constexpr,
+):
+    """One tile of BLOCK_M whole rows: y = h * rstd * w, h = silu(g) * u + r."""
+    eps = tl.cast(eps, tl.float32)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    row_mask = rows < n_rows
+    col_mask = cols < n_cols
+    mask = row_mask[:, None] & col_mask[None, :]
+    g = tl.load(G_ptr + rows[:, None] * g_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U_ptr + rows[:, None] * u_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(R_ptr + rows[:, None] * r_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    h = g * tl.sigmoid(g) * u + r  # masked columns give h = 0 and leave the sum alone
+    rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
+    w = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    y = h * rstd[:, None] * w[None, :]
+    tl.store(Y_ptr + rows[:, None] * y_row_stride + cols[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
+    if STORE_RSTD:
+        tl.store(RSTD_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _tail_fwd_chunked_kernel(
+    G_ptr,
+    U_ptr,
+    R_ptr,
+    W_ptr,
+    Y_ptr,
+    RSTD_ptr,
+    g_row_stride,
+    u_row_stride,
+    r_row_stride,
+    y_row_stride,
+    n_rows,
+    n_cols,
+    eps,
+    BLOCK_N: tl.constexpr,  # a chunk of the row; the row is n_cols / BLOCK_N chunks
+    STORE_RSTD: tl.constexpr,
+):
+    """One row per program, in chunks: pass 1 sums h^2, pass 2 (reverse order) writes y."""
+    eps = tl.cast(eps, tl.float32)
+    row = tl.program_id(0).to(tl.int64)
+    g_row = G_ptr + row * g_row_stride
+    u_row = U_ptr + row * u_row_stride
+    r_row = R_ptr + row * r_row_stride
+    y_row = Y_ptr + row * y_row_stride
+    n_chunks = tl.cdiv(n_cols, BLOCK_N)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for c in range(0, n_chunks):
+        cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        g = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_row + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
+        h = g * tl.sigmoid(g) * u + r
+        acc += h * h
+    rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
+    for i in range(0, n_chunks):
+        cols = (n_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        g = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(u_row + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        h = g * tl.sigmoid(g) * u + r
+        tl.store(y_row + cols, (h * rstd * w).to(Y_ptr.dtype.element_ty), mask=mask)
+    if STORE_RSTD:
+        tl.store(RSTD_ptr + row, rstd)
+
+
+@triton.jit
+def _tail_bwd_kernel(
+    DY_ptr,
+    G_ptr,
+    U_ptr,
+    R_ptr,
+    W_ptr,
+    RSTD_ptr,
+    DG_ptr,  # outputs, contiguous (n_rows, n_cols); unused when their COMPUTE_ flag is off
+    DU_ptr,
+    DR_ptr,
+    DW_ptr,  # (programs, n_cols) fp32 partial sums of dy * x_hat, one row per program
+    dy_row_stride,
+    g_row_stride,
+    u_row_stride,
+    r_row_stride,
+    n_rows,
+    n_cols,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # whole row
+    NUM_STAGES: tl.constexpr,  # software pipelining of the row loop: the next tile loads early
+    COMPUTE_DG: tl.constexpr,
+    COMPUTE_DU: tl.constexpr,
+    COMPUTE_DR: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+):
+    """Persistent grid: program p takes row tiles p, p + P, ...; see the module docstring."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    n_tiles = tl.cdiv(n_rows, BLOCK_M)
+    for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
+        rows = tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        c2 = cols[None, :]
+        dy = tl.load(DY_ptr + rows[:, None] * dy_row_stride + c2, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G_ptr + rows[:, None] * g_row_stride + c2, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U_ptr + rows[:, None] * u_row_stride + c2, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(R_ptr + rows[:, None] * r_row_stride + c2, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD_ptr + rows, mask=row_mask, other=0.0)
+        s = tl.sigmoid(g)
+        silu = g * s
+        x_hat = (silu * u + r) * rstd[:, None]
+        if COMPUTE_DW:
+            dw_acc += dy * x_hat
+        if COMPUTE_DG or COMPUTE_DU or COMPUTE_DR:
+            wdy = w[None, :] * dy
+            c = tl.sum(x_hat * wdy, axis=1) / n_cols
+            dh = (wdy - x_hat * c[:, None]) * rstd[:, None]
+            out = rows[:, None] * n_cols + c2
+            if COMPUTE_DR:
+                tl.store(DR_ptr + out, dh.to(DR_ptr.dtype.element_ty), mask=mask)
+            if COMPUTE_DU:
+                tl.store(DU_ptr + out, (dh * silu).to(DU_ptr.dtype.element_ty), mask=mask)
+            if COMPUTE_DG:
+                dg = dh * u * s * (1.0 + g * (1.0 - s))
+                tl.store(DG_ptr + out, dg.to(DG_ptr.dtype.element_ty), mask=mask)
+    if COMPUTE_DW:
+        tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+
+
+@triton.jit
+def _tail_bwd_chunked_kernel(
+    DY_ptr,
+    G_ptr,
+    U_ptr,
+    R_ptr,
+    W_ptr,
+    RSTD_ptr,
+    DG_ptr,
+    DU_ptr,
+    DR_ptr,
+    DW_ptr,  # (programs, n_cols) fp32; program p adds into its own row: no races
+    dy_row_stride,
+    g_row_stride,
+    u_row_stride,
+    r_row_stride,
+    n_rows,
+    n_cols,
+    BLOCK_N: tl.constexpr,  # a chunk of the row
+    COMPUTE_DG: tl.constexpr,
+    COMPUTE_DU: tl.constexpr,
+    COMPUTE_DR: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+):
+    """Wide rows, persistent grid, one row at a time: pass 1 gets mean(x_hat * w * dy), pass 2
+    (chunks in reverse) writes dg, du, dr and adds dy * x_hat into the program's dw row."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_chunks = tl.cdiv(n_cols, BLOCK_N)
+    dw_row = DW_ptr + pid.to(tl.int64) * n_cols
+    NEED_DH: tl.constexpr = COMPUTE_DG or COMPUTE_DU or COMPUTE_DR
+    for row in range(pid, n_rows, n_programs):
+        row64 = tl.cast(row, tl.int64)
+        rstd = tl.load(RSTD_ptr + row64)
+        c = 0.0
+        if NEED_DH:
+            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for k in range(0, n_chunks):
+                cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
+                mask = cols < n_cols
+                dy = tl.load(DY_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+                g = tl.load(G_ptr + row64 * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+                u = tl.load(U_ptr + row64 * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+                r = tl.load(R_ptr + row64 * r_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                acc += (g * tl.sigmoid(g) * u + r) * w * dy
+            c = tl.sum(acc, axis=0) * rstd / n_cols
+        for i in range(0, n_chunks):
+            cols = (n_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = cols < n_cols
+            dy = tl.load(DY_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(G_ptr + row64 * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(U_ptr + row64 * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(R_ptr + row64 * r_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            s = tl.sigmoid(g)
+            silu = g * s
+            x_hat = (silu * u + r) * rstd
+            if COMPUTE_DW:
+                dw = tl.load(dw_row + cols, mask=mask, other=0.0)
+                tl.store(dw_row + cols, dw + dy * x_hat, mask=mask)
+            if NEED_DH:
+                w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                dh = (w * dy - x_hat * c) * rstd
+                out = row64 * n_cols + cols
+                if COMPUTE_DR:
+                    tl.store(DR_ptr + out, dh.to(DR_ptr.dtype.element_ty), mask=mask)
+                if COMPUTE_DU:
+                    tl.store(DU_ptr + out, (dh * silu).to(DU_ptr.dtype.element_ty), mask=mask)
+                if COMPUTE_DG:
+                    dg = dh * u * s * (1.0 + g * (1.0 - s))
+                    tl.store(DG_ptr + out, dg.to(DG_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# Configurations: measured heuristics per shape and dtype
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """How one launch is shaped. Recorded with every result, so a timing names its config."""
+
+    kernel: str  # "fused" (whole rows in registers) or "chunked"
+    block_m: int  # rows per tile (fused) / 1 (chunked)
+    block_n: int  # whole row (fused) or chunk (chunked), a power of two
+    num_warps: int
+    num_stages: int = 1  # pipelining depth of the backward's row loop
+    programs: int = 0  # persistent grid size (backward); 0 = one program per tile (forward)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Widest row (elements) held whole in registers; wider rows take the chunked kernels.
+FWD_MAX_FUSED = 16384
+BWD_MAX_FUSED = 8192
+CHUNK = 4096
+
+
+def forward_config(n_rows: int, n_cols: int, dtype: torch.dtype) -> KernelConfig:
+    block_n = triton.next_power_of_2(n_cols)
+    if block_n > FWD_MAX_FUSED:
+        return KernelConfig("chunked", 1, CHUNK, num_warps=8)
+    # Narrow rows: several per tile, so a program moves at least ~4K elements.
+    block_m = max(1, min(4096 // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    # ~16 elements per thread: two 16-byte loads per input for 2-byte dtypes.
+    num_warps = max(1, min(32, block_m * block_n // 512))
+    return KernelConfig("fused", block_m, block_n, num_warps=num_warps)
+
+
+def backward_config(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int) -> KernelConfig:
+    block_n = triton.next_power_of_2(n_cols)
+    if block_n > BWD_MAX_FUSED:
+        return KernelConfig("chunked", 1, CHUNK, num_warps=8, programs=max(1, min(n_rows, 2 * n_sms)))
+    block_m = max(1, min(2048 // block_n, triton.next_power_of_2(max(n_rows, 1))))
+    # The backward holds ~8 live fp32 values per element: ~8 elements per thread keeps them in
+    # registers.
+    num_warps = max(1, min(32, block_m * block_n // 256))
+    n_tiles = triton.cdiv(n_rows, block_m)
+    per_sm = max(1, 2048 // (32 * num_warps))  # threads an SM can host / threads per program
+    programs = max(1, min(n_tiles, n_sms * per_sm))
+    return KernelConfig("fused", block_m, block_n, num_warps=num_warps, num_stages=2, programs=programs)
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
+
+
+def _as_rows(x: torch.Tensor, n_cols: int) -> torch.Tensor:
+    """x as (rows, n_cols) with contiguous columns and one row stride, copying only if it must."""
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    try:
+        return x.view(-1, n_cols)
+    except RuntimeError:  # leading dims that no single row stride can describe
+        return x.reshape(-1, n_cols)
+
+
+def _check_runnable(t: torch.Tensor) -> None:
+    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"tail_triton needs CUDA tensors (got {t.device}); "
+            "set TRITON_INTERPRET=1 to run it on CPU tensors through the interpreter"
+        )
+
+
+def tail_forward(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    config: KernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward on (..., N) inputs; returns y shaped like gate and fp32 rstd per row."""
+    n_cols = gate.shape[-1]
+    g, u, r = (_as_rows(t, n_cols) for t in (gate, up, residual))
+    n_rows = g.shape[0]
+    y = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=gate.device)
+    if n_rows == 0:
+        return y.view(gate.shape), rstd.view(gate.shape[:-1])
+    cfg = config or forward_config(n_rows, n_cols, gate.dtype)
+    w = weight.contiguous()
+    args = (g, u, r, w, y, rstd, g.stride(0), u.stride(0), r.stride(0), y.stride(0), n_rows, n_cols, eps)
+    if cfg.kernel == "fused":
+        grid = (triton.cdiv(n_rows, cfg.block_m),)
+        _tail_fwd_kernel[grid](
+            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STORE_RSTD=True, num_warps=cfg.num_warps
+        )
+    else:
+        _tail_fwd_chunked_kernel[(n_rows,)](*args, BLOCK_N=cfg.block_n, STORE_RSTD=True, num_warps=cfg.num_warps)
+    return y.view(gate.shape), rstd.view(gate.shape[:-1])
+
+
+def tail_backward(
+    grad_out: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    needs: tuple[bool, bool, bool, bool],
+    config: KernelConfig | None = None,
+) -> tuple[torch.Tensor | None, ...]:
+    """Gradients (dgate, dup, dresidual, dweight); None where `needs` says no (and no work)."""
+    need_g, need_u, need_r, need_w = needs
+    n_cols = gate.shape[-1]
+    dy, g, u, r = (_as_rows(t, n_cols) for t in (grad_out, gate, up, residual))
+    n_rows = g.shape[0]
+    dev = gate.device
+
+    def out(flag: bool) -> torch.Tensor | None:
+        return torch.empty((n_rows, n_cols), dtype=gate.dtype, device=dev) if flag else None
+
+    dg, du, dr = out(need_g), out(need_u), out(need_r)
+    if n_rows == 0 or not any(needs):
+        dw = torch.zeros_like(weight) if need_w else None
+        return tuple(t if t is None else t.view(gate.shape) for t in (dg, du, dr)) + (dw,)
+    cfg = config or backward_config(n_rows, n_cols, gate.dtype, sm_count(dev))
+    programs = cfg.programs
+    # Chunked programs add into their partial row, so it starts at zero; fused ones store once.
+    alloc = torch.zeros if cfg.kernel == "chunked" else torch.empty
+    partial = alloc((programs, n_cols), dtype=torch.float32, device=dev) if need_w else rstd
+    placeholder = g  # any tensor: an output pointer the kernel never touches
+    args = (
+        dy, g, u, r, weight.contiguous(), rstd.reshape(-1),
+        dg if need_g else placeholder, du if need_u else placeholder, dr if need_r else placeholder,
+        partial, dy.stride(0), g.stride(0), u.stride(0), r.stride(0), n_rows, n_cols,
+    )  # fmt: skip
+    flags = dict(COMPUTE_DG=need_g, COMPUTE_DU=need_u, COMPUTE_DR=need_r, COMPUTE_DW=need_w)
+    if cfg.kernel == "fused":
+        _tail_bwd_kernel[(programs,)](
+            *args,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            NUM_STAGES=cfg.num_stages,
+            num_warps=cfg.num_warps,
+            **flags,
+        )
+    else:
+        _tail_bwd_chunked_kernel[(programs,)](*args, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
+    # One reduction over the programs' partials, in a fixed order: the same bits every run.
+    dw = partial.sum(dim=0).to(weight.dtype) if need_w else None
+    return tuple(t if t is None else t.view(gate.shape) for t in (dg, du, dr)) + (dw,)
+
+
+# --------------------------------------------------------------------------------------------
+# Custom ops (opaque to torch.compile: no graph break) and the autograd.Function
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("profuse::tail_fwd", mutates_args=())
+def tail_fwd_op(
+    gate: torch.Tensor, up: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_runnable(gate)
+    return tail_forward(gate, up, residual, weight, eps)
+
+
+@tail_fwd_op.register_fake
+def _(gate, up, residual, weight, eps):
+    return gate.new_empty(gate.shape), gate.new_empty(gate.shape[:-1], dtype=torch.float32)
+
+
+@torch.library.custom_op("profuse::tail_bwd", mutates_args=())
+def tail_bwd_op(
+    grad_out: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    need_gate: bool,
+    need_up: bool,
+    need_residual: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_runnable(gate)
+    grads = tail_backward(
+        grad_out, gate, up, residual, weight, rstd, (need_gate, need_up, need_residual, need_weight)
+    )
+    # A custom op returns tensors only: an empty one stands for "not asked for".
+    return tuple(gate.new_empty(0) if t is None else t for t in grads)
+
+
+@tail_bwd_op.register_fake
+def _(grad_out, gate, up, residual, weight, rstd, need_gate, need_up, need_residual, need_weight):
+    def like(t: torch.Tensor, flag: bool) -> torch.Tensor:
+        return t.new_empty(t.shape) if flag else gate.new_empty(0)
+
+    return like(gate, need_gate), like(up, need_up), like(residual, need_residual), like(weight, need_weight)
+
+
+class TailFunction(torch.autograd.Function):
+    """Saves the inputs and one fp32 rstd per row; the backward recomputes everything else."""
+
+    @staticmethod
+    def forward(ctx, gate, up, residual, weight, eps):
+        y, rstd = torch.ops.profuse.tail_fwd(gate, up, residual, weight, eps)
+        ctx.save_for_backward(gate, up, residual, weight, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up, residual, weight, rstd = ctx.saved_tensors
+        needs = tuple(bool(n) for n in ctx.needs_input_grad[:4])
+        grads = torch.ops.profuse.tail_bwd(grad_out, gate, up, residual, weight, rstd, *needs)
+        return tuple(g if need else None for g, need in zip(grads, needs)) + (None,)

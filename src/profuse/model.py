@@ -1,0 +1,191 @@
+"""The GPT whose training step Part A profiles, all of it in this one file (after nanoGPT).
+
+token embedding -> n_layer pre-norm blocks -> RMSNorm -> output head, each block being
+
+    x = x + attn(rms_norm(x))                    # causal SDPA
+    x = x + w_down(silu(gate) * up)              # SwiGLU, gate/up = split(w_gate_up(rms_norm(x)))
+
+written in plain torch ops. The memory-bound tail the lab fuses, rms_norm(silu(gate) * up +
+residual) * w, is spread over this code: silu and the product end one block's feed-forward, the
+residual add follows w_down, and the RMSNorm is the next block's (or the final) norm. The model
+never learns how it is optimised: torch.compile or a fused kernel is applied from outside.
+
+Trained on random tokens (`random_batch`): no data set, no download.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from profuse.errors import UsageError
+
+
+def _default_ffn_hidden(d_model: int) -> int:
+    """8/3 * d_model (SwiGLU's three matrices then cost what a 4x GELU MLP's two do), rounded up to 64.
+
+    256 -> 704; 64 keeps the matmul tiles full (Shazeer 2020, LLaMA use the same rounding).
+    """
+    return 64 * math.ceil(8 * d_model / 3 / 64)
+
+
+@dataclass
+class GPTConfig:
+    """The lab's model: 4 layers of d_model 256; the rest are choices, each with its reason."""
+
+    n_layer: int = 4  # the lab's
+    d_model: int = 256  # the lab's
+    n_head: int = 4  # head dim 256/4 = 64, a size every SDPA backend (flash, cuDNN, CPU) has kernels for
+    vocab_size: int = 8192  # a multiple of 64 for the head's matmul tiles; small enough that the output
+    # head (8192 x 256 = 2.1M weights) is a third of the parameters, not most of them as with GPT-2's 50257
+    seq_len: int = 256  # tokens per sequence; attention's T^2 = 65536 scores a head stays minor next to the matmuls
+    batch_size: int = 8  # 8 x 256 = 2048 tokens a step: about 0.1 s a step on a laptop CPU, as the lab's run
+    ffn_hidden: int | None = None  # None: 8/3 * d_model rounded up to a multiple of 64 (704 for 256)
+    norm_eps: float = 1e-6  # RMSNorm's epsilon, as LLaMA; matters only for rows of near-zero activations
+    tie_weights: bool = True  # the head reuses the embedding (GPT-2, nanoGPT): 2.1M fewer weights for AdamW
+
+    def __post_init__(self) -> None:
+        if self.ffn_hidden is None:
+            self.ffn_hidden = _default_ffn_hidden(self.d_model)
+        if self.n_layer <= 0:
+            raise UsageError(f"the model needs at least one layer, not {self.n_layer}")
+        for name in ("d_model", "n_head", "vocab_size", "seq_len", "batch_size", "ffn_hidden"):
+            value = getattr(self, name)
+            if value <= 0:
+                raise UsageError(f"{name.replace('_', ' ')} must be a positive number, not {value}")
+        if self.d_model % self.n_head:
+            raise UsageError(
+                f"d_model {self.d_model} is not divisible by {self.n_head} heads: "
+                "choose a head count that divides it"
+            )
+        if self.norm_eps <= 0:
+            raise UsageError(f"norm eps must be positive, not {self.norm_eps}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+
+if hasattr(nn, "RMSNorm"):  # torch >= 2.4, which profuse requires; the fallback keeps older ones working
+    RMSNorm = nn.RMSNorm
+else:  # pragma: no cover - torch < 2.4
+
+    class RMSNorm(nn.Module):
+        """y = x / sqrt(mean(x^2) + eps) * w, over the last dimension."""
+
+        def __init__(self, dim: int, eps: float) -> None:
+            super().__init__()
+            self.eps = eps
+            self.weight = nn.Parameter(torch.ones(dim))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        # One (C, 3C) matmul for q, k and v instead of three: one launch, full tiles.
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=False)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=-1)  # each (B, T, C)
+        # (B, T, C) -> (B, H, T, D), the layout SDPA expects
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        return self.proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    """w_down(silu(gate) * up), gate and up from one (C, 2F) matmul."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
+        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # each (B, T, F)
+        return self.w_down(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.ffn = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        # The lab's tail, unfused: silu and * inside ffn, then + here, then the next block's norm.
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_weights:
+            self.head.weight = self.embed.weight
+        self.apply(self._init_weights)
+        # GPT-2's scaling: each residual branch's last matmul gets std 0.02 / sqrt(2 * n_layer), so
+        # the residual stream's variance stays about 1 whatever the depth.
+        for name, p in self.named_parameters():
+            if name.endswith(("proj.weight", "w_down.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(
+        self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """idx (B, T) token ids -> logits (B, T, V), and the mean cross-entropy when targets are given."""
+        T = idx.shape[1]
+        if T > self.cfg.seq_len:
+            raise UsageError(f"a sequence of {T} tokens is longer than the model's {self.cfg.seq_len}")
+        x = self.embed(idx)  # (B, T, C)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))  # (B, T, V)
+        if targets is None:
+            return logits, None
+        # The loss in fp32 even under bf16 autocast (autocast runs cross_entropy in fp32).
+        loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def random_batch(
+    cfg: GPTConfig,
+    generator: torch.Generator | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(idx, targets), each (batch_size, seq_len): random tokens, targets the next token (nanoGPT's get_batch).
+
+    Drawn on the CPU from `generator` (a CPU generator draws the same tokens on every machine), then
+    moved to `device`. Random text has nothing to learn beyond memorising a batch, which is all a
+    profiled step needs and all the model test checks.
+    """
+    tokens = torch.randint(
+        cfg.vocab_size, (cfg.batch_size, cfg.seq_len + 1), generator=generator, dtype=torch.long
+    )
+    tokens = tokens.to(device)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

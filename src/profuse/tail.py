@@ -1,0 +1,157 @@
+"""The SwiGLU tail, y = rms_norm(silu(gate) * up + residual) * weight, in every variant.
+
+    y = h * rstd * w,   h = silu(g) * u + r,   rstd = 1 / sqrt(mean(h^2) + eps)
+
+Each variant takes (gate, up, residual, weight, eps=1e-6): three (..., N) tensors and a (N,)
+weight, and returns y shaped like gate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from profuse import compile as _compile
+from profuse.kernels import HAS_TRITON, TRITON_MISSING
+
+DEFAULT_EPS = 1e-6
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def tail_eager(gate, up, residual, weight, eps: float = DEFAULT_EPS):
+    """The math one op at a time, in the input dtype: silu, mul, add, square, mean, rsqrt, mul, mul."""
+    h = F.silu(gate) * up + residual
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return h * rstd * weight
+
+
+def tail_rms_norm(gate, up, residual, weight, eps: float = DEFAULT_EPS):
+    """Eager as many users write it: the norm through torch.nn.functional.rms_norm."""
+    h = F.silu(gate) * up + residual
+    return F.rms_norm(h, (h.shape[-1],), weight, eps)
+
+
+def tail_reference(gate, up, residual, weight, eps: float = DEFAULT_EPS):
+    """The oracle: the same math in float64."""
+    g, u, r, w = (t.double() for t in (gate, up, residual, weight))
+    return tail_eager(g, u, r, w, eps)
+
+
+_compiled: dict[str, Callable] = {}
+
+
+def compiled_tail(mode: str = "default") -> Callable:
+    """tail_eager under torch.compile (built once per mode, on first use)."""
+    if mode not in _compiled:
+        _compiled[mode] = _compile.compile_fn(tail_eager, mode)
+    return _compiled[mode]
+
+
+def tail_compiled(gate, up, residual, weight, eps: float = DEFAULT_EPS):
+    """tail_eager under torch.compile (default mode): Inductor fuses the chain."""
+    return compiled_tail("default")(gate, up, residual, weight, eps)
+
+
+def check_tail_args(gate, up, residual, weight) -> None:
+    """Raise ValueError naming the argument whose type, shape, dtype or device is off."""
+    named = {"gate": gate, "up": up, "residual": residual, "weight": weight}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if gate.dim() < 1 or gate.shape[-1] == 0:
+        raise ValueError(f"gate must have a non-empty last dimension, got shape {tuple(gate.shape)}")
+    if gate.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"gate has dtype {gate.dtype}; supported: bfloat16, float16, float32")
+    for name in ("up", "residual"):
+        if named[name].shape != gate.shape:
+            raise ValueError(f"{name} has shape {tuple(named[name].shape)}, gate has {tuple(gate.shape)}")
+    if weight.shape != (gate.shape[-1],):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({gate.shape[-1]},)")
+    for name in ("up", "residual", "weight"):
+        t = named[name]
+        if t.dtype != gate.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype}, gate has {gate.dtype}")
+        if t.device != gate.device:
+            raise ValueError(f"{name} is on {t.device}, gate is on {gate.device}")
+
+
+def tail_triton(gate, up, residual, weight, eps: float = DEFAULT_EPS):
+    """The hand-written Triton kernels: one pass forward, one pass backward, fp32 inside.
+
+    Differentiable in gate, up, residual and weight; a custom op, so torch.compile calls it
+    without a graph break. Inputs may be strided (columns are copied contiguous if they are not).
+    """
+    if not HAS_TRITON:
+        raise RuntimeError(TRITON_MISSING)
+    check_tail_args(gate, up, residual, weight)
+    from profuse.kernels.tail import TailFunction
+
+    return TailFunction.apply(gate, up, residual, weight, float(eps))
+
+
+class FusedTail(torch.nn.Module):
+    """y = rms_norm(silu(gate) * up + residual) * weight, with the weight as a parameter.
+
+    `impl` picks the variant: "triton" (default where triton is there), "eager", "rms_norm"
+    or "compile".
+    """
+
+    def __init__(self, dim: int, eps: float = DEFAULT_EPS, impl: str | None = None, dtype=None, device=None):
+        super().__init__()
+        if dim <= 0:
+            raise ValueError(f"dim must be positive, got {dim}")
+        self.weight = torch.nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+        self.eps = eps
+        self.impl = impl or ("triton" if HAS_TRITON else "eager")
+        if self.impl not in _MODULE_IMPLS:
+            raise ValueError(f"impl must be one of {sorted(_MODULE_IMPLS)}, got {self.impl!r}")
+
+    def forward(self, gate, up, residual):
+        return _MODULE_IMPLS[self.impl](gate, up, residual, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"dim={self.weight.shape[0]}, eps={self.eps}, impl={self.impl!r}"
+
+
+_MODULE_IMPLS = {"triton": tail_triton, "eager": tail_eager, "rms_norm": tail_rms_norm, "compile": tail_compiled}
+
+
+# --------------------------------------------------------------------------------------------
+# Tolerances: relative error ||out - ref|| / ||ref|| against float64
+# --------------------------------------------------------------------------------------------
+
+# Unit roundoff u of each dtype. One rounding of the output costs at most u per element; eager
+# rounds after each of its ~8 ops, so its error can reach ~8u in the worst case (sqrt(8)u ~ 3u
+# typical). A variant within 8u is as good as eager can be; beyond it something is wrong.
+# fp32: the mean over N columns adds ~log2(N) u of summation error, and the reference rounds
+# nothing, so it gets a floor of 1e-5 (at u = 6e-8, that is far below any real bug).
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+FORWARD_TOL = {dt: max(8 * u, 1e-5) for dt, u in UNIT_ROUNDOFF.items()}
+# Gradients pass through ~twice the ops, and the row reduction in dh and the column sum in dw
+# add summation error: 16u, with the same fp32 floor.
+BACKWARD_TOL = {dt: max(16 * u, 1e-5) for dt, u in UNIT_ROUNDOFF.items()}
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; inf if out holds NaN or Inf."""
+    o, r = out.double(), ref.double()
+    if not torch.isfinite(o).all():
+        return math.inf
+    den = torch.linalg.vector_norm(r).item()
+    return torch.linalg.vector_norm(o - r).item() / (den if den > 0 else 1.0)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One way to compute the tail, as the benchmark lists it."""
+
+    key: str  # what --variants takes
+    label: str  # what the table prints
+    fn: Callable
+    needs_cuda: bool = False
+    available: bool = True
+    why_unavailable: str = ""
