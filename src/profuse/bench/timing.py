@@ -29,6 +29,7 @@ class VariantTiming:
     name: str
     times_s: list[float]  # one per trial, in trial order
     first_call_s: float  # the first call alone: compilation, autotuning, kernel builds
+    dispatch_s: float | None = None  # CUDA: CPU time to issue one call (median of the warm-up)
 
     @property
     def median_s(self) -> float:
@@ -39,6 +40,7 @@ class VariantTiming:
             "name": self.name,
             "median_s": self.median_s,
             "first_call_s": self.first_call_s,
+            "dispatch_s": self.dispatch_s,
             "times_s": list(self.times_s),
         }
 
@@ -96,7 +98,14 @@ class CpuTimer:
 
 
 class CudaTimer:
-    """CUDA events around each call, with the L2 cache flushed before it unless `flush_l2=False`."""
+    """CUDA events around each call, with the L2 cache flushed before it unless `flush_l2=False`.
+
+    A trial's calls are all queued behind a short GPU sleep, so the CPU's dispatch (Python,
+    autograd, kernel launches) runs ahead of the GPU and the events measure device time alone,
+    as in a training step where the CPU keeps ahead, and as triton.testing.do_bench measures.
+    Without the sleep, the first call after each synchronisation would also count the time the
+    GPU sat waiting for the CPU to launch it.
+    """
 
     name = "cuda events"
 
@@ -107,8 +116,28 @@ class CudaTimer:
             # Twice the L2, so nothing of the last call survives the zeroing.
             nbytes = 2 * l2_cache_bytes(device)
             self.flush_buffer = torch.empty(nbytes, dtype=torch.int8, device=device)
+        self._cycles_per_s = self._calibrate_sleep()
+        self._lead_s = 1e-3  # the CPU's time to queue one trial, learnt from the last trial
+
+    def _calibrate_sleep(self) -> float | None:
+        sleep = getattr(torch.cuda, "_sleep", None)
+        if sleep is None:
+            return None
+        cycles = 1_000_000
+        sleep(cycles)  # the first call can be slower (clocks ramping up)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        sleep(cycles)
+        end.record()
+        torch.cuda.synchronize(self.device)
+        return cycles / max(start.elapsed_time(end) / 1e3, 1e-6)
 
     def time_calls(self, fns: list[Callable[[], object]]) -> list[float]:
+        if self._cycles_per_s:
+            # Twice the CPU time the last trial took to queue, at least 1 ms, at most 50 ms.
+            lead = min(max(2 * self._lead_s, 1e-3), 50e-3)
+            torch.cuda._sleep(int(lead * self._cycles_per_s))
+        t0 = time.perf_counter()
         events = []
         for fn in fns:
             if self.flush_buffer is not None:
@@ -119,6 +148,7 @@ class CudaTimer:
             fn()
             end.record()
             events.append((start, end))
+        self._lead_s = time.perf_counter() - t0
         torch.cuda.synchronize(self.device)
         return [s.elapsed_time(e) / 1e3 for s, e in events]
 
@@ -173,12 +203,18 @@ def compare(
     names = list(variants)
     first: dict[str, float] = dict(first_calls or {})
 
+    dispatch: dict[str, float | None] = {}
     for i, name in enumerate(names):
         if name not in first:
             first[name] = timed_call(variants[name], dev)[0]
+        issue = []
         for _ in range(warmup):
+            t0 = time.perf_counter()
             variants[name]()
+            issue.append(time.perf_counter() - t0)
         _sync(dev)
+        # On CUDA a call returns once its work is queued: its wall time is the CPU's share.
+        dispatch[name] = float(np.median(issue)) if issue and dev.type == "cuda" else None
         if progress:
             progress("warm-up", i + 1, len(names))
 
@@ -194,7 +230,7 @@ def compare(
         if progress:
             progress("trials", t + 1, trials)
 
-    timings = {n: VariantTiming(n, times[n], first[n]) for n in names}
+    timings = {n: VariantTiming(n, times[n], first[n], dispatch[n]) for n in names}
     speedups = {
         n: speedup_ci(times[baseline], times[n], confidence, n_resamples, seed)
         for n in names

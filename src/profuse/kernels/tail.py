@@ -28,7 +28,7 @@ autograd.Function, and `tail_triton`.
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import triton
@@ -58,25 +58,39 @@ def _tail_fwd_kernel(
     eps,
     BLOCK_M: tl.constexpr,  # rows per tile: several when rows are narrow
     BLOCK_N: tl.constexpr,  # next power of two >= n_cols: the whole row is held
+    NUM_STAGES: tl.constexpr,  # pipelining of the tile loop (persistent grids)
     STORE_RSTD: tl.constexpr,
 ):
-    """One tile of BLOCK_M whole rows: y = h * rstd * w, h = silu(g) * u + r."""
+    """Tiles of BLOCK_M whole rows: y = h * rstd * w, h = silu(g) * u + r.
+
+    Program p takes tiles p, p + P, ...: one tile each when the grid covers every tile, or a
+    persistent loop that loads the next tile while it reduces this one.
+    """
     eps = tl.cast(eps, tl.float32)
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
-    row_mask = rows < n_rows
     col_mask = cols < n_cols
-    mask = row_mask[:, None] & col_mask[None, :]
-    g = tl.load(G_ptr + rows[:, None] * g_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U_ptr + rows[:, None] * u_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    r = tl.load(R_ptr + rows[:, None] * r_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    h = g * tl.sigmoid(g) * u + r  # masked columns give h = 0 and leave the sum alone
-    rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
-    w = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
-    y = h * rstd[:, None] * w[None, :]
-    tl.store(Y_ptr + rows[:, None] * y_row_stride + cols[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
-    if STORE_RSTD:
-        tl.store(RSTD_ptr + rows, rstd, mask=row_mask)
+    w = tl.load(W_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    n_tiles = tl.cdiv(n_rows, BLOCK_M)
+    for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
+        rows = tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
+        row_mask = rows < n_rows
+        mask = row_mask[:, None] & col_mask[None, :]
+        c2 = cols[None, :]
+        # Each input is read once: tell the L2 not to keep it (the weight stays).
+        g = tl.load(G_ptr + rows[:, None] * g_row_stride + c2, mask=mask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+        u = tl.load(U_ptr + rows[:, None] * u_row_stride + c2, mask=mask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+        r = tl.load(R_ptr + rows[:, None] * r_row_stride + c2, mask=mask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+        h = g * tl.sigmoid(g) * u + r  # masked columns give h = 0 and leave the sum alone
+        rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
+        y = h * rstd[:, None] * w[None, :]
+        tl.store(Y_ptr + rows[:, None] * y_row_stride + c2, y.to(Y_ptr.dtype.element_ty), mask=mask)
+        if STORE_RSTD:
+            tl.store(RSTD_ptr + rows, rstd, mask=row_mask)
 
 
 @triton.jit
@@ -279,42 +293,136 @@ class KernelConfig:
     block_m: int  # rows per tile (fused) / 1 (chunked)
     block_n: int  # whole row (fused) or chunk (chunked), a power of two
     num_warps: int
-    num_stages: int = 1  # pipelining depth of the backward's row loop
-    programs: int = 0  # persistent grid size (backward); 0 = one program per tile (forward)
+    num_stages: int = 1  # pipelining depth of the tile loop of a persistent program
+    programs: int = 0  # persistent grid size; 0 = one program per tile (forward only)
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 # Widest row (elements) held whole in registers; wider rows take the chunked kernels.
-FWD_MAX_FUSED = 16384
-BWD_MAX_FUSED = 8192
-CHUNK = 4096
+FWD_MAX_FUSED = 32768
+BWD_MAX_FUSED = 16384
 
 
-def forward_config(n_rows: int, n_cols: int, dtype: torch.dtype) -> KernelConfig:
-    block_n = triton.next_power_of_2(n_cols)
-    if block_n > FWD_MAX_FUSED:
-        return KernelConfig("chunked", 1, CHUNK, num_warps=8)
-    # Narrow rows: several per tile, so a program moves at least ~4K elements.
-    block_m = max(1, min(4096 // block_n, triton.next_power_of_2(max(n_rows, 1))))
-    # ~16 elements per thread: two 16-byte loads per input for 2-byte dtypes.
-    num_warps = max(1, min(32, block_m * block_n // 512))
-    return KernelConfig("fused", block_m, block_n, num_warps=num_warps)
+def _pow2_rows(n_rows: int) -> int:
+    return triton.next_power_of_2(max(n_rows, 1))
+
+
+def forward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int = 132) -> list[KernelConfig]:
+    """Launch shapes worth trying for the forward, the heuristic's favourite first."""
+    bn = triton.next_power_of_2(n_cols)
+    out = []
+    if bn <= FWD_MAX_FUSED:
+        # Narrow rows: several rows per tile, so a program moves at least ~4K elements.
+        for bm in (1, 2, 4, 8, 16):
+            tile = bm * bn
+            if bm > _pow2_rows(n_rows) or tile > max(bn, 8192) or (bm > 1 and tile < 2048):
+                continue
+            # 8 to 32 elements per thread: one or more 16-byte loads per input, no spills.
+            for w in (4, 8, 16, 32):
+                if 8 <= tile // (32 * w) <= 32:
+                    out.append(KernelConfig("fused", bm, bn, w))
+        if not out:  # few, narrow rows: whatever fits, a warp or more
+            bm = min(_pow2_rows(n_rows), max(1, 4096 // bn))
+            out.append(KernelConfig("fused", bm, bn, max(1, min(32, bm * bn // 512))))
+        # favourite: ~16 elements per thread, the smallest tile that has >= 4K elements
+        out.sort(key=lambda c: (abs(c.block_m * c.block_n // (32 * c.num_warps) - 16),
+                                abs(c.block_m * c.block_n - max(bn, 4096))))  # fmt: skip
+        # Persistent versions of the two favourites: fewer, longer programs that load the next
+        # tile while they reduce this one.
+        for c in out[:2]:
+            per_sm = max(1, 2048 // (32 * c.num_warps) // 2)
+            programs = n_sms * per_sm
+            if programs < triton.cdiv(n_rows, c.block_m):
+                out += [replace(c, num_stages=st, programs=programs) for st in (2, 3)]
+    if bn >= 16384:
+        out += [KernelConfig("chunked", 1, chunk, w) for chunk, w in ((4096, 8), (8192, 16), (4096, 16))]
+    return out
+
+
+def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int) -> list[KernelConfig]:
+    """Launch shapes worth trying for the backward, the heuristic's favourite first."""
+    bn = triton.next_power_of_2(n_cols)
+    out = []
+    if bn <= BWD_MAX_FUSED:
+        for bm in (1, 2, 4, 8):
+            tile = bm * bn
+            if bm > _pow2_rows(n_rows) or tile > max(bn, 4096) or (bm > 1 and tile < 1024):
+                continue
+            # ~8 live fp32 values per element: 4 to 16 elements per thread keep them in registers.
+            for w in (4, 8, 16, 32):
+                if 4 <= tile // (32 * w) <= 16:
+                    n_tiles = triton.cdiv(n_rows, bm)
+                    # Persistent grid: about 1024 resident threads per SM (registers allow ~half
+                    # of the 2048 an SM can host at ~64 registers each).
+                    per_sm = max(1, 1024 // (32 * w))
+                    out.append(KernelConfig("fused", bm, bn, w, 2, max(1, min(n_tiles, n_sms * per_sm))))
+        if not out:  # few, narrow rows
+            bm = min(_pow2_rows(n_rows), max(1, 2048 // bn))
+            out.append(KernelConfig("fused", bm, bn, max(1, min(32, bm * bn // 256)), 1, triton.cdiv(n_rows, bm)))
+        out.sort(key=lambda c: (abs(c.block_m * c.block_n // (32 * c.num_warps) - 8),
+                                abs(c.block_m * c.block_n - max(bn, 2048))))  # fmt: skip
+    if bn >= 8192:
+        for chunk, w, per_sm in ((2048, 8, 2), (4096, 16, 1), (2048, 4, 4)):
+            out.append(KernelConfig("chunked", 1, chunk, w, 1, max(1, min(n_rows, n_sms * per_sm))))
+    return out
+
+
+def forward_config(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int = 132) -> KernelConfig:
+    """The heuristic's choice (what runs when autotuning is off, and in the interpreter)."""
+    return forward_candidates(n_rows, n_cols, dtype, n_sms)[0]
 
 
 def backward_config(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int) -> KernelConfig:
-    block_n = triton.next_power_of_2(n_cols)
-    if block_n > BWD_MAX_FUSED:
-        return KernelConfig("chunked", 1, CHUNK, num_warps=8, programs=max(1, min(n_rows, 2 * n_sms)))
-    block_m = max(1, min(2048 // block_n, triton.next_power_of_2(max(n_rows, 1))))
-    # The backward holds ~8 live fp32 values per element: ~8 elements per thread keeps them in
-    # registers.
-    num_warps = max(1, min(32, block_m * block_n // 256))
-    n_tiles = triton.cdiv(n_rows, block_m)
-    per_sm = max(1, 2048 // (32 * num_warps))  # threads an SM can host / threads per program
-    programs = max(1, min(n_tiles, n_sms * per_sm))
-    return KernelConfig("fused", block_m, block_n, num_warps=num_warps, num_stages=2, programs=programs)
+    return backward_candidates(n_rows, n_cols, dtype, n_sms)[0]
+
+
+# Autotuning: on CUDA, the first call of each (kernel, rows rounded up to a power of two, cols,
+# dtype) times every candidate with triton.testing.do_bench and keeps the fastest; later calls
+# reuse it. A benchmark's warm-up makes that first call, so tuning never lands in a timing.
+# PROFUSE_AUTOTUNE=0 turns it off (the heuristic's favourite runs).
+_TUNED: dict[tuple, KernelConfig] = {}
+
+
+# Set to a list to record (kernel, config, registers, spills) of each launch (benchmarks do).
+LAUNCH_LOG: list | None = None
+
+
+def _log_launch(kind: str, cfg: KernelConfig, compiled) -> None:
+    if LAUNCH_LOG is not None:
+        regs = getattr(compiled, "n_regs", None)
+        spills = getattr(compiled, "n_spills", None)
+        LAUNCH_LOG.append((kind, cfg, regs, spills))
+
+
+def autotune_enabled(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get("PROFUSE_AUTOTUNE", "1") != "0"
+
+
+def tuned_configs() -> dict[str, dict]:
+    """Every config chosen so far in this process, for the results file."""
+    return {"/".join(map(str, k)): v.to_dict() for k, v in _TUNED.items()}
+
+
+def _pick(key: tuple, candidates: list[KernelConfig], launch, device: torch.device) -> KernelConfig:
+    if key in _TUNED:
+        return _TUNED[key]
+    if len(candidates) == 1 or not autotune_enabled(device):
+        return candidates[0]
+    from triton.testing import do_bench
+
+    times = []
+    for cfg in candidates:
+        try:
+            launch(cfg)  # builds the kernel outside the timing
+            times.append((do_bench(lambda c=cfg: launch(c), warmup=5, rep=25, return_mode="median"), cfg))
+        except Exception:  # e.g. out of resources: that shape is not a candidate here
+            continue
+    if not times:
+        raise RuntimeError(f"no launch config of the Triton tail kernel runs for {key}")
+    _TUNED[key] = min(times, key=lambda t: t[0])[1]
+    return _TUNED[key]
 
 
 # --------------------------------------------------------------------------------------------
@@ -356,16 +464,32 @@ def tail_forward(
     rstd = torch.empty(n_rows, dtype=torch.float32, device=gate.device)
     if n_rows == 0:
         return y.view(gate.shape), rstd.view(gate.shape[:-1])
-    cfg = config or forward_config(n_rows, n_cols, gate.dtype)
     w = weight.contiguous()
     args = (g, u, r, w, y, rstd, g.stride(0), u.stride(0), r.stride(0), y.stride(0), n_rows, n_cols, eps)
-    if cfg.kernel == "fused":
-        grid = (triton.cdiv(n_rows, cfg.block_m),)
-        _tail_fwd_kernel[grid](
-            *args, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STORE_RSTD=True, num_warps=cfg.num_warps
-        )
-    else:
-        _tail_fwd_chunked_kernel[(n_rows,)](*args, BLOCK_N=cfg.block_n, STORE_RSTD=True, num_warps=cfg.num_warps)
+
+    def launch(cfg: KernelConfig) -> None:
+        if cfg.kernel == "fused":
+            n_tiles = triton.cdiv(n_rows, cfg.block_m)
+            grid = (min(cfg.programs, n_tiles) if cfg.programs else n_tiles,)
+            k = _tail_fwd_kernel[grid](
+                *args,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                NUM_STAGES=cfg.num_stages,
+                STORE_RSTD=True,
+                num_warps=cfg.num_warps,
+            )
+        else:
+            k = _tail_fwd_chunked_kernel[(n_rows,)](
+                *args, BLOCK_N=cfg.block_n, STORE_RSTD=True, num_warps=cfg.num_warps
+            )
+        _log_launch("fwd", cfg, k)
+
+    if config is None:
+        key = ("fwd", _pow2_rows(n_rows), n_cols, gate.dtype)
+        cands = forward_candidates(n_rows, n_cols, gate.dtype, sm_count(gate.device))
+        config = _pick(key, cands, launch, gate.device)
+    launch(config)
     return y.view(gate.shape), rstd.view(gate.shape[:-1])
 
 
@@ -393,29 +517,41 @@ def tail_backward(
     if n_rows == 0 or not any(needs):
         dw = torch.zeros_like(weight) if need_w else None
         return tuple(t if t is None else t.view(gate.shape) for t in (dg, du, dr)) + (dw,)
-    cfg = config or backward_config(n_rows, n_cols, gate.dtype, sm_count(dev))
-    programs = cfg.programs
-    # Chunked programs add into their partial row, so it starts at zero; fused ones store once.
-    alloc = torch.zeros if cfg.kernel == "chunked" else torch.empty
-    partial = alloc((programs, n_cols), dtype=torch.float32, device=dev) if need_w else rstd
     placeholder = g  # any tensor: an output pointer the kernel never touches
-    args = (
-        dy, g, u, r, weight.contiguous(), rstd.reshape(-1),
-        dg if need_g else placeholder, du if need_u else placeholder, dr if need_r else placeholder,
-        partial, dy.stride(0), g.stride(0), u.stride(0), r.stride(0), n_rows, n_cols,
-    )  # fmt: skip
+    w = weight.contiguous()
     flags = dict(COMPUTE_DG=need_g, COMPUTE_DU=need_u, COMPUTE_DR=need_r, COMPUTE_DW=need_w)
-    if cfg.kernel == "fused":
-        _tail_bwd_kernel[(programs,)](
-            *args,
-            BLOCK_M=cfg.block_m,
-            BLOCK_N=cfg.block_n,
-            NUM_STAGES=cfg.num_stages,
-            num_warps=cfg.num_warps,
-            **flags,
-        )
-    else:
-        _tail_bwd_chunked_kernel[(programs,)](*args, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags)
+
+    def launch(cfg: KernelConfig) -> torch.Tensor | None:
+        # Chunked programs add into their partial row, so it starts at zero; fused ones store once.
+        alloc = torch.zeros if cfg.kernel == "chunked" else torch.empty
+        partial = alloc((cfg.programs, n_cols), dtype=torch.float32, device=dev) if need_w else None
+        args = (
+            dy, g, u, r, w, rstd.reshape(-1),
+            dg if need_g else placeholder, du if need_u else placeholder, dr if need_r else placeholder,
+            partial if need_w else placeholder, dy.stride(0), g.stride(0), u.stride(0), r.stride(0),
+            n_rows, n_cols,
+        )  # fmt: skip
+        if cfg.kernel == "fused":
+            k = _tail_bwd_kernel[(cfg.programs,)](
+                *args,
+                BLOCK_M=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                NUM_STAGES=cfg.num_stages,
+                num_warps=cfg.num_warps,
+                **flags,
+            )
+        else:
+            k = _tail_bwd_chunked_kernel[(cfg.programs,)](
+                *args, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags
+            )
+        _log_launch("bwd", cfg, k)
+        return partial
+
+    if config is None:
+        key = ("bwd", _pow2_rows(n_rows), n_cols, gate.dtype, needs)
+        cands = backward_candidates(n_rows, n_cols, gate.dtype, sm_count(dev))
+        config = _pick(key, cands, launch, dev)
+    partial = launch(config)
     # One reduction over the programs' partials, in a fixed order: the same bits every run.
     dw = partial.sum(dim=0).to(weight.dtype) if need_w else None
     return tuple(t if t is None else t.view(gate.shape) for t in (dg, du, dr)) + (dw,)

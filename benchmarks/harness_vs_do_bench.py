@@ -1,0 +1,54 @@
+"""Does profuse's harness agree with triton.testing.do_bench? (CUDA only)
+
+Times Part B's forward variants at one size with `profuse.compare` (interleaved trials, L2
+flushed, CUDA events) and with do_bench (median, L2 flushed), in the same process, and prints
+each variant's two medians and their ratio. The target: within 5% for every variant.
+
+    PYTHONPATH=src python benchmarks/harness_vs_do_bench.py --rows 8192 --cols 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from triton.testing import do_bench
+
+from profuse.bench.tail import DEFAULT_VARIANTS, TailBenchConfig, _runner, make_inputs, variants
+from profuse.bench.timing import compare
+from profuse.files import write_json
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", type=int, default=8192)
+    p.add_argument("--cols", type=int, default=4096)
+    p.add_argument("--trials", type=int, default=30)
+    p.add_argument("--backward", action="store_true")
+    p.add_argument("--out", default=None, help="write the figures to this JSON file")
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    cfg = TailBenchConfig(args.rows, args.cols, torch.bfloat16, dev, args.trials, backward=args.backward)
+    known = variants()
+    keys = [k for k in DEFAULT_VARIANTS if known[k].available]
+    x = make_inputs(cfg)
+    fns = {k: _runner(known[k].fn, x, cfg) for k in keys}
+    comp = compare(fns, "eager", trials=args.trials, device=dev)
+    rows = {}
+    print(f"{'variant':>16} {'profuse ms':>10} {'do_bench':>10} {'ratio':>7} {'CPU dispatch ms':>15}")
+    for k in keys:
+        ours = comp.median_s(k) * 1e3
+        theirs = do_bench(fns[k], warmup=25, rep=200, return_mode="median")
+        cpu = comp.timings[k].dispatch_s * 1e3
+        rows[k] = {"profuse_ms": ours, "do_bench_ms": theirs, "ratio": ours / theirs, "dispatch_ms": cpu}
+        print(f"{k:>16} {ours:10.4f} {theirs:10.4f} {ours / theirs:7.3f} {cpu:15.4f}")
+    worst = max(abs(r["ratio"] - 1) for r in rows.values())
+    print(f"largest disagreement: {worst:.1%} (target: within 5%)")
+    if args.out:
+        write_json(args.out, {"rows": args.rows, "cols": args.cols, "backward": args.backward, "variants": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Time every candidate launch config of the Triton tail kernels per shape (CUDA only).
+
+For each column count, rows are chosen so the tensors hold --elements elements; every candidate
+config of the forward and of the backward is checked against an fp32 eager result, then timed
+with triton.testing.do_bench (median, L2 flushed). This shows how far the heuristic's favourite
+(and the runtime autotuner's pick) is from the best candidate per shape.
+
+    PYTHONPATH=src python benchmarks/tune_tail.py --out results/tune.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+from dataclasses import replace
+import sys
+import time
+
+import torch
+import triton
+from triton.testing import do_bench
+
+from profuse import tail as T
+from profuse.bench.traffic import copy_ceiling
+from profuse.env import sm_count
+from profuse.files import write_json
+import profuse.kernels.tail as K
+from profuse.kernels.tail import (
+    KernelConfig,
+    backward_candidates,
+    backward_config,
+    forward_candidates,
+    forward_config,
+    tail_backward,
+    tail_forward,
+)
+
+GRID = [1024, 2048, 4096, 5120, 8192, 11008, 14336, 16384, 32768, 65536]
+
+
+def explore(cands: list[KernelConfig], n_rows: int, sms: int) -> list[KernelConfig]:
+    """Each candidate again with other pipelining depths and persistent grid sizes."""
+    out = list(cands)
+    for c in cands:
+        if c.kernel != "fused":
+            continue
+        tiles = triton.cdiv(n_rows, c.block_m)
+        for stages, per_sm in itertools.product((1, 2, 3), (1, 2, 3, 4)):
+            programs = min(tiles, sms * per_sm)
+            cfg = replace(c, num_stages=stages, programs=programs)
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cols", default=",".join(map(str, GRID)))
+    p.add_argument("--elements", type=int, default=32 * 2**20, help="rows x cols per tensor")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp16", "fp32"))
+    p.add_argument("--which", default="fwd,bwd")
+    p.add_argument("--budget-s", type=float, default=300, help="stop starting new shapes after this")
+    p.add_argument("--explore", action="store_true", help="also try pipelining depths and grid sizes")
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+    dev = torch.device("cuda")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    sms = sm_count(dev)
+    ceiling = copy_ceiling(dev)
+    print(f"copy ceiling {ceiling / 1e12:.2f} TB/s, {sms} SMs", flush=True)
+    results = {"dtype": args.dtype, "copy_ceiling_Bps": ceiling, "shapes": []}
+    t_start = time.time()
+    for n_cols in map(int, args.cols.split(",")):
+        if time.time() - t_start > args.budget_s:
+            print(f"budget spent, stopping before cols={n_cols}", flush=True)
+            break
+        n_rows = max(1, args.elements // n_cols)
+        gen = torch.Generator(device=dev).manual_seed(0)
+        g, u, r, dy = (torch.randn(n_rows, n_cols, device=dev, dtype=dtype, generator=gen) for _ in range(4))
+        w = 1 + 0.1 * torch.randn(n_cols, device=dev, dtype=dtype, generator=gen)
+        nbytes = g.numel() * g.element_size()
+        ref_y = T.tail_eager(g.float(), u.float(), r.float(), w.float())
+        shape = {"rows": n_rows, "cols": n_cols, "fwd": [], "bwd": []}
+        if "fwd" in args.which:
+            default = forward_config(n_rows, n_cols, dtype)
+            cands = forward_candidates(n_rows, n_cols, dtype, sms)
+            if args.explore:
+                cands = explore(cands, n_rows, sms)
+            for cfg in cands:
+                try:
+                    y, rstd = tail_forward(g, u, r, w, 1e-6, cfg)
+                    K.LAUNCH_LOG = []
+                    y, rstd = tail_forward(g, u, r, w, 1e-6, cfg)
+                    regs, spills = K.LAUNCH_LOG[-1][2:]
+                    K.LAUNCH_LOG = None
+                    err = T.relative_error(y, ref_y)
+                    ms = do_bench(lambda: tail_forward(g, u, r, w, 1e-6, cfg), warmup=10, rep=60, return_mode="median")
+                except Exception as e:  # noqa: BLE001 - a config that cannot compile is just skipped
+                    print(f"  fwd {cfg} failed: {str(e).splitlines()[0][:100]}", flush=True)
+                    continue
+                frac = 4 * nbytes / (ms * 1e-3) / ceiling
+                shape["fwd"].append({**cfg.to_dict(), "ms": ms, "frac": frac, "rel_err": err, "default": cfg == default,
+                                     "regs": regs, "spills": spills})  # fmt: skip
+            shape["fwd"].sort(key=lambda c: c["ms"])
+            best = shape["fwd"][0] if shape["fwd"] else None
+            print(f"{n_rows}x{n_cols} fwd best {best}", flush=True)
+        if "bwd" in args.which:
+            _, rstd = tail_forward(g, u, r, w, 1e-6)
+            needs = (True, True, True, True)
+            ref = tail_backward(dy, g, u, r, w, rstd, needs, KernelConfig("chunked", 1, 1024, 4, 1, 4 * sms))
+            default = backward_config(n_rows, n_cols, dtype, sms)
+            cands = backward_candidates(n_rows, n_cols, dtype, sms)
+            if args.explore:
+                cands = explore(cands, n_rows, sms)
+            for cfg in cands:
+                try:
+                    K.LAUNCH_LOG = []
+                    out = tail_backward(dy, g, u, r, w, rstd, needs, cfg)
+                    regs, spills = K.LAUNCH_LOG[-1][2:]
+                    K.LAUNCH_LOG = None
+                    err = max(T.relative_error(a, b) for a, b in zip(out, ref))
+                    ms = do_bench(lambda: tail_backward(dy, g, u, r, w, rstd, needs, cfg), warmup=10, rep=60,
+                                  return_mode="median")  # fmt: skip
+                except Exception as e:  # noqa: BLE001
+                    print(f"  bwd {cfg} failed: {str(e).splitlines()[0][:100]}", flush=True)
+                    continue
+                frac = 7 * nbytes / (ms * 1e-3) / ceiling
+                shape["bwd"].append({**cfg.to_dict(), "ms": ms, "frac": frac, "rel_err": err, "default": cfg == default,
+                                     "regs": regs, "spills": spills})  # fmt: skip
+            shape["bwd"].sort(key=lambda c: c["ms"])
+            best = shape["bwd"][0] if shape["bwd"] else None
+            print(f"{n_rows}x{n_cols} bwd best {best}", flush=True)
+        results["shapes"].append(shape)
+        write_json(args.out, results)
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
