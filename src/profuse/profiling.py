@@ -1,0 +1,545 @@
+"""Part A: a GPT training step under torch.profiler -> operator table, trace.json, and its reading.
+
+`run_profile` trains the model of `profuse.model` on one fixed batch of random tokens:
+
+1. `warmup` steps first, so first-call costs (allocator growth, kernel selection, torch.compile)
+   stay out of the profile; the last of them runs under the profiler's own warm-up phase, so
+   the profiler's start-up stays out too.
+2. `steps` steps under torch.profiler. Each is one `ProfilerStep#N` span holding `forward` (the
+   loss included), `backward` and `optimizer` (AdamW step and zero_grad) ranges, so the trace in
+   Perfetto shows the steps and their phases. Each step ends with a device synchronisation, which
+   makes its wall time honest and keeps every kernel of a step inside its span.
+3. The operator table (`key_averages().table`), sorted by self CPU time on CPU and by self device
+   time on CUDA, as the lab prints it; the trace, written whole or not at all.
+4. The reading of the trace (`analyze_trace`): the step's time by category, operators or kernels
+   per step, the GPU's idle share, and the memory-bound hot spot to fuse.
+
+On CUDA the forward and the loss run under bf16 autocast (the lab's CUDA dtype): matmuls and
+attention in bf16 on the tensor cores, the weights, AdamW and the loss in fp32. On CPU all is
+fp32, as in the lab.
+
+Categories come from names (`CATEGORY_RULES`, first match wins), over self CPU time of every
+operator on CPU and over kernel time on CUDA. Anything started inside the `optimizer` range is
+optimizer work whatever its name (AdamW's mul_, add_, lerp_ would otherwise read as elementwise).
+A CUDA kernel is classified by its own name; one whose name says nothing (a generic
+`elementwise_kernel` says "memory-bound" already, a cuDNN name may not) falls back to the operator
+that launched it, found through the launch's correlation id.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import json
+import os
+import re
+import statistics
+import time
+import warnings
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function, schedule
+
+from profuse.errors import UsageError
+from profuse.files import atomic_path
+from profuse.model import GPT, GPTConfig, random_batch
+
+Progress = Callable[[str], None]
+
+# The ranges each profiled step is cut into; the trace shows them under ProfilerStep#N.
+FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
+STEP_PREFIX = "ProfilerStep#"
+
+CATEGORIES = ("matmul", "attention", "memory_bound", "loss", "optimizer", "other")
+CATEGORY_LABELS = {
+    "matmul": "matmul",
+    "attention": "attention",
+    "memory_bound": "elementwise + norm (memory-bound)",
+    "loss": "loss",
+    "optimizer": "optimizer",
+    "other": "other",
+}
+
+# Elementwise ops, reductions and normalisations: a few flops per byte, bound by memory traffic.
+_MEMORY_BOUND_OPS = (
+    "silu|gelu|relu|sigmoid|tanh|threshold|mul|add|sub|div|neg|reciprocal|pow|rsqrt|sqrt|exp|abs"
+    "|clamp|maximum|minimum|where|masked_fill|mean|sum|norm|rms_norm|fused_rms_norm|layer_norm"
+    "|native_layer_norm|copy|to_copy|to|type_as|clone|contiguous|fill|zero|zeros|ones|zeros_like"
+    "|ones_like|cat|lerp|addcmul|addcdiv"
+)
+
+# (category, pattern) over the lower-cased name of an operator or kernel; the first match wins,
+# whatever does not match is "other" (views, allocation, embedding gathers, framework overhead).
+CATEGORY_RULES: tuple[tuple[str, str], ...] = (
+    # AdamW in any form: the for-loop's ranges, foreach ops, the multi-tensor and fused kernels.
+    ("optimizer", r"optimizer|adam|_foreach_|multi_tensor_apply"),
+    # cross_entropy = log_softmax + nll_loss, forward and backward; CUDA names its kernel
+    # cunn_SoftMaxForward<..LogSoftMaxForwardEpilogue>, Inductor triton_..__log_softmax_..
+    ("loss", r"log_?softmax|nll_?loss|cross_?entropy"),
+    # SDPA and its backends: flash (pytorch_flash::), memory-efficient (fmha_cutlass), cuDNN (sdpa)
+    ("attention", r"scaled_?dot_?product|flash|fmha|sdpa|attention|attn"),
+    # aten matmuls and their autograd nodes; cuBLAS/cuBLASLt kernels (gemm, nvjet on Hopper,
+    # sm90_xmma, cutlass, split-K reductions); Inductor's matmul templates (triton_tem_)
+    (
+        "matmul",
+        r"(?<![a-z])(add|b|baddb)?mm(?![a-z])|mmbackward|matmul|aten::linear|gemm|gemv|cublas|cutlass"
+        r"|nvjet|xmma|wgmma|splitk|triton_tem",
+    ),
+    # Kernels Inductor generates: pointwise (poi), reductions (red, per); on CPU the compiled
+    # graph's fused C++ code runs inside the '## Call CompiledFxGraph ##' range, which carries its
+    # self time (the matmuls and SDPA it calls still show as aten ops).
+    ("memory_bound", r"triton_(poi|red|per)_|cpp_fused|compiledfxgraph"),
+    # Gathers and scatters (embedding forward and backward, sorts of token ids): memory-bound,
+    # but no fusion of the tail removes them.
+    ("other", r"embedding|index_?select|indexselect|scatter|gather|sort|segment"),
+    (
+        "memory_bound",
+        rf"aten::_?({_MEMORY_BOUND_OPS})(_backward|_backward_data|_)?$"
+        rf"|({_MEMORY_BOUND_OPS.replace('_', '')})backward"  # autograd nodes: MulBackward0, ...
+        r"|elementwise|reduce_kernel|layer_norm|rms_?norm|silu|copy_kernel|fillfunctor",
+    ),
+)
+_COMPILED_RULES = tuple((cat, re.compile(pat)) for cat, pat in CATEGORY_RULES)
+
+# The SwiGLU tail's ops, unfused (aten names) or as Inductor names its fused kernels.
+_TAIL_OPS = re.compile(r"silu|(?<![a-z])(mul|add|pow|mean)(?![a-z])|rsqrt|rms_?norm")
+
+_CPU_CATS = ("cpu_op", "user_annotation")  # trace categories of host-side ranges
+_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # cudaLaunchKernel, cuLaunchKernel (Triton)
+_DEVICE_BUSY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def categorize(name: str) -> str:
+    """The category of an operator, autograd node or kernel name, by CATEGORY_RULES."""
+    low = name.lower()
+    for cat, pattern in _COMPILED_RULES:
+        if pattern.search(low):
+            return cat
+    return "other"
+
+
+@dataclass
+class ProfileConfig:
+    """What Part A profiles and where it writes. The CLI maps its flags onto these fields."""
+
+    model: GPTConfig = field(default_factory=GPTConfig)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # resolved by the caller
+    steps: int = 4  # profiled steps: the lab's 4; a CPU trace of the default model is about 3 MB
+    warmup: int = 2  # unprofiled steps first, so first-call costs stay out
+    compile: bool = False  # the model under torch.compile (the warm-up steps compile it)
+    out_dir: Path = Path(".")
+    trace_name: str = "trace.json"  # the lab writes ./trace.json
+    seed: int = 0  # weights and the batch of random tokens
+    row_limit: int = 12  # rows in the operator table
+    lr: float = 1e-3  # AdamW's; any value profiles the same, this one also lets the model learn fast
+
+    def __post_init__(self) -> None:
+        self.device = torch.device(self.device)
+        self.out_dir = Path(self.out_dir)
+        if self.steps < 1:
+            raise UsageError(f"the profile needs at least one step, not {self.steps}")
+        if self.warmup < 0:
+            raise UsageError(f"warm-up steps cannot be negative ({self.warmup})")
+        if self.compile and self.warmup < 1:
+            raise UsageError("a compiled profile needs a warm-up step, so compilation stays out of it")
+        if self.row_limit < 1:
+            raise UsageError(f"the operator table needs at least one row, not {self.row_limit}")
+        if not self.trace_name or Path(self.trace_name).name != self.trace_name:
+            raise UsageError(f"trace name {self.trace_name!r} must be a plain file name")
+
+    def to_dict(self) -> dict:
+        return {
+            "model": asdict(self.model),
+            "device": str(self.device),
+            "steps": self.steps,
+            "warmup": self.warmup,
+            "compile": self.compile,
+            "out_dir": str(self.out_dir),
+            "trace_name": self.trace_name,
+            "seed": self.seed,
+            "row_limit": self.row_limit,
+            "lr": self.lr,
+        }
+
+
+@dataclass
+class OperatorRow:
+    """One row of the operator table, as data."""
+
+    name: str
+    self_us: float  # the table's sort key: self CPU time on CPU, self device time on CUDA
+    calls: int
+    self_cpu_us: float
+
+
+@dataclass
+class TraceSummary:
+    """What `analyze_trace` reads from a trace: where the step's time went."""
+
+    steps: int  # ProfilerStep spans found
+    basis: str  # "self CPU time" or "GPU kernel time": what the shares divide
+    total_us: float  # that time summed over the steps
+    shares: dict[str, float]  # category -> % of total_us, in CATEGORIES order, adding to 100
+    launches_per_step: float  # kernels on CUDA, aten operator calls on CPU
+    launch_unit: str  # "kernels" or "operators"
+    gpu_idle_pct: float | None  # % of the step spans with no kernel, memcpy or memset running; CUDA only
+    memory_bound_groups: dict[str, float]  # op (or kernel) -> % of total_us, memory-bound only, largest first
+    tail_pct: float  # the part of memory_bound that is the SwiGLU tail's ops
+
+    def hotspot(self) -> str:
+        """The one line naming what to fuse."""
+        mb = self.shares.get("memory_bound", 0.0)
+        if mb <= 0.0:
+            return f"no memory-bound elementwise work in the {self.basis}: nothing to fuse"
+        top = ", ".join(f"{name} {pct:.1f}%" for name, pct in list(self.memory_bound_groups.items())[:3])
+        return (
+            f"memory-bound elementwise + norm work is {mb:.1f}% of the {self.basis}, "
+            f"{self.tail_pct:.1f}% in the SwiGLU tail's silu, mul, add and rms_norm ({top}) "
+            "-> fuse rms_norm(silu(gate) * up + residual) * w, as Part B does"
+        )
+
+
+@dataclass
+class ProfileResult:
+    device: str
+    compiled: bool
+    precision: str  # "fp32", or "bf16 autocast" on CUDA
+    torch_version: str
+    config: dict
+    steps: int  # profiled steps found in the trace
+    table: str  # key_averages().table(...), as the lab prints it
+    sort_by: str  # the table's sort key
+    rows: list[OperatorRow]
+    step_ms: float  # median wall time of a profiled step, synchronised
+    step_times_ms: list[float]
+    summary: TraceSummary
+    hotspot: str
+    trace_path: str
+    trace_bytes: int
+
+    @property
+    def shares(self) -> dict[str, float]:
+        return self.summary.shares
+
+    def to_dict(self) -> dict:
+        return {
+            "device": self.device,
+            "compiled": self.compiled,
+            "precision": self.precision,
+            "torch": self.torch_version,
+            "config": self.config,
+            "steps": self.steps,
+            "sort_by": self.sort_by,
+            "table": self.table,
+            "rows": [asdict(r) for r in self.rows],
+            "step_ms": self.step_ms,
+            "step_times_ms": list(self.step_times_ms),
+            **asdict(self.summary),
+            "hotspot": self.hotspot,
+            "trace_path": self.trace_path,
+            "trace_bytes": self.trace_bytes,
+        }
+
+
+def run_profile(cfg: ProfileConfig, progress: Progress | None = None) -> ProfileResult:
+    """Profile `cfg.steps` training steps; write the trace to cfg.out_dir / cfg.trace_name."""
+    say = progress or (lambda _msg: None)
+    device = cfg.device
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    idx, targets = random_batch(cfg.model, generator, device)
+    # torch.compile's defaults: Inductor fuses the elementwise chains, matmuls stay cuBLAS/oneDNN.
+    net = torch.compile(model) if cfg.compile else model
+    on_cuda = device.type == "cuda"
+    autocast = (
+        (lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16))
+        if on_cuda
+        else contextlib.nullcontext
+    )
+
+    def sync() -> None:
+        if on_cuda:
+            torch.cuda.synchronize(device)
+
+    def train_step() -> None:
+        with record_function(FORWARD), autocast():
+            _logits, loss = net(idx, targets)
+        with record_function(BACKWARD):
+            loss.backward()
+        with record_function(OPTIMIZER):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    profiler_warmup = min(cfg.warmup, 1)  # the last warm-up step runs under the profiler's warm-up
+    unprofiled = cfg.warmup - profiler_warmup
+    if cfg.compile:  # compile before the profiler starts, not under it (its events would be discarded)
+        unprofiled = max(unprofiled, 1)
+    what = "eager" if not cfg.compile else "torch.compile (the first step compiles: it takes a while)"
+    say(f"warm-up: {unprofiled + profiler_warmup} training step(s), {what}")
+    for _ in range(unprofiled):
+        train_step()
+    sync()
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*warmup.*")  # warmup=0 is asked for, not a mistake
+        sched = schedule(wait=0, warmup=profiler_warmup, active=cfg.steps, repeat=1)
+    say(f"profiling {cfg.steps} training steps on {device}")
+    step_times: list[float] = []
+    with profile(activities=activities, schedule=sched) as prof:
+        for i in range(profiler_warmup + cfg.steps):
+            t0 = time.perf_counter()
+            train_step()
+            sync()
+            if i >= profiler_warmup:
+                step_times.append(time.perf_counter() - t0)
+            prof.step()
+
+    sort_by = _sort_key(on_cuda)
+    averages = prof.key_averages()
+    table = averages.table(sort_by=sort_by, row_limit=cfg.row_limit)
+    ranked = sorted(averages, key=lambda a: getattr(a, sort_by, 0.0), reverse=True)
+    rows = [
+        OperatorRow(
+            name=a.key,
+            self_us=float(getattr(a, sort_by, 0.0)),
+            calls=int(a.count),
+            self_cpu_us=float(a.self_cpu_time_total),
+        )
+        for a in ranked[: cfg.row_limit]
+    ]
+
+    trace_path = cfg.out_dir / cfg.trace_name
+    say(f"writing {trace_path}")
+    with atomic_path(trace_path) as tmp:
+        prof.export_chrome_trace(str(tmp))
+    with open(trace_path, encoding="utf-8") as f:
+        trace = json.load(f)
+    summary = analyze_trace(trace, device=device.type)
+
+    return ProfileResult(
+        device=str(device),
+        compiled=cfg.compile,
+        precision="bf16 autocast" if on_cuda else "fp32",
+        torch_version=torch.__version__,
+        config=cfg.to_dict(),
+        steps=summary.steps,
+        table=table,
+        sort_by=sort_by,
+        rows=rows,
+        step_ms=statistics.median(step_times) * 1e3,
+        step_times_ms=[t * 1e3 for t in step_times],
+        summary=summary,
+        hotspot=summary.hotspot(),
+        trace_path=str(trace_path),
+        trace_bytes=trace_path.stat().st_size,
+    )
+
+
+def run_profile_pair(
+    cfg: ProfileConfig, progress: Progress | None = None
+) -> tuple[ProfileResult, ProfileResult]:
+    """The same step eager, then under torch.compile: (eager, compiled).
+
+    The compiled trace goes beside the eager one, its name marked: trace.json -> trace-compiled.json.
+    """
+    eager = run_profile(replace(cfg, compile=False), progress)
+    stem, suffix = os.path.splitext(cfg.trace_name)
+    compiled_cfg = replace(
+        cfg, compile=True, warmup=max(cfg.warmup, 1), trace_name=f"{stem}-compiled{suffix}"
+    )
+    return eager, run_profile(compiled_cfg, progress)
+
+
+def _sort_key(on_cuda: bool) -> str:
+    """self_device_time_total from torch 2.4 on; self_cuda_time_total before that rename."""
+    if not on_cuda:
+        return "self_cpu_time_total"
+    from torch.autograd.profiler_util import FunctionEventAvg
+
+    if hasattr(FunctionEventAvg, "self_device_time_total"):
+        return "self_device_time_total"
+    return "self_cuda_time_total"  # pragma: no cover - torch < 2.4
+
+
+# --- reading the trace ----------------------------------------------------------------------------
+
+
+@dataclass
+class _Span:
+    """A complete ('X') event of the Chrome trace, with what nesting tells about it."""
+
+    name: str
+    cat: str
+    ts: float  # us
+    end: float  # us
+    args: dict
+    child_us: float = 0.0
+    parents: tuple[_Span, ...] = ()  # the host ranges open around it, innermost first
+
+    @property
+    def self_us(self) -> float:
+        return max(self.end - self.ts - self.child_us, 0.0)
+
+
+class _Windows:
+    """Sorted, non-overlapping time windows; `find(t)` is the index of the one holding t, or -1."""
+
+    def __init__(self, spans: Iterable[_Span]) -> None:
+        self.spans = sorted(spans, key=lambda s: s.ts)
+        self._starts = [s.ts for s in self.spans]
+
+    def find(self, t: float) -> int:
+        i = bisect.bisect_right(self._starts, t) - 1
+        return i if i >= 0 and t <= self.spans[i].end else -1
+
+    def __len__(self) -> int:
+        return len(self.spans)
+
+
+def _nest(spans: list[_Span]) -> None:
+    """Fill child_us and parents for host-side spans, thread by thread, as the profiler nests them."""
+    by_thread: dict[tuple, list[_Span]] = defaultdict(list)
+    for s in spans:
+        if s.cat in _CPU_CATS or s.cat in _LAUNCH_CATS:
+            by_thread[(s.args.get("_pid"), s.args.get("_tid"))].append(s)
+    for thread_spans in by_thread.values():
+        thread_spans.sort(key=lambda s: (s.ts, -(s.end - s.ts)))
+        stack: list[_Span] = []
+        for s in thread_spans:
+            while stack and stack[-1].end <= s.ts:
+                stack.pop()
+            if stack:
+                parent = stack[-1]
+                parent.child_us += min(s.end, parent.end) - s.ts
+                s.parents = tuple(reversed(stack))
+            stack.append(s)
+
+
+def analyze_trace(trace: dict | list, device: str = "cpu") -> TraceSummary:
+    """Where the profiled steps' time went, read from a Chrome trace written by torch.profiler.
+
+    device "cpu": self CPU time of every host range inside a ProfilerStep span (aten operators,
+    autograd nodes, and the Python between them, which lands on `forward`, `backward`,
+    `optimizer` and the step itself). device "cuda": device time of every kernel launched inside a
+    ProfilerStep span, matched to its launch through the correlation id.
+    """
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    spans = []
+    for e in events:  # keep pid and tid with the args, for nesting
+        if e.get("ph") != "X" or "ts" not in e:
+            continue
+        ts = float(e["ts"])
+        args = dict(e.get("args") or {})
+        args["_pid"], args["_tid"] = e.get("pid"), e.get("tid")
+        spans.append(
+            _Span(str(e.get("name", "")), str(e.get("cat", "")), ts, ts + float(e.get("dur", 0.0)), args)
+        )
+    _nest(spans)
+
+    host = [s for s in spans if s.cat in _CPU_CATS]
+    steps = _Windows(s for s in host if s.name.startswith(STEP_PREFIX))
+    if not steps:
+        raise RuntimeError("the trace holds no ProfilerStep span: was prof.step() called?")
+    optimizer = _Windows(s for s in host if s.name == OPTIMIZER)
+
+    time_by_cat: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
+    memory_groups: Counter[str] = Counter()
+    launches = 0
+    gpu_idle_pct = None
+
+    if device == "cuda":
+        basis, unit = "GPU kernel time", "kernels"
+        launch_of: dict = {}
+        for s in spans:
+            if s.cat in _LAUNCH_CATS and "correlation" in s.args:
+                launch_of.setdefault(s.args["correlation"], s)
+        for k in spans:
+            if k.cat != "kernel":
+                continue
+            launch = launch_of.get(k.args.get("correlation"))
+            t_launch = launch.ts if launch is not None else k.ts
+            if steps.find(t_launch) < 0:
+                continue
+            launches += 1
+            ops = [p for p in launch.parents if p.cat in _CPU_CATS] if launch is not None else []
+            cat = _kernel_category(k.name, ops, optimizer.find(t_launch) >= 0)
+            time_by_cat[cat] += k.end - k.ts
+            if cat == "memory_bound":
+                memory_groups[_kernel_group(k.name, ops)] += k.end - k.ts
+        gpu_idle_pct = _idle_pct(steps, [s for s in spans if s.cat in _DEVICE_BUSY_CATS])
+    else:
+        basis, unit = "self CPU time", "operators"
+        for s in host:
+            if steps.find(s.ts) < 0:
+                continue
+            launches += s.name.startswith("aten::")
+            cat = "optimizer" if optimizer.find(s.ts) >= 0 else categorize(s.name)
+            time_by_cat[cat] += s.self_us
+            if cat == "memory_bound":
+                memory_groups[s.name] += s.self_us
+
+    total = sum(time_by_cat.values())
+    if total <= 0:
+        raise RuntimeError(f"the trace holds no {basis} inside its ProfilerStep spans")
+    shares = {c: 100.0 * time_by_cat[c] / total for c in CATEGORIES}
+    groups = {name: 100.0 * t / total for name, t in memory_groups.most_common()}
+    tail = sum(pct for name, pct in groups.items() if _TAIL_OPS.search(name.lower()))
+    return TraceSummary(
+        steps=len(steps),
+        basis=basis,
+        total_us=total,
+        shares=shares,
+        launches_per_step=launches / len(steps),
+        launch_unit=unit,
+        gpu_idle_pct=gpu_idle_pct,
+        memory_bound_groups=groups,
+        tail_pct=tail,
+    )
+
+
+def _kernel_category(kernel: str, ops: list[_Span], in_optimizer: bool) -> str:
+    if in_optimizer:
+        return "optimizer"
+    cat = categorize(kernel)
+    if cat != "other":
+        return cat
+    for op in ops:  # innermost first: the operator that launched it, then the ones around that
+        cat = categorize(op.name)
+        if cat != "other":
+            return cat
+    return "other"
+
+
+def _kernel_group(kernel: str, ops: list[_Span]) -> str:
+    """Group kernels by the aten op that launched them (aten::mul); else by the kernel's short name."""
+    for op in ops:
+        if op.name.startswith("aten::"):
+            return op.name
+    short = kernel.removeprefix("void ").split("<", 1)[0].split("(", 1)[0]
+    return short[:60]
+
+
+def _idle_pct(steps: _Windows, busy: list[_Span]) -> float:
+    """% of the step spans during which no kernel, memcpy or memset ran on the GPU."""
+    window_us = sum(s.end - s.ts for s in steps.spans)
+    busy_us = 0.0
+    for step in steps.spans:
+        intervals = sorted(
+            (max(b.ts, step.ts), min(b.end, step.end)) for b in busy if b.end > step.ts and b.ts < step.end
+        )
+        cur_start = cur_end = step.ts
+        for start, end in intervals:  # union of the busy intervals
+            if start > cur_end:
+                busy_us += max(cur_end - cur_start, 0.0)
+                cur_start, cur_end = start, end
+            else:
+                cur_end = max(cur_end, end)
+        busy_us += max(cur_end - cur_start, 0.0)
+    return 100.0 * max(window_us - busy_us, 0.0) / window_us if window_us > 0 else 0.0

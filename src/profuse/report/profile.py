@@ -1,0 +1,94 @@
+"""Part A as text: the lab's operator table, then its reading, and eager beside compiled."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from profuse.profiling import CATEGORIES, CATEGORY_LABELS, ProfileResult
+
+PERFETTO = "https://ui.perfetto.dev"
+W = 34  # label column: fits "elementwise + norm (memory-bound)"
+
+
+def _size(n: int) -> str:
+    """'1.2 MB' as the lab prints it; kB below a tenth of a megabyte."""
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.0f} kB"
+
+
+def _shown_path(path: str) -> str:
+    """'./trace.json' for a path relative to the current folder, as the lab prints it."""
+    p = Path(path)
+    return str(p) if p.is_absolute() or str(p).startswith(".") else f"./{p}"
+
+
+def _device_label(r: ProfileResult) -> str:
+    kind = r.device.split(":", 1)[0]
+    return f"{kind}, torch.compile" if r.compiled else kind
+
+
+def _per_step(r: ProfileResult) -> str:
+    s = r.summary
+    if s.launch_unit == "kernels":
+        return f"{s.launches_per_step:.0f} kernels launched per step"
+    return f"{s.launches_per_step:.0f} aten operator calls per step (the CPU's stand-in for kernels)"
+
+
+def format_profile(r: ProfileResult) -> str:
+    """The lab's 'Part A' block, then step time, category shares, launches, idle share, hot spot."""
+    s = r.summary
+    lines = [
+        f"=== Part A: top operators over {r.steps} training steps ({_device_label(r)}) ===",
+        r.table.rstrip(),
+        "",
+        f"step time: median {r.step_ms:.3f} ms over {r.steps} steps ({r.precision}, synchronised, "
+        "under the profiler)",
+        f"time by category ({s.basis}, {s.total_us / 1e3 / max(s.steps, 1):.3f} ms per step):",
+    ]
+    for cat in CATEGORIES:
+        pct = s.shares[cat]
+        lines.append(f"{CATEGORY_LABELS[cat]:>{W}}  {pct:5.1f}%  {'#' * round(pct / 2)}")
+    lines.append(_per_step(r))
+    if s.gpu_idle_pct is not None:
+        lines.append(f"GPU idle between kernels: {s.gpu_idle_pct:.1f}% of the step")
+    lines.append(f"hot spot: {r.hotspot}")
+    lines.append(
+        f"trace written: {_shown_path(r.trace_path)} ({_size(r.trace_bytes)}) - open it at {PERFETTO}"
+    )
+    return "\n".join(lines)
+
+
+def format_profile_comparison(eager: ProfileResult, compiled: ProfileResult) -> str:
+    """Eager and torch.compile side by side: step time, kernels (operators) per step, shares."""
+    unit = eager.summary.launch_unit
+    lines = [
+        f"=== Part A: eager vs torch.compile, {eager.steps} training steps ({eager.device}) ===",
+        f"{'':>{W}}  {'eager':>12}  {'torch.compile':>14}",
+    ]
+
+    def row(label: str, a: str, b: str, note: str = "") -> None:
+        lines.append(f"{label:>{W}}  {a:>12}  {b:>14}{note}")
+
+    ratio = eager.step_ms / compiled.step_ms if compiled.step_ms > 0 else float("nan")
+    row(
+        "step time (median)",
+        f"{eager.step_ms:.3f} ms",
+        f"{compiled.step_ms:.3f} ms",
+        f"   eager / compiled = {ratio:.2f}x",
+    )
+    row(
+        f"{unit} per step",
+        f"{eager.summary.launches_per_step:.0f}",
+        f"{compiled.summary.launches_per_step:.0f}",
+    )
+    if eager.summary.gpu_idle_pct is not None and compiled.summary.gpu_idle_pct is not None:
+        row(
+            "GPU idle between kernels",
+            f"{eager.summary.gpu_idle_pct:.1f}%",
+            f"{compiled.summary.gpu_idle_pct:.1f}%",
+        )
+    lines.append(f"{'share of ' + eager.summary.basis:>{W}}")
+    for cat in CATEGORIES:
+        row(CATEGORY_LABELS[cat], f"{eager.shares[cat]:.1f}%", f"{compiled.shares[cat]:.1f}%")
+    traces = f"{_shown_path(eager.trace_path)}, {_shown_path(compiled.trace_path)}"
+    lines.append(f"traces: {traces} - open them at {PERFETTO}")
+    return "\n".join(lines)

@@ -1,0 +1,265 @@
+"""Part A on the CPU with a tiny model, its trace reading on made-up CUDA traces, and its report."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from profuse.errors import UsageError
+from profuse.model import GPTConfig
+from profuse.profiling import (
+    CATEGORIES,
+    ProfileConfig,
+    analyze_trace,
+    categorize,
+    run_profile,
+)
+from profuse.report.profile import format_profile, format_profile_comparison
+
+TINY = GPTConfig(n_layer=2, d_model=64, n_head=2, vocab_size=256, seq_len=32, batch_size=2)
+STEPS = 3  # not the default 4, so a test can tell "what was asked" from "the default"
+MM_PER_STEP = 3 * (4 * TINY.n_layer + 1)  # forward: qkv, proj, gate_up, down a layer + head; backward 2 each
+
+
+@pytest.fixture(scope="module")
+def profiled(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile")
+    messages: list[str] = []
+    cfg = ProfileConfig(model=TINY, steps=STEPS, warmup=1, out_dir=out, seed=0, row_limit=15)
+    return run_profile(cfg, progress=messages.append), messages, out
+
+
+def _trace(result) -> list[dict]:
+    with open(result.trace_path, encoding="utf-8") as f:
+        return json.load(f)["traceEvents"]
+
+
+def test_table_holds_aten_mm_with_its_calls(profiled):
+    result, _, _ = profiled
+    assert "aten::mm" in result.table
+    assert "# of Calls" in result.table and "Self CPU" in result.table
+    assert result.sort_by == "self_cpu_time_total"
+    rows = {r.name: r for r in result.rows}
+    assert rows["aten::mm"].calls == STEPS * MM_PER_STEP
+    assert rows["aten::mm"].self_us > 0
+    assert [r.self_us for r in result.rows] == sorted((r.self_us for r in result.rows), reverse=True)
+    assert len(result.rows) == 15
+
+
+def test_profiles_the_steps_asked_for(profiled):
+    result, _, _ = profiled
+    assert result.steps == STEPS
+    assert len(result.step_times_ms) == STEPS
+    assert result.step_ms > 0 and min(result.step_times_ms) <= result.step_ms <= max(result.step_times_ms)
+
+
+def test_trace_is_json_with_steps_phases_and_matmuls(profiled):
+    result, _, out = profiled
+    events = [e for e in _trace(result) if e.get("ph") == "X"]
+    names = [e["name"] for e in events]
+    steps = [n for n in names if n.startswith("ProfilerStep#")]
+    assert len(steps) == STEPS
+    for phase in ("forward", "backward", "optimizer"):
+        assert names.count(phase) == STEPS
+    assert names.count("aten::mm") == STEPS * MM_PER_STEP
+    assert Path(result.trace_path) == out / "trace.json"
+    assert Path(result.trace_path).stat().st_size == result.trace_bytes
+    assert [p.name for p in out.iterdir()] == ["trace.json"]  # the temporary file is gone
+
+
+def test_category_shares_add_to_100(profiled):
+    result, _, _ = profiled
+    shares = result.shares
+    assert tuple(shares) == CATEGORIES
+    assert math.isclose(sum(shares.values()), 100.0, abs_tol=1e-6)
+    assert all(v >= 0 for v in shares.values())
+    for cat in ("matmul", "attention", "memory_bound", "loss", "optimizer"):
+        assert shares[cat] > 0, cat
+    # The shares divide the self CPU time of the profiled steps, about what the table's total says.
+    assert result.summary.basis == "self CPU time"
+
+
+def test_operators_per_step_counts_aten_calls(profiled):
+    result, _, _ = profiled
+    aten = sum(1 for e in _trace(result) if e.get("ph") == "X" and e["name"].startswith("aten::"))
+    assert result.summary.launch_unit == "operators"
+    assert result.summary.launches_per_step == aten / STEPS
+    assert result.summary.gpu_idle_pct is None  # CPU: no GPU to idle
+
+
+def test_hotspot_points_at_the_swiglu_tail(profiled):
+    result, _, _ = profiled
+    assert "silu" in result.hotspot and "rms_norm" in result.hotspot
+    groups = result.summary.memory_bound_groups
+    assert list(groups.values()) == sorted(groups.values(), reverse=True)
+    assert math.isclose(sum(groups.values()), result.shares["memory_bound"], rel_tol=1e-9)
+    assert 0 < result.summary.tail_pct <= result.shares["memory_bound"]
+
+
+def test_result_is_json_and_nothing_printed(profiled, capsys):
+    result, messages, _ = profiled
+    data = json.loads(json.dumps(result.to_dict()))
+    assert data["steps"] == STEPS and data["config"]["model"]["n_layer"] == TINY.n_layer
+    assert data["shares"] == result.shares
+    assert messages and any("profiling" in m for m in messages)
+    assert capsys.readouterr().out == ""
+
+
+def test_report_reads_like_the_lab(profiled):
+    result, _, _ = profiled
+    text = format_profile(result)
+    lines = text.splitlines()
+    assert lines[0] == f"=== Part A: top operators over {STEPS} training steps (cpu) ==="
+    assert "aten::mm" in text
+    assert lines[-1].startswith(f"trace written: {result.trace_path} (")
+    assert lines[-1].endswith("- open it at https://ui.perfetto.dev")
+    assert any(line.startswith("hot spot: ") for line in lines)
+    assert "elementwise + norm (memory-bound)" in text and "aten operator calls per step" in text
+
+    side = format_profile_comparison(result, result)
+    assert "eager" in side and "torch.compile" in side and "1.00x" in side
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(steps=0),
+        dict(warmup=-1),
+        dict(compile=True, warmup=0),
+        dict(row_limit=0),
+        dict(trace_name="a/b.json"),
+    ],
+)
+def test_bad_profile_config_raises(bad):
+    with pytest.raises(UsageError):
+        ProfileConfig(model=TINY, **bad)
+
+
+# --- the reading of a trace, on names and traces as torch.profiler writes them ------------------
+
+
+@pytest.mark.parametrize(
+    "name, want",
+    [
+        ("aten::mm", "matmul"),
+        ("aten::addmm", "matmul"),
+        ("autograd::engine::evaluate_function: MmBackward0", "matmul"),
+        ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNN", "matmul"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+        ("aten::_scaled_dot_product_flash_attention_for_cpu_backward", "attention"),
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>(Params)", "attention"),
+        ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),
+        ("aten::_log_softmax_backward_data", "loss"),
+        ("void (anonymous namespace)::cunn_SoftMaxForward<4, float, LogSoftMaxForwardEpilogue>", "loss"),
+        ("aten::nll_loss_forward", "loss"),
+        ("triton_red_fused__log_softmax_nll_loss_forward_3", "loss"),
+        ("Optimizer.step#AdamW.step", "optimizer"),
+        ("aten::_foreach_mul_", "optimizer"),
+        ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<Metadata<4>>", "optimizer"),
+        ("aten::silu", "memory_bound"),
+        ("aten::silu_backward", "memory_bound"),
+        ("aten::mul", "memory_bound"),
+        ("aten::add_", "memory_bound"),
+        ("aten::_fused_rms_norm", "memory_bound"),
+        ("aten::_to_copy", "memory_bound"),
+        ("autograd::engine::evaluate_function: MulBackward0", "memory_bound"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::silu_kernel>", "memory_bound"),
+        ("triton_poi_fused_add_mul_silu_4", "memory_bound"),
+        ("## Call CompiledFxGraph f6uya5sx7dfi5v ##", "memory_bound"),
+        ("aten::embedding_dense_backward", "other"),
+        ("void at::native::indexSelectLargeIndex<float, long>", "other"),
+        ("aten::view", "other"),
+        ("aten::t", "other"),
+        ("ProfilerStep#3", "other"),
+        ("backward", "other"),
+    ],
+)
+def test_categorize(name, want):
+    assert categorize(name) == want
+
+
+def _x(name, cat, ts, dur, tid=1, pid=1, **args):
+    return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts, "dur": dur, "args": args}
+
+
+def _cuda_trace():
+    """One step [0, 100) us: a matmul, a mul, attention whose kernel name says nothing, the optimizer.
+
+    Kernels run on pid 0 / tid 7 (the stream); each is tied to its launch by the correlation id.
+    """
+    kernel = lambda name, ts, dur, corr: _x(name, "kernel", ts, dur, tid=7, pid=0, correlation=corr)
+    elementwise = "void at::native::vectorized_elementwise_kernel<4, {}<float>>".format
+    launch = lambda ts, corr: _x("cudaLaunchKernel", "cuda_runtime", ts, 1, correlation=corr)
+    return {
+        "traceEvents": [
+            {"ph": "M", "name": "process_name", "pid": 1, "tid": 0, "args": {"name": "python"}},
+            _x("ProfilerStep#1", "user_annotation", 0, 100),
+            _x("forward", "user_annotation", 1, 50),
+            _x("aten::mm", "cpu_op", 2, 5),
+            launch(3, 1),
+            kernel("nvjet_tst_64x8_64x16_4x1_v_bz_TNT", 10, 20, 1),  # busy 10-30
+            _x("aten::mul", "cpu_op", 8, 4),
+            launch(9, 2),
+            kernel(elementwise("MulFunctor"), 30, 10, 2),  # 30-40
+            _x("aten::_scaled_dot_product_cudnn_attention", "cpu_op", 20, 5),
+            launch(21, 3),
+            kernel("cudnn_generated_fort_native_sdpa_sm90_knob_7", 45, 5, 3),  # 45-50
+            _x("optimizer", "user_annotation", 60, 30),
+            _x("aten::_foreach_add_", "cpu_op", 61, 5),
+            launch(62, 4),
+            kernel(elementwise("AddFunctor"), 70, 10, 4),  # 70-80
+            _x("gpu_memset", "gpu_memset", 85, 5, tid=7, pid=0),  # busy, but no kernel
+            _x("ProfilerStep#1", "gpu_user_annotation", 0, 100, tid=7, pid=0),  # not busy time
+            # launched before the profiled step: not counted
+            launch(-10, 5),
+            kernel(elementwise("FillFunctor"), -5, 3, 5),
+        ]
+    }
+
+
+def test_analyze_cuda_trace():
+    s = analyze_trace(_cuda_trace(), device="cuda")
+    assert s.steps == 1 and s.basis == "GPU kernel time" and s.launch_unit == "kernels"
+    assert s.launches_per_step == 4
+    assert s.total_us == 45  # 20 + 10 + 5 + 10
+    want = {"matmul": 20, "memory_bound": 10, "attention": 5, "optimizer": 10, "loss": 0, "other": 0}
+    for cat, us in want.items():
+        assert math.isclose(s.shares[cat], 100 * us / 45), cat
+    # Busy 10-40, 45-50, 70-80, 85-90 = 50 us of the step's 100.
+    assert math.isclose(s.gpu_idle_pct, 50.0)
+    # The elementwise kernel is grouped under the operator that launched it.
+    assert list(s.memory_bound_groups) == ["aten::mul"]
+    assert math.isclose(s.tail_pct, s.shares["memory_bound"])
+
+
+def test_analyze_cpu_trace_uses_self_time():
+    trace = [
+        _x("ProfilerStep#5", "user_annotation", 0, 100),
+        _x("forward", "user_annotation", 0, 60),
+        _x("aten::linear", "cpu_op", 0, 40),
+        _x("aten::mm", "cpu_op", 5, 30),  # linear's self time is 40 - 30 = 10
+        _x("aten::silu", "cpu_op", 40, 10),
+        _x("optimizer", "user_annotation", 60, 40),
+        _x("aten::mul_", "cpu_op", 70, 20),  # in the optimizer range: optimizer, not elementwise
+        _x("aten::mm", "cpu_op", 200, 50),  # outside the step: not counted
+    ]
+    s = analyze_trace(trace, device="cpu")
+    assert s.total_us == 100 and s.launches_per_step == 4
+    assert math.isclose(s.shares["matmul"], 40.0)  # mm 30 + linear's self 10
+    assert math.isclose(s.shares["memory_bound"], 10.0)
+    assert math.isclose(s.shares["optimizer"], 40.0)  # mul_ 20 + the range's own 20
+    assert math.isclose(s.shares["other"], 10.0)  # forward's self time 10; the step's own 0
+    assert math.isclose(sum(s.shares.values()), 100.0)
+
+
+def test_a_trace_without_steps_is_an_error():
+    with pytest.raises(RuntimeError, match="ProfilerStep"):
+        analyze_trace([_x("aten::mm", "cpu_op", 0, 10)])
+
+
+def test_device_is_taken_as_given():
+    assert ProfileConfig(model=TINY, device="cpu").device == torch.device("cpu")
