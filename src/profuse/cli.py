@@ -283,16 +283,92 @@ def cmd_profile(argv: list[str]) -> int:
     return 0
 
 
+SWEEP_ROWS = [1024, 8192, 32768]  # the lab's first exercise: --rows 1024,8192,32768 --cols 4096
+
+
+def build_sweep_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="profuse sweep",
+        description="Part B at several sizes (every --rows with every --cols): correctness first, "
+        "then interleaved trials, at each size. Writes results.json, results.csv, speedup.png and "
+        "bandwidth.png under --out. Sizes that do not fit in memory are skipped with a note.",
+    )
+    _add_device_args(p)
+    _add_bench_args(p, sizes_are_lists=True)
+    # The shared flags default to the one-size run; a sweep defaults to the lab's three sizes.
+    rows = p._option_string_actions["--rows"]
+    rows.default = SWEEP_ROWS
+    rows.help = f"comma-separated rows of the tail's tensors (default: {','.join(map(str, SWEEP_ROWS))})"
+    _add_out_arg(p, "profuse-sweep", "results.json, results.csv, speedup.png and bandwidth.png")
+    return p
+
+
+def build_report_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="profuse report", description="Print a saved run of profuse or profuse sweep again.")
+    p.add_argument("results", type=Path, help="a results.json written by profuse or profuse sweep")
+    p.add_argument("--markdown", action="store_true", help="a markdown table, for an issue or a README")
+    return p
+
+
+def build_diff_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="profuse diff",
+        description="Compare two saved runs (two cards, or before and after a change) size by size and "
+        "variant by variant: the ratio of medians B/A with a bootstrap CI, and where it is measurable.",
+    )
+    p.add_argument("a", type=Path, help="results.json of run A (the reference)")
+    p.add_argument("b", type=Path, help="results.json of run B (compared with A)")
+    return p
+
+
 def cmd_sweep(argv: list[str]) -> int:
-    raise UsageError("profuse sweep is not available yet")
+    from profuse.env import resolve_device
+    from profuse.files import write_json
+    from profuse.report import plots
+    from profuse.report.sweep import format_sweep, write_csv
+    from profuse.sweep import SweepConfig, run_sweep
+
+    args = build_sweep_parser().parse_args(argv)
+    device = resolve_device(args.device)
+    # The one-size config maps the shared flags (dtype, variants, --warm-cache) as Part B does.
+    first = _bench_config(args, device, args.rows[0], args.cols[0])
+    cfg = SweepConfig.from_bench(first, args.rows, args.cols)
+    progress = Progress()
+    try:
+        res = run_sweep(cfg, progress=progress)
+    finally:
+        progress.close()
+    data = res.to_dict()
+    print(format_sweep(data))
+    if not res.runs:
+        raise UsageError("no size fitted in memory, so nothing was written: choose smaller sizes")
+    out = Path(args.out)
+    # JSON first: it holds every timing, and the CSV and plots can be made again from it.
+    written = [write_json(out / "results.json", data), write_csv(out / "results.csv", data)]
+    if plots.HAS_MATPLOTLIB:
+        written += plots.write_plots(data, out)
+    print()
+    for path in written:
+        print(f"wrote {path}")
+    if not plots.HAS_MATPLOTLIB:
+        print(f"no plots: {plots.MATPLOTLIB_MISSING}")
+    return 0
 
 
 def cmd_report(argv: list[str]) -> int:
-    raise UsageError("profuse report is not available yet")
+    from profuse.report.sweep import format_report, load_results
+
+    args = build_report_parser().parse_args(argv)
+    print(format_report(load_results(args.results), markdown=args.markdown))
+    return 0
 
 
 def cmd_diff(argv: list[str]) -> int:
-    raise UsageError("profuse diff is not available yet")
+    from profuse.report.sweep import format_diff, load_results
+
+    args = build_diff_parser().parse_args(argv)
+    print(format_diff(load_results(args.a), load_results(args.b), names=(str(args.a), str(args.b))))
+    return 0
 
 
 COMMANDS = {"profile": cmd_profile, "sweep": cmd_sweep, "report": cmd_report, "diff": cmd_diff}

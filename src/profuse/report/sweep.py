@@ -1,0 +1,501 @@
+"""Saved results for people: a sweep (or one run) as a table, a markdown table or a CSV, and two
+saved runs compared size by size and variant by variant.
+
+Everything here reads the saved JSON shape (`TailBenchResult.to_dict()`, `SweepResult.to_dict()`),
+never live objects, so a file saved months ago on another card renders like a run that just ended.
+"""
+
+from __future__ import annotations
+
+import csv
+import inspect
+import json
+import math
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from scipy import stats as _sps
+
+from profuse.env import card_name
+from profuse.errors import UsageError
+from profuse.files import atomic_path
+from profuse.report.units import fmt_bandwidth, fmt_time
+
+CSV_FIELDS = (
+    "rows", "cols", "dtype", "backward", "variant", "median_s", "speedup", "ci_low", "ci_high",
+    "verdict", "achieved_GBps", "fraction_of_copy", "passed",
+)  # fmt: skip
+
+BASELINE_VERDICT = "baseline"
+NOT_TIMED = "not timed"
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a saved file into rows: one per size and variant
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class VariantRow:
+    """One variant at one size, as saved."""
+
+    rows: int
+    cols: int
+    dtype: str
+    backward: bool
+    variant: str
+    label: str
+    passed: bool  # its correctness check against float64
+    baseline: bool
+    median_s: float | None = None  # None: not timed (failed its check, or eager failed)
+    speedup: dict | None = None  # the saved Speedup.to_dict(); None for the baseline
+    achieved_Bps: float | None = None
+    fraction_of_copy: float | None = None
+    times_s: list[float] = field(default_factory=list)  # per trial, for `diff`'s bootstrap
+    why_not_timed: str = ""
+
+    @property
+    def size(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    @property
+    def verdict(self) -> str:
+        if self.baseline and self.median_s is not None:
+            return BASELINE_VERDICT
+        if self.speedup is None:
+            return NOT_TIMED
+        return self.speedup["verdict"]
+
+
+@dataclass
+class SavedRun:
+    """What a results file holds, whichever command wrote it."""
+
+    kind: str  # "tail" (one size) or "sweep"
+    env: dict
+    dtype: str
+    backward: bool
+    device: str
+    trials: int
+    baseline: str
+    copy_ceiling_Bps: float | None
+    model_tensors: int | None  # the fused byte model bandwidth is computed from (4 or 11)
+    variant_rows: list[VariantRow]
+    skipped_sizes: list[tuple[int, int, str]]
+    skipped_variants: dict[str, str]  # label -> why it did not run (the same at every size)
+    statistic: str = ""
+    timer: str = ""
+    flush_l2: bool = False
+
+    @property
+    def sizes(self) -> list[tuple[int, int]]:
+        return list(dict.fromkeys(r.size for r in self.variant_rows))
+
+    @property
+    def card(self) -> str:
+        return card_name(self.env)
+
+    @property
+    def what(self) -> str:
+        return "forward + backward" if self.backward else "forward"
+
+
+def load_results(path: str | Path) -> dict:
+    """A results.json written by `profuse` or `profuse sweep`; UsageError (one line) otherwise."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{p}: no such file") from None
+    except IsADirectoryError:
+        raise UsageError(f"{p} is a folder: give the results.json inside it") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"{p}: cannot read it ({err})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise UsageError(f"{p} is not valid JSON (line {err.lineno}: {err.msg}); was it cut short?") from None
+    parse(data, str(p))  # fail here, in one line, rather than halfway through a table
+    return data
+
+
+def parse(data: dict, source: str = "results") -> SavedRun:
+    """The rows of a saved run; UsageError when `data` is not a profuse results file."""
+    kind = data.get("kind") if isinstance(data, dict) else None
+    if kind not in ("tail", "sweep"):
+        raise UsageError(
+            f"{source} is not a profuse results file (kind {kind!r}; expected a results.json "
+            "written by profuse or profuse sweep)"
+        )
+    try:
+        return _parse(data)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+        raise UsageError(
+            f"{source} is a malformed profuse results file ({type(err).__name__}: {err})"
+        ) from None
+
+
+def _parse(data: dict) -> SavedRun:
+    entries = [data] if data["kind"] == "tail" else list(data["runs"])
+    cfg = data["config"]
+    skipped_sizes = [(int(s["rows"]), int(s["cols"]), str(s["reason"])) for s in data.get("skipped", [])]
+    if data["kind"] == "tail":
+        skipped_sizes = []  # a single run's "skipped" holds variants, read below
+    rows: list[VariantRow] = []
+    skipped_variants: dict[str, str] = {}
+    comp0: dict = {}
+    model_tensors = None
+    for entry in entries:
+        ecfg = entry["config"]
+        comp = entry.get("comparison") or {}
+        comp0 = comp0 or comp
+        model_tensors = entry.get("traffic", {}).get("model_tensors", model_tensors)
+        baseline = comp.get("baseline", "eager")
+        results = entry.get("results") or {}
+        labels = {k: v["label"] for k, v in entry.get("checks", {}).items()}
+        for key, why in (entry.get("skipped") or {}).items():
+            skipped_variants[labels.get(key, key)] = why
+        for key, chk in entry.get("checks", {}).items():
+            res = results.get(key)
+            timing = (comp.get("timings") or {}).get(key, {})
+            row = VariantRow(
+                rows=int(ecfg["rows"]),
+                cols=int(ecfg["cols"]),
+                dtype=str(ecfg["dtype"]),
+                backward=bool(ecfg["backward"]),
+                variant=key,
+                label=str(chk["label"]),
+                passed=bool(chk["passed"]),
+                baseline=key == baseline,
+            )
+            if res is not None:
+                row.median_s = float(res["median_s"])
+                row.speedup = res.get("speedup")
+                row.achieved_Bps = res.get("achieved_Bps")
+                row.fraction_of_copy = res.get("fraction_of_copy")
+                row.times_s = [float(t) for t in timing.get("times_s", [])]
+            elif chk.get("error"):
+                row.why_not_timed = f"FAILED to run: {chk['error']}"
+            elif not chk["passed"]:
+                row.why_not_timed = f"FAILED check: rel err {chk['rel_err']:.1e} > tol {chk['tol']:.0e}"
+                if chk.get("grad_rel_err"):
+                    worst = max(chk["grad_rel_err"].values())
+                    row.why_not_timed += f", grads up to {worst:.1e} (tol {chk.get('grad_tol') or 0:.0e})"
+            else:
+                row.why_not_timed = "not timed: the baseline (eager) failed its check"
+            rows.append(row)
+    return SavedRun(
+        kind=data["kind"],
+        env=data.get("env") or {},
+        dtype=str(cfg["dtype"]),
+        backward=bool(cfg["backward"]),
+        device=str(cfg["device"]),
+        trials=int(cfg["trials"]),
+        baseline=comp0.get("baseline", "eager"),
+        copy_ceiling_Bps=data.get("copy_ceiling_Bps"),
+        model_tensors=model_tensors,
+        variant_rows=rows,
+        skipped_sizes=skipped_sizes,
+        skipped_variants=skipped_variants,
+        statistic=comp0.get("statistic", ""),
+        timer=comp0.get("timer", ""),
+        flush_l2=bool(comp0.get("flush_l2", False)),
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Tables: aligned text for a terminal, or markdown to paste in an issue or a README
+# --------------------------------------------------------------------------------------------
+
+
+def _render(header: list[str], body: list[list[str]], right: set[int], markdown: bool) -> str:
+    if markdown:
+        esc = lambda c: c.replace("|", "\\|")
+        lines = ["| " + " | ".join(header) + " |"]
+        lines.append("|" + "|".join("---:" if i in right else ":---" for i in range(len(header))) + "|")
+        lines += ["| " + " | ".join(esc(c) for c in row) + " |" for row in body]
+        return "\n".join(lines)
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    fmt = lambda row: "  ".join(
+        c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+    )
+    return "\n".join(fmt(r).rstrip() for r in [header, *body])
+
+
+def _size(rows: int, cols: int) -> str:
+    return f"{rows} x {cols}"
+
+
+def speedup_cell(row: VariantRow) -> str:
+    """'2.14x (2.11-2.16)', '0.85x slower (0.80-0.90)', or 'no measurable gain (0.98-1.03)'."""
+    if row.median_s is None:
+        return row.why_not_timed
+    sp = row.speedup
+    if sp is None:
+        return BASELINE_VERDICT
+    ci = f"({sp['low']:.2f}-{sp['high']:.2f})"
+    if sp["verdict"] == "faster":
+        return f"{sp['median']:.2f}x {ci}"
+    if sp["verdict"] == "slower":
+        return f"{sp['median']:.2f}x slower {ci}"
+    return f"no measurable gain {ci}"
+
+
+def _notes(run: SavedRun) -> list[str]:
+    bytes_model = {4: "3 inputs read + 1 output written", 11: "forward 4 tensors + backward 7 tensors"}
+    model = bytes_model.get(run.model_tensors, f"{run.model_tensors} tensors")
+    notes = [
+        f"speedup: median({run.baseline}) / median(variant) with a 95% CI from a paired bootstrap over "
+        f"{run.trials} interleaved trials; 'no measurable gain' where the CI holds 1.0",
+        f"bandwidth: minimum fused traffic ({model}) / median time",
+    ]
+    if run.copy_ceiling_Bps:
+        ceiling = fmt_bandwidth(run.copy_ceiling_Bps)
+        notes.append(f"copy ceiling (device-to-device copy, measured in this run): {ceiling}")
+    else:
+        notes.append("no copy ceiling: it is measured on CUDA only")
+    if run.timer:
+        notes.append(f"timer: {run.timer}{', L2 flushed before each call' if run.flush_l2 else ''}")
+    for label, why in run.skipped_variants.items():
+        notes.append(f"{label}: skipped ({why})")
+    for rows, cols, why in run.skipped_sizes:
+        notes.append(f"{_size(rows, cols)}: skipped ({why})")
+    env = run.env
+    notes.append(f"card: {run.card}, torch {env.get('torch')}, triton {env.get('triton')}")
+    return notes
+
+
+def format_run(run: SavedRun, markdown: bool = False) -> str:
+    """The table of a saved run (a sweep, or one size), with its byte model and notes."""
+    n = len(run.sizes)
+    if run.kind == "sweep":
+        title = (
+            f"Sweep: fused tail {run.what}, {run.dtype} on {run.device}, {run.trials} trials per size, "
+            f"{n} size{'s' if n != 1 else ''}"
+            + (f" ({len(run.skipped_sizes)} skipped)" if run.skipped_sizes else "")
+        )
+    else:
+        size = _size(*run.sizes[0]) if run.sizes else ""
+        title = f"Part B: fused tail {run.what}, {size} {run.dtype} on {run.device}, {run.trials} trials"
+    ceiling = bool(run.copy_ceiling_Bps)
+    header = ["size", "variant", "median", f"speedup vs {run.baseline} (95% CI)", "bandwidth"]
+    header += ["% of copy"] if ceiling else []
+    body = []
+    last = None
+    for r in run.variant_rows:
+        # In text the size is printed once per group; pasted markdown keeps it on every row.
+        size = _size(*r.size) if (markdown or r.size != last) else ""
+        last = r.size
+        cells = [
+            size,
+            r.label,
+            fmt_time(r.median_s).strip() if r.median_s is not None else "-",
+            speedup_cell(r),
+            fmt_bandwidth(r.achieved_Bps) if r.achieved_Bps else "-",
+        ]
+        if ceiling:
+            cells.append(f"{r.fraction_of_copy:.0%}" if r.fraction_of_copy is not None else "-")
+        body.append(cells)
+    table = _render(header, body, right={2, 4, 5}, markdown=markdown) if body else "nothing was measured"
+    notes = _notes(run)
+    if markdown:
+        return "\n".join([f"**{title}**", "", table, "", *[f"- {note}" for note in notes]])
+    return "\n".join([f"=== {title} ===", table, *notes])
+
+
+def format_sweep(data: dict, markdown: bool = False) -> str:
+    return format_run(parse(data, "the sweep"), markdown)
+
+
+def format_report(data: dict, markdown: bool = False) -> str:
+    """A saved results.json again: a single run (kind "tail") or a sweep (kind "sweep")."""
+    return format_run(parse(data), markdown)
+
+
+# --------------------------------------------------------------------------------------------
+# CSV: one row per size and variant
+# --------------------------------------------------------------------------------------------
+
+
+def csv_rows(data: dict) -> list[dict]:
+    out = []
+    for r in parse(data).variant_rows:
+        sp = r.speedup or {}
+        timed = r.median_s is not None
+        out.append(
+            {
+                "rows": r.rows,
+                "cols": r.cols,
+                "dtype": r.dtype,
+                "backward": r.backward,
+                "variant": r.variant,
+                "median_s": r.median_s if timed else "",
+                # The baseline's speedup over itself is exactly 1; it has no interval.
+                "speedup": sp.get("median", 1.0 if (timed and r.baseline) else ""),
+                "ci_low": sp.get("low", ""),
+                "ci_high": sp.get("high", ""),
+                "verdict": r.verdict,
+                "achieved_GBps": r.achieved_Bps / 1e9 if r.achieved_Bps else "",
+                "fraction_of_copy": "" if r.fraction_of_copy is None else r.fraction_of_copy,
+                "passed": r.passed,
+            }
+        )
+    return out
+
+
+def write_csv(path: str | Path, data: dict) -> Path:
+    """Written whole or not at all (files.atomic_path)."""
+    rows = csv_rows(data)
+    with atomic_path(path) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(row)
+    return Path(path)
+
+
+# --------------------------------------------------------------------------------------------
+# diff: two saved runs, size by size and variant by variant
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TimeRatio:
+    """median(B) / median(A) of two independent runs; below 1, B is faster."""
+
+    median: float
+    low: float
+    high: float
+    confidence: float
+    method: str
+
+    @property
+    def verdict(self) -> str:
+        if self.high < 1.0:
+            return f"B faster ({self.median - 1:+.0%})"
+        if self.low > 1.0:
+            return f"B slower ({self.median - 1:+.0%})"
+        return "no measurable difference"
+
+
+def _ratio_b_over_a(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.median(b, axis=axis) / np.median(a, axis=axis)
+
+
+def time_ratio_ci(a_s, b_s, confidence: float = 0.95, n_resamples: int = 5000, seed: int = 0) -> TimeRatio:
+    """median(B) / median(A) with a bootstrap CI that resamples each run's trials on its own.
+
+    The unpaired twin of bench.stats.speedup_ci: two saved runs were not interleaved, so trial i of
+    A has nothing to do with trial i of B (their counts may even differ), and pairing them would be
+    invented structure. BCa first, percentile where BCa degenerates, as speedup_ci does.
+    """
+    a = np.asarray(a_s, dtype=float)
+    b = np.asarray(b_s, dtype=float)
+    if a.ndim != 1 or b.ndim != 1 or len(a) < 2 or len(b) < 2:
+        raise ValueError("each run needs at least 2 trials for a confidence interval")
+    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b)) and np.all(a > 0) and np.all(b > 0)):
+        raise ValueError("timings must be positive and finite")
+    point = float(_ratio_b_over_a(a, b))
+    if np.all(a == a[0]) and np.all(b == b[0]):
+        return TimeRatio(point, point, point, confidence, "exact")
+    params = inspect.signature(_sps.bootstrap).parameters
+    for method in ("BCa", "percentile"):
+        gen = np.random.default_rng(seed)
+        # scipy 1.15 renamed random_state to rng.
+        rng = {"rng": gen} if "rng" in params else {"random_state": gen}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # BCa warns (and gives NaN) on degenerate resamples
+            res = _sps.bootstrap(
+                (a, b),
+                _ratio_b_over_a,
+                paired=False,
+                vectorized=True,
+                confidence_level=confidence,
+                n_resamples=n_resamples,
+                method=method,
+                **rng,
+            )
+        low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
+        if math.isfinite(low) and math.isfinite(high):
+            return TimeRatio(point, low, high, confidence, method)
+    return TimeRatio(point, point, point, confidence, "degenerate")
+
+
+def _short_speedup(r: VariantRow | None) -> str:
+    if r is None or r.median_s is None:
+        return "-"
+    if r.speedup is None:
+        return BASELINE_VERDICT
+    return f"{r.speedup['median']:.2f}x" if r.speedup["verdict"] != "no measurable gain" else "no gain"
+
+
+def _describe(run: SavedRun) -> str:
+    return f"{run.card}, {run.dtype}, {run.what}, {run.device}, {run.trials} trials"
+
+
+def format_diff(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
+    """Compare two saved runs (two cards, or before and after a change) size by size, variant by
+    variant: the ratio of medians B/A with a bootstrap CI, and whether the difference is measurable."""
+    ra, rb = parse(a, names[0]), parse(b, names[1])
+    lines = [
+        "=== diff: time ratio B/A per size and variant (below 1: B is faster) ===",
+        f"A: {names[0]} ({_describe(ra)})",
+        f"B: {names[1]} ({_describe(rb)})",
+    ]
+    differs = [
+        f"{what} ({x} vs {y})"
+        for what, x, y in [
+            ("dtype", ra.dtype, rb.dtype),
+            ("pass", ra.what, rb.what),
+            ("device", ra.device, rb.device),
+        ]
+        if x != y
+    ]
+    if differs:
+        lines.append(f"note: A and B differ in {', '.join(differs)}: the times are not like for like")
+    index_a = {(r.size, r.variant): r for r in ra.variant_rows}
+    index_b = {(r.size, r.variant): r for r in rb.variant_rows}
+    keys = list(dict.fromkeys([*index_a, *index_b]))
+    header = ["size", "variant", "median A", "median B", "B/A (95% CI)", "verdict", "speedup A -> B"]
+    body = []
+    only: dict[str, dict[str, list[str]]] = {"A": {}, "B": {}}  # side -> size -> labels
+    last = None
+    for key in keys:
+        x, y = index_a.get(key), index_b.get(key)
+        if x is None or y is None:
+            side, r = ("A", x) if y is None else ("B", y)
+            only[side].setdefault(_size(*r.size), []).append(r.label)
+            continue
+        cells = [
+            _size(*x.size) if x.size != last else "",
+            x.label,
+            fmt_time(x.median_s).strip() if x.median_s is not None else "-",
+            fmt_time(y.median_s).strip() if y.median_s is not None else "-",
+        ]
+        last = x.size
+        if x.median_s is None or y.median_s is None:
+            cells += ["-", "not timed in both runs"]
+        elif len(x.times_s) >= 2 and len(y.times_s) >= 2:
+            ratio = time_ratio_ci(x.times_s, y.times_s)
+            cells += [f"{ratio.median:.2f}x ({ratio.low:.2f}-{ratio.high:.2f})", ratio.verdict]
+        else:
+            cells += [f"{y.median_s / x.median_s:.2f}x", "no per-trial times saved: cannot tell"]
+        cells.append(f"{_short_speedup(x)} -> {_short_speedup(y)}")
+        body.append(cells)
+    lines.append(
+        _render(header, body, right={2, 3}, markdown=False) if body else "no size and variant in common"
+    )
+    for side, items in only.items():
+        if items:
+            lines.append(
+                f"only in {side}: "
+                + "; ".join(f"{size} ({', '.join(labels)})" for size, labels in items.items())
+            )
+    lines.append(
+        "B/A: median(B) / median(A), 95% CI from a bootstrap resampling each run's trials on its own; "
+        "the two runs were not interleaved, so drift between them (clocks, heat, other work) is not in "
+        "the CI: treat a small measurable difference with care"
+    )
+    return "\n".join(lines)

@@ -1,0 +1,401 @@
+"""profuse sweep, report and diff, end to end on the CPU at tiny sizes.
+
+Behaviour only: files exist, parse and hold what they should; an interrupted or failing run leaves
+no half-written file; sizes that do not fit are skipped. Never an assertion on seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from profuse import cli
+from profuse import sweep as S
+from profuse.errors import UsageError
+from profuse.report import plots
+from profuse.report import sweep as R
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+# An empty 8x5 inch canvas at 120 dpi compresses to about 3 KB; axes, ticks, text and markers
+# push a real plot well past 5 KB.
+MIN_DRAWN_PNG_BYTES = 5_000
+# Tiny sizes and two eager variants: the sweep mechanics without compile's ~2-8 s per size.
+TINY = "--rows 64,128 --cols 96 --trials 3 --variants eager,rms_norm --device cpu".split()
+# rows x cols that no machine has memory for: the memory check rejects it before any allocation.
+HUGE_ROWS = 2**40
+
+
+def run_cli(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(argv))
+    return code, out.getvalue(), err.getvalue()
+
+
+def part_files(folder) -> list:
+    return [p.name for p in folder.rglob("*") if p.name.endswith(".part")]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Two tiny sweeps, A and B, saved through the CLI (shared: each run costs a second or two)."""
+    root = tmp_path_factory.mktemp("sweeps")
+    runs = {}
+    for name, seed in (("a", "0"), ("b", "1")):
+        out = root / name
+        code, stdout, stderr = run_cli("sweep", *TINY, "--seed", seed, "--out", str(out))
+        assert code == 0, stderr
+        runs[name] = (out, stdout)
+    return runs
+
+
+# --------------------------------------------------------------------------------------------
+# profuse sweep
+# --------------------------------------------------------------------------------------------
+
+
+def test_sweep_writes_valid_json(saved):
+    out, stdout = saved["a"]
+    data = json.loads((out / "results.json").read_text())
+    assert data["kind"] == "sweep"
+    assert [(r["config"]["rows"], r["config"]["cols"]) for r in data["runs"]] == [(64, 96), (128, 96)]
+    assert data["skipped"] == []
+    assert "env" in data and all("env" not in r for r in data["runs"])  # the environment once
+    assert data["copy_ceiling_Bps"] is None  # measured on CUDA only
+    for run in data["runs"]:
+        assert run["kind"] == "tail"
+        assert set(run["results"]) == {"eager", "rms_norm"}
+        times = run["comparison"]["timings"]["rms_norm"]["times_s"]
+        assert len(times) == 3 and all(t > 0 for t in times)
+        sp = run["results"]["rms_norm"]["speedup"]
+        assert sp["low"] <= sp["median"] <= sp["high"]
+
+
+def test_sweep_writes_csv_one_row_per_size_and_variant(saved):
+    out, _ = saved["a"]
+    with open(out / "results.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert tuple(reader.fieldnames) == R.CSV_FIELDS
+    assert [(r["rows"], r["cols"], r["variant"]) for r in rows] == [
+        ("64", "96", "eager"), ("64", "96", "rms_norm"), ("128", "96", "eager"), ("128", "96", "rms_norm"),
+    ]  # fmt: skip
+    for r in rows:
+        assert r["dtype"] == "float32" and r["backward"] == "False" and r["passed"] == "True"
+        assert float(r["median_s"]) > 0 and float(r["achieved_GBps"]) > 0
+        if r["variant"] == "eager":
+            assert (r["speedup"], r["ci_low"], r["verdict"]) == ("1.0", "", "baseline")
+        else:
+            assert float(r["ci_low"]) <= float(r["speedup"]) <= float(r["ci_high"])
+            assert r["verdict"] in ("faster", "slower", "no measurable gain")
+
+
+@pytest.mark.skipif(not plots.HAS_MATPLOTLIB, reason="matplotlib is not installed")
+@pytest.mark.parametrize("name", [plots.SPEEDUP_PNG, plots.BANDWIDTH_PNG])
+def test_sweep_writes_drawn_pngs(saved, name):
+    out, _ = saved["a"]
+    blob = (out / name).read_bytes()
+    assert blob.startswith(PNG_SIGNATURE)
+    assert len(blob) > MIN_DRAWN_PNG_BYTES
+
+
+def test_sweep_prints_table_and_paths(saved):
+    out, stdout = saved["a"]
+    assert "Sweep: fused tail forward, float32 on cpu" in stdout
+    assert "64 x 96" in stdout and "128 x 96" in stdout and "eager F.rms_norm" in stdout
+    for name in ("results.json", "results.csv"):
+        assert f"wrote {out / name}" in stdout
+    assert part_files(out) == []
+
+
+def test_sweep_without_matplotlib_writes_json_and_csv(tmp_path, monkeypatch):
+    monkeypatch.setattr(plots, "HAS_MATPLOTLIB", False)
+    out = tmp_path / "noplot"
+    code, stdout, _ = run_cli("sweep", "--rows", "64", "--cols", "96", "--trials", "2",
+                              "--variants", "eager", "--device", "cpu", "--out", str(out))  # fmt: skip
+    assert code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["results.csv", "results.json"]
+    assert "pip install matplotlib" in stdout and "profuse[plot]" in stdout
+    with pytest.raises(UsageError, match="pip install"):
+        plots.write_plots(json.loads((out / "results.json").read_text()), out)
+
+
+# --------------------------------------------------------------------------------------------
+# Interrupted or failing runs leave whole files or none
+# --------------------------------------------------------------------------------------------
+
+
+class _InterruptAtSecondSize:
+    """Stands in for the CLI's Progress: Ctrl-C arrives while the second size runs."""
+
+    def __init__(self, *args, **kwargs):
+        self.stages = []
+
+    def __call__(self, stage, done, total):
+        self.stages.append(stage)
+        if stage.startswith("size 2/"):
+            raise KeyboardInterrupt
+
+    def close(self):
+        pass
+
+
+def test_interrupted_sweep_leaves_no_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "Progress", _InterruptAtSecondSize)
+    out = tmp_path / "killed"
+    code, _, stderr = run_cli("sweep", *TINY, "--out", str(out))
+    assert code == 130 and "interrupted" in stderr
+    assert not out.exists() or list(out.iterdir()) == []
+
+
+def test_interrupted_sweep_keeps_the_previous_files(tmp_path, monkeypatch, saved):
+    src, _ = saved["a"]
+    out = tmp_path / "again"
+    out.mkdir()
+    before = {n: (src / n).read_bytes() for n in ("results.json", "results.csv")}
+    for name, blob in before.items():
+        (out / name).write_bytes(blob)
+    monkeypatch.setattr(cli, "Progress", _InterruptAtSecondSize)
+    code, _, _ = run_cli("sweep", *TINY, "--out", str(out))
+    assert code == 130
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+def test_csv_failing_mid_write_leaves_old_file_and_no_temp(tmp_path, monkeypatch, saved):
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    target = tmp_path / "results.csv"
+    target.write_text("old,file\n")
+    real_writerow = csv.DictWriter.writerow
+    written = []
+
+    def disk_full_after_one_row(self, row):
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(row)
+        return real_writerow(self, row)
+
+    monkeypatch.setattr(csv.DictWriter, "writerow", disk_full_after_one_row)
+    with pytest.raises(OSError, match="No space left"):
+        R.write_csv(target, data)
+    assert written  # it failed halfway, not before starting
+    assert target.read_text() == "old,file\n"
+    assert part_files(tmp_path) == []
+
+
+@pytest.mark.skipif(not plots.HAS_MATPLOTLIB, reason="matplotlib is not installed")
+def test_png_failing_mid_write_leaves_no_file(tmp_path, monkeypatch, saved):
+    from matplotlib.figure import Figure
+
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+
+    def half_a_png(self, fname, **kwargs):
+        with open(fname, "wb") as f:
+            f.write(PNG_SIGNATURE)  # a start of a PNG, then the process dies
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Figure, "savefig", half_a_png)
+    with pytest.raises(KeyboardInterrupt):
+        plots.write_plots(data, tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# Sizes that do not fit
+# --------------------------------------------------------------------------------------------
+
+
+def test_oversized_size_is_skipped_with_a_note():
+    cfg = S.SweepConfig(rows=[64, HUGE_ROWS], cols=[96], trials=2, warmup=0, variants=("eager",))
+    res = S.run_sweep(cfg)
+    assert [(r.config.rows, r.config.cols) for r in res.runs] == [(64, 96)]
+    [skip] = res.to_dict()["skipped"]
+    assert (skip["rows"], skip["cols"]) == (HUGE_ROWS, 96)
+    assert "GB" in skip["reason"] and "smaller sizes" in skip["reason"]
+    text = R.format_sweep(res.to_dict())
+    assert f"{HUGE_ROWS} x 96: skipped" in text and "(1 skipped)" in text
+
+
+def test_out_of_memory_is_skipped_and_other_errors_are_not(monkeypatch):
+    real = S.run_tail_bench
+
+    def oom_at_128(cfg, **kwargs):
+        if cfg.rows == 128:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(cfg, **kwargs)
+
+    monkeypatch.setattr(S, "run_tail_bench", oom_at_128)
+    cfg = S.SweepConfig(rows=[64, 128], cols=[96], trials=2, warmup=0, variants=("eager",))
+    res = S.run_sweep(cfg)
+    assert len(res.runs) == 1
+    assert res.skipped[0].rows == 128 and "out of memory" in res.skipped[0].reason
+
+    def broken(cfg, **kwargs):
+        raise RuntimeError("a real bug")
+
+    monkeypatch.setattr(S, "run_tail_bench", broken)
+    with pytest.raises(RuntimeError, match="a real bug"):
+        S.run_sweep(cfg)
+
+
+def test_sweep_where_nothing_fits_writes_nothing(tmp_path):
+    out = tmp_path / "none"
+    code, _, stderr = run_cli("sweep", "--rows", str(HUGE_ROWS), "--cols", "96", "--trials", "2",
+                              "--variants", "eager", "--device", "cpu", "--out", str(out))  # fmt: skip
+    assert code == 2 and "no size fitted" in stderr
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# The sweep's settings and progress
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"rows": [], "cols": [96]}, "at least one"),
+        ({"rows": [64], "cols": [96], "variants": ("eager", "nope")}, "unknown variant"),
+        ({"rows": [64, 0], "cols": [96]}, "positive"),
+        ({"rows": [64], "cols": [96], "trials": 1}, "at least 2"),
+    ],
+)
+def test_bad_settings_fail_before_any_size_runs(kwargs, match):
+    with pytest.raises(UsageError, match=match):
+        S.SweepConfig(**kwargs)
+
+
+def test_config_adds_the_baseline_and_drops_repeated_sizes():
+    cfg = S.SweepConfig(rows=[64, 64, 128], cols=[96], variants=("rms_norm",))
+    assert cfg.sizes() == [(64, 96), (128, 96)]
+    assert cfg.variants == ("eager", "rms_norm")
+
+
+def test_progress_counts_over_the_whole_sweep_and_compiles_fresh_per_size(monkeypatch):
+    resets = []
+    monkeypatch.setattr(S._compile, "reset", lambda: resets.append(1))
+    calls = []
+    cfg = S.SweepConfig(rows=[64, 128], cols=[96], trials=2, warmup=0, variants=("eager", "rms_norm"))
+    S.run_sweep(cfg, progress=lambda stage, done, total: calls.append((stage, done, total)))
+    assert len(resets) == 2
+    assert {total for _, _, total in calls} == {2 * S.STEPS_PER_SIZE}
+    dones = [done for _, done, _ in calls]
+    assert dones == sorted(dones) and dones[-1] == 2 * S.STEPS_PER_SIZE
+    stages = list(dict.fromkeys(stage for stage, _, _ in calls))
+    assert stages == ["size 1/2: 64 x 96", "size 2/2: 128 x 96"]
+
+
+def test_sweep_with_torch_compile_compiles_each_size():
+    # The one test with compile (a few seconds per size on CPU): after reset() the second size
+    # compiles fresh inside the bench, so its timing loop never trips no_recompiles().
+    cfg = S.SweepConfig(rows=[32, 48], cols=[64], trials=2, warmup=1, variants=("eager", "compile"))
+    res = S.run_sweep(cfg)
+    assert res.skipped == []
+    for run in res.runs:
+        assert run.checks["compile"].passed
+        assert "compile" in run.comparison.timings
+
+
+# --------------------------------------------------------------------------------------------
+# profuse report and profuse diff
+# --------------------------------------------------------------------------------------------
+
+
+def test_report_prints_a_saved_sweep(saved):
+    out, stdout = saved["a"]
+    code, text, _ = run_cli("report", str(out / "results.json"))
+    assert code == 0
+    table = lambda s: s.split("\n\nwrote")[0].strip()
+    assert text.strip() == table(stdout)
+
+
+def test_report_markdown(saved):
+    out, _ = saved["a"]
+    code, text, _ = run_cli("report", str(out / "results.json"), "--markdown")
+    assert code == 0
+    lines = text.splitlines()
+    assert lines[0].startswith("**Sweep: fused tail forward")
+    header = next(i for i, line in enumerate(lines) if line.startswith("| size |"))
+    assert set(lines[header + 1]) <= set("|-: ")
+    assert sum(line.startswith("| 64 x 96 |") or line.startswith("| 128 x 96 |") for line in lines) == 4
+
+
+def test_report_prints_a_single_run(tmp_path):
+    from profuse.bench.tail import TailBenchConfig, run_tail_bench
+    from profuse.files import write_json
+
+    cfg = TailBenchConfig(rows=16, cols=40, trials=2, warmup=0, variants=("eager", "rms_norm"))
+    res = run_tail_bench(cfg)
+    path = write_json(tmp_path / "results.json", res.to_dict())
+    code, text, _ = run_cli("report", str(path))
+    assert code == 0
+    assert "Part B: fused tail forward, 16 x 40 float32 on cpu, 2 trials" in text
+    assert "eager F.rms_norm" in text
+
+
+def test_report_and_plot_show_the_copy_ceiling(tmp_path, saved):
+    # A CUDA run saves the copy ceiling; here it is written into a CPU file to check the rendering.
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    data["copy_ceiling_Bps"] = 4.0e12
+    for run in data["runs"]:
+        for res in run["results"].values():
+            res["fraction_of_copy"] = res["achieved_Bps"] / 4.0e12
+    text = R.format_report(data)
+    assert "% of copy" in text and "4.00 TB/s" in text
+    if plots.HAS_MATPLOTLIB:  # the roof is drawn too
+        png = plots.plot_bandwidth(data, tmp_path / "roof.png")
+        assert png.read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_diff_compares_two_saved_sweeps(saved):
+    a, b = saved["a"][0] / "results.json", saved["b"][0] / "results.json"
+    code, text, _ = run_cli("diff", str(a), str(b))
+    assert code == 0
+    assert f"A: {a}" in text and f"B: {b}" in text
+    assert "64 x 96" in text and "128 x 96" in text
+    rows = [line for line in text.splitlines() if "eager" in line and "x (" in line]
+    assert len(rows) == 4  # two sizes x two variants, each with a ratio and its CI
+    assert all(any(v in line for v in ("B faster", "B slower", "no measurable difference")) for line in rows)
+
+
+def test_diff_notes_sizes_in_one_run_only(saved):
+    a = json.loads((saved["a"][0] / "results.json").read_text())
+    b = json.loads((saved["b"][0] / "results.json").read_text())
+    b["runs"] = b["runs"][:1]
+    text = R.format_diff(a, b)
+    assert "only in A: 128 x 96 (eager, eager F.rms_norm)" in text
+
+
+def test_time_ratio_ci_sees_a_real_difference_and_no_invented_one():
+    rng = np.random.default_rng(0)
+    a = 1.0 + 0.02 * rng.standard_normal(20)
+    faster = 0.5 + 0.01 * rng.standard_normal(25)  # a different trial count: the runs are unpaired
+    r = R.time_ratio_ci(a, faster)
+    assert r.high < 1.0 and r.low <= r.median <= r.high and r.verdict.startswith("B faster")
+    same = 1.0 + 0.02 * rng.standard_normal(20)
+    assert R.time_ratio_ci(a, same).verdict == "no measurable difference"
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "no such file"),
+        ('{"kind": "sweep", "runs": [', "not valid JSON"),
+        ('{"kind": "profile"}', "not a profuse results file"),
+        ("[1, 2]", "not a profuse results file"),
+        ('{"kind": "sweep", "config": {}}', "malformed"),
+    ],
+)
+def test_bad_results_files_are_one_line_errors(tmp_path, saved, content, message):
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    for argv in (["report", str(path)], ["diff", str(saved["a"][0] / "results.json"), str(path)]):
+        code, out, err = run_cli(*argv)
+        assert code == 2 and out == ""
+        assert message in err and len(err.strip().splitlines()) == 1
