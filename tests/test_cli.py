@@ -1,0 +1,173 @@
+"""The command line end to end on a small size, its entry points, and every kind of bad input.
+
+In-process runs call profuse.cli.main; argparse reports its errors by raising SystemExit, which is
+what the real process exits with, so `run` turns that into the exit status.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from profuse.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(argv: list[str], capsys) -> tuple[int, str, str]:
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse's errors and --help
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def assert_one_clear_line(code: int, err: str) -> None:
+    assert code == 2, f"exit status {code}, stderr {err!r}"
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one line on stderr, got {lines}"
+    assert "error" in lines[0]
+
+
+# --------------------------------------------------------------------------------------------
+# End to end
+# --------------------------------------------------------------------------------------------
+
+
+def test_part_b_end_to_end(tmp_path, capsys):
+    argv = ["--skip-profile", "--rows", "64", "--cols", "96", "--trials", "3", "--variants", "eager,rms_norm"]
+    argv += ["--out", str(tmp_path)]
+    if torch.cuda.is_available():
+        argv += ["--device", "cpu"]  # the lines below are the CPU run's
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    assert err == "", f"non-interactive output must carry no progress bar, got {err!r}"
+    lines = [line.strip() for line in out.splitlines()]
+
+    # The lab's lines.
+    diffs = [line for line in lines if "max |diff| vs eager" in line]
+    assert len(diffs) == 2 and diffs[0].startswith("eager:"), diffs
+    assert all("ok" in line and "FAILED" not in line for line in diffs), diffs
+    assert "=== Part B: fused tail, 64 x 96 float32 on cpu, 3 trials ===" in lines
+    traffic = [line for line in lines if line.startswith("minimum traffic if fused: 3 inputs + 1 output =")]
+    assert len(traffic) == 1
+    rows = dict(line.split(": median ", 1) for line in lines if ": median " in line)
+    assert set(rows) == {"eager", "eager F.rms_norm"}, rows
+    assert "CI" in rows["eager F.rms_norm"]  # its speedup (or 'no measurable gain') with the interval
+
+    # results.json: valid JSON with the environment and every timing.
+    path = tmp_path / "results.json"
+    assert any(line.startswith("results:") and str(path) in line for line in lines)
+    data = json.loads(path.read_text())
+    env = data["env"]
+    assert env["torch"] == torch.__version__
+    assert env["python"] == platform.python_version()
+    assert data["config"]["rows"] == 64 and data["config"]["cols"] == 96 and data["config"]["trials"] == 3
+    timings = data["comparison"]["timings"]
+    assert set(timings) == {"eager", "rms_norm"}
+    for name, t in timings.items():
+        assert len(t["times_s"]) == 3, name
+        assert all(math.isfinite(s) and s > 0 for s in t["times_s"]), name
+        assert t["median_s"] == sorted(t["times_s"])[1]
+    sp = data["comparison"]["speedups"]["rms_norm"]
+    assert sp["low"] <= sp["median"] <= sp["high"]
+    assert data["checks"]["eager"]["passed"] and data["checks"]["rms_norm"]["passed"]
+
+
+def test_profile_and_fuse_help():
+    proc = subprocess.run(
+        [sys.executable, "profile_and_fuse.py", "--help"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    for flag in ("--skip-profile", "--rows", "--cols", "--trials", "--device", "--dtype", "--out"):
+        assert flag in proc.stdout, flag
+
+
+def test_python_m_profuse_help():
+    proc = subprocess.run(
+        [sys.executable, "-m", "profuse", "--help"],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "usage: profuse" in proc.stdout and "--skip-profile" in proc.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input: exit 2, one line on stderr, no traceback
+# --------------------------------------------------------------------------------------------
+
+# A small run, so a bad input that slipped through fails fast instead of timing 8192 x 4096;
+# the flags of each case come after and override these (argparse keeps the last).
+SMALL = ["--skip-profile", "--rows", "8", "--cols", "8", "--trials", "2", "--variants", "eager"]
+BAD = {
+    "rows 0": ["--rows", "0"],
+    "rows negative": ["--rows", "-5"],
+    "rows not a number": ["--rows", "many"],
+    "cols 0": ["--cols", "0"],
+    "trials 0": ["--trials", "0"],
+    "trials 1": ["--trials", "1"],
+    "dtype int8": ["--dtype", "int8"],
+    "device tpu": ["--device", "tpu"],
+    "too big for memory": ["--rows", "10000000", "--cols", "10000000"],
+    "unknown variant": ["--variants", "nope"],
+    "unknown flag": ["--frobnicate"],
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_input_exits_2_with_one_line(case, capsys, tmp_path):
+    code, _out, err = run([*SMALL, *BAD[case], "--out", str(tmp_path)], capsys)
+    assert_one_clear_line(code, err)
+    assert not (tmp_path / "results.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")
+def test_device_cuda_without_gpu(capsys, tmp_path):
+    code, _out, err = run([*SMALL, "--device", "cuda", "--out", str(tmp_path)], capsys)
+    assert_one_clear_line(code, err)
+    assert "cuda" in err.lower()
+
+
+def test_nothing_to_run(capsys, tmp_path):
+    code, _out, err = run([*SMALL, "--profile-only", "--out", str(tmp_path)], capsys)
+    assert_one_clear_line(code, err)
+
+
+def test_messages_say_what_is_wrong(capsys, tmp_path):
+    for argv, words in [
+        (["--rows", "0"], ["--rows", "0"]),
+        (["--trials", "1"], ["--trials", "2"]),
+        (["--variants", "nope"], ["nope"]),
+        (["--rows", "10000000", "--cols", "10000000"], ["GB", "smaller"]),
+    ]:
+        code, _out, err = run([*SMALL, *argv, "--out", str(tmp_path)], capsys)
+        assert code == 2
+        for word in words:
+            assert word in err, (argv, err)
+
+
+@pytest.mark.parametrize("argv", [["--rows", "0"], ["--variants", "nope"]], ids=["argparse", "usage-error"])
+def test_bad_input_in_a_real_process(argv, tmp_path):
+    """The same as a user sees it: the process's exit status and its whole stderr."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "profuse", *SMALL, *argv, "--out", str(tmp_path)],
+        cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert_one_clear_line(proc.returncode, proc.stderr)

@@ -1,0 +1,350 @@
+"""The timing harness and its statistics, on synthetic callables whose time ratio is known.
+
+A fake clock makes timings exact: each callable advances it by d * (1 + 0.2 * U), U ~ uniform
+[0, 1) from a seeded generator, so the true ratio of median times of two callables is the ratio
+of their d, and every run is deterministic given its seeds. No assertion here depends on the
+speed of this machine, except the one coarse real-clock test at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from collections import Counter
+
+import numpy as np
+import pytest
+
+import profuse
+from profuse.bench.stats import FASTER, NO_GAIN, SLOWER, STATISTIC, Speedup, speedup_ci
+from profuse.bench.timing import Comparison, CpuTimer, compare
+
+NOISE = 0.2
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def synthetic(clock: FakeClock, d: float, rng: random.Random, log: list | None = None, name: str = ""):
+    """A callable that 'takes' d * (1 + NOISE * U) seconds of fake time."""
+
+    def fn():
+        clock.now += d * (1 + NOISE * rng.random())
+        if log is not None:
+            log.append(name)
+
+    return fn
+
+
+def fake_compare(
+    durations: dict[str, float], baseline: str, seed: int = 0, trials: int = 20, **kw
+) -> Comparison:
+    clock = FakeClock()
+    rng = random.Random(seed)
+    variants = {name: synthetic(clock, d, rng) for name, d in durations.items()}
+    kw.setdefault("n_resamples", 1000)
+    kw.setdefault("warmup", 1)
+    return compare(variants, baseline, trials=trials, device="cpu", seed=seed, timer=CpuTimer(clock), **kw)
+
+
+# --------------------------------------------------------------------------------------------
+# speedup_ci on arrays
+# --------------------------------------------------------------------------------------------
+
+
+def test_point_estimate_is_the_ratio_of_medians():
+    rng = np.random.default_rng(0)
+    base = rng.uniform(1.0, 3.0, 25)
+    var = rng.uniform(0.5, 1.5, 25)
+    sp = speedup_ci(base, var, n_resamples=500)
+    assert sp.median == np.median(base) / np.median(var)  # exact, not approximately
+    assert sp.low <= sp.median <= sp.high
+    assert sp.confidence == 0.95
+    assert "ratio of medians" in STATISTIC
+
+
+def test_identical_data_gives_no_measurable_gain_without_nan():
+    """base == var: every paired resample has ratio exactly 1, BCa degenerates, and the fallback
+    still gives a finite interval, containing 1.0."""
+    data = np.random.default_rng(1).uniform(1e-3, 2e-3, 20)
+    sp = speedup_ci(data, data.copy(), n_resamples=500)
+    assert all(math.isfinite(x) for x in (sp.median, sp.low, sp.high))
+    assert sp.method != "exact"  # the data vary: this went through the bootstrap
+    assert sp.low <= 1.0 <= sp.high
+    assert sp.verdict == NO_GAIN and not sp.measurable
+
+
+def test_constant_data_gives_exact_interval():
+    sp = speedup_ci([2.0] * 5, [1.0] * 5)
+    assert (sp.median, sp.low, sp.high) == (2.0, 2.0, 2.0)
+    assert sp.verdict == FASTER
+
+
+def test_heavily_tied_data_falls_back_without_nan():
+    """Mostly ties: the BCa acceleration is 0/0; the interval must come back finite anyway."""
+    base = np.array([2.0] * 19 + [2.5])
+    var = np.array([1.0] * 20)
+    sp = speedup_ci(base, var, n_resamples=500)
+    assert all(math.isfinite(x) for x in (sp.median, sp.low, sp.high))
+    assert sp.low <= sp.median <= sp.high
+    assert sp.method == "percentile"  # the fallback, taken because BCa came back NaN
+    assert sp.verdict == FASTER
+
+
+@pytest.mark.parametrize(("base_mean", "var_mean", "verdict"), [(2.0, 1.0, FASTER), (1.0, 2.0, SLOWER)])
+def test_clearly_separated_timings(base_mean, var_mean, verdict):
+    rng = np.random.default_rng(2)
+    base = base_mean * (1 + 0.05 * rng.random(15))
+    var = var_mean * (1 + 0.05 * rng.random(15))
+    sp = speedup_ci(base, var, n_resamples=1000)
+    assert sp.verdict == verdict and sp.measurable
+    if verdict == FASTER:
+        assert sp.low > 1.0
+    else:
+        assert sp.high < 1.0
+
+
+def test_bootstrap_keeps_trials_paired():
+    """Drift that slows a whole trial (here 3x, like a clock throttling) slows both sides of the
+    pair, so a paired bootstrap sees through it: the interval stays narrow around the true 1.2.
+    Resampling the two sides independently would mix slow and fast trials and straddle 1.0."""
+    rng = np.random.default_rng(4)
+    drift = rng.uniform(1.0, 3.0, 20)
+    base = 1.2 * drift * (1 + 0.01 * rng.random(20))
+    var = drift * (1 + 0.01 * rng.random(20))
+    sp = speedup_ci(base, var, n_resamples=1000)
+    assert sp.low <= 1.2 <= sp.high
+    assert sp.high - sp.low < 0.05, f"CI {sp.low:.3f}-{sp.high:.3f} is as wide as unpaired data"
+    assert sp.verdict == FASTER
+    # Exactly proportional pairs: every paired resample has ratio 2, so the interval is the point.
+    exact = speedup_ci(2 * drift, drift, n_resamples=500)
+    assert exact.low == pytest.approx(2.0) and exact.high == pytest.approx(2.0)
+
+
+def test_verdict_follows_the_interval_only():
+    assert Speedup(1.5, 1.01, 2.0, 0.95, "BCa").verdict == FASTER
+    assert Speedup(0.7, 0.5, 0.99, 0.95, "BCa").verdict == SLOWER
+    assert Speedup(1.5, 0.99, 2.0, 0.95, "BCa").verdict == NO_GAIN  # a big median is not enough
+    assert Speedup(1.0, 1.0, 1.0, 0.95, "exact").verdict == NO_GAIN
+
+
+def test_same_seed_same_interval():
+    rng = np.random.default_rng(3)
+    base, var = rng.uniform(1, 2, 12), rng.uniform(1, 2, 12)
+    a, b = speedup_ci(base, var, n_resamples=300, seed=7), speedup_ci(base, var, n_resamples=300, seed=7)
+    assert (a.low, a.high) == (b.low, b.high)
+
+
+@pytest.mark.parametrize(
+    ("base", "var"),
+    [
+        ([1.0, 2.0], [1.0, 2.0, 3.0]),  # not paired
+        ([[1.0, 2.0]], [[1.0, 2.0]]),  # not 1-D
+        ([1.0], [1.0]),  # one trial: no interval
+        ([1.0, 0.0], [1.0, 1.0]),  # a zero time
+        ([1.0, 1.0], [1.0, -1.0]),  # a negative time
+        ([1.0, math.nan], [1.0, 1.0]),
+        ([1.0, 1.0], [1.0, math.inf]),
+    ],
+)
+def test_speedup_ci_rejects_bad_input(base, var):
+    with pytest.raises(ValueError):
+        speedup_ci(base, var)
+
+
+# --------------------------------------------------------------------------------------------
+# compare with a fake clock
+# --------------------------------------------------------------------------------------------
+
+
+def test_known_ratio_two_is_found():
+    res = fake_compare({"base": 2e-3, "fast": 1e-3}, "base", seed=0)
+    sp = res.speedups["fast"]
+    assert sp.low <= 2.0 <= sp.high
+    assert sp.verdict == FASTER
+    assert abs(sp.median - 2.0) < 0.2
+    assert set(res.speedups) == {"fast"}  # the baseline gets no speedup against itself
+    assert res.median_s("base") == pytest.approx(2 * res.median_s("fast"), rel=0.1)
+
+
+def test_slower_variant_is_slower():
+    sp = fake_compare({"base": 1e-3, "slow": 3e-3}, "base", seed=1).speedups["slow"]
+    assert sp.low <= 1 / 3 <= sp.high and sp.verdict == SLOWER
+
+
+def test_identical_callables_give_no_measurable_gain():
+    res = fake_compare({"a": 1e-3, "b": 1e-3}, "a", seed=0)
+    sp = res.speedups["b"]
+    assert sp.low <= 1.0 <= sp.high
+    assert sp.verdict == NO_GAIN
+
+
+def test_coverage_over_seeds():
+    """The 95% CI contains the true ratio in most seeds, and two identical callables rarely get a
+    verdict. 30 seeds, 20 trials each; deterministic given the seeds. A correct 95% interval
+    misses in ~1.5 of 30 seeds; >= 24 hits allows for the bootstrap's small-sample
+    undercoverage (28-29 seen) while a broken interval (too narrow, or around the wrong
+    statistic) falls far below."""
+    seeds = range(30)
+    cis = [
+        fake_compare({"base": 2e-3, "fast": 1e-3}, "base", seed=s, n_resamples=300).speedups["fast"]
+        for s in seeds
+    ]
+    covered = sum(sp.low <= 2.0 <= sp.high for sp in cis)
+    assert covered >= 24, f"the CI held the true ratio 2.0 in only {covered} of 30 seeds"
+    null = sum(
+        fake_compare({"a": 1e-3, "b": 1e-3}, "a", seed=s, n_resamples=300).speedups["b"].verdict == NO_GAIN
+        for s in seeds
+    )
+    assert null >= 24, f"identical callables got a verdict in {30 - null} of 30 seeds"
+
+
+def test_trials_are_interleaved_and_shuffled_by_seed():
+    clock = FakeClock()
+    rng = random.Random(0)
+    log: list[str] = []
+    names = ["a", "b", "c", "d"]
+    variants = {n: synthetic(clock, 1e-3, rng, log, n) for n in names}
+    warmup, trials = 2, 12
+    res = compare(
+        variants,
+        "a",
+        trials=trials,
+        device="cpu",
+        warmup=warmup,
+        seed=5,
+        n_resamples=200,
+        timer=CpuTimer(clock),
+    )
+    assert len(res.orders) == trials
+    for order in res.orders:
+        assert sorted(order) == sorted(names)  # every trial times each variant once
+    assert len({tuple(o) for o in res.orders}) > 1, "the order never changes across trials"
+    # The calls really happened in the recorded orders, after all warm-up calls.
+    n_warm = len(names) * (1 + warmup)  # the first call, then the warm-up calls
+    assert Counter(log[:n_warm]) == {n: 1 + warmup for n in names}
+    assert log[n_warm:] == [n for order in res.orders for n in order]
+    for name in names:
+        assert len(res.timings[name].times_s) == trials
+    # Same seed, same orders; another seed, other orders.
+    again = fake_compare(dict.fromkeys(names, 1e-3), "a", seed=5, trials=trials, n_resamples=200)
+    other = fake_compare(dict.fromkeys(names, 1e-3), "a", seed=6, trials=trials, n_resamples=200)
+    assert again.orders == res.orders
+    assert other.orders != res.orders
+
+
+def test_warm_up_and_first_call_stay_out_of_the_trials():
+    """The first call (slow, as a compile is) is timed apart; warm-up calls precede every trial."""
+    clock = FakeClock()
+    rng = random.Random(1)
+    calls = {"n": 0}
+    compile_s = 0.02  # real time: timed_call measures the first call on the wall clock
+
+    def slow_first():
+        calls["n"] += 1
+        if calls["n"] == 1:
+            time.sleep(compile_s)  # sleep returns no earlier than asked
+            clock.now += 1000.0  # and a huge fake duration, which no trial may contain
+        else:
+            clock.now += 1e-3 * (1 + NOISE * rng.random())
+
+    stages = []
+    res = compare(
+        {"base": synthetic(clock, 1e-3, rng), "compiled": slow_first},
+        "base", trials=5, device="cpu", warmup=3, n_resamples=200, timer=CpuTimer(clock),
+        progress=lambda stage, done, total: stages.append((stage, done, total)),
+    )  # fmt: skip
+    assert calls["n"] == 1 + 3 + 5  # first call, warm-up, trials
+    assert res.timings["compiled"].first_call_s >= compile_s
+    assert max(res.timings["compiled"].times_s) < 1.0
+    assert res.warmup == 3
+    assert [s for s in stages if s[0] == "warm-up"] == [("warm-up", 1, 2), ("warm-up", 2, 2)]
+    assert [s for s in stages if s[0] == "trials"][-1] == ("trials", 5, 5)
+    assert stages.index(("warm-up", 2, 2)) < stages.index(("trials", 1, 5))
+
+
+def test_first_calls_given_are_not_called_again():
+    clock = FakeClock()
+    rng = random.Random(2)
+    log: list[str] = []
+    variants = {n: synthetic(clock, 1e-3, rng, log, n) for n in ("a", "b")}
+    res = compare(
+        variants,
+        "a",
+        trials=3,
+        device="cpu",
+        warmup=0,
+        first_calls={"a": 12.5},
+        n_resamples=200,
+        timer=CpuTimer(clock),
+    )
+    assert res.timings["a"].first_call_s == 12.5
+    assert log.count("a") == 3 and log.count("b") == 1 + 3
+
+
+def test_to_dict_is_json_and_holds_every_timing():
+    res = fake_compare({"base": 2e-3, "fast": 1e-3, "same": 2e-3}, "base", seed=3, trials=7)
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["baseline"] == "base" and d["trials"] == 7 and d["seed"] == 3
+    assert d["statistic"] == STATISTIC and d["device"] == "cpu"
+    for name, timing in res.timings.items():
+        assert d["timings"][name]["times_s"] == timing.times_s
+        assert len(timing.times_s) == 7
+        assert d["timings"][name]["median_s"] == timing.median_s
+        assert d["timings"][name]["first_call_s"] == timing.first_call_s
+    assert set(d["speedups"]) == {"fast", "same"}
+    fast = d["speedups"]["fast"]
+    assert fast["verdict"] == FASTER and fast["low"] <= fast["median"] <= fast["high"]
+    assert d["orders"] == res.orders
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(baseline="missing"), "baseline"),
+        (dict(trials=1), "trials"),
+        (dict(warmup=-1), "warmup"),
+    ],
+)
+def test_compare_rejects_bad_arguments(kwargs, match):
+    args = dict(variants={"a": lambda: None, "b": lambda: None}, baseline="a", trials=3, device="cpu")
+    args.update(kwargs)
+    with pytest.raises(ValueError, match=match):
+        compare(**args)
+
+
+def test_public_api_exports_the_harness():
+    assert profuse.compare is compare and profuse.Comparison is Comparison and profuse.Speedup is Speedup
+
+
+# --------------------------------------------------------------------------------------------
+# The real clock, once, coarsely
+# --------------------------------------------------------------------------------------------
+
+
+def _busy(seconds: float):
+    def fn():
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    return fn
+
+
+def test_real_clock_busy_wait_ratio():
+    """Busy-waits of 4 ms and 2 ms: the point estimate lands within 15% of 2 and the verdict is
+    'faster'. Only that: on a noisy shared 2-core machine a real CI cannot promise coverage."""
+    res = compare(
+        {"base": _busy(4e-3), "fast": _busy(2e-3)}, "base", trials=15, device="cpu", warmup=1, n_resamples=500
+    )
+    sp = res.speedups["fast"]
+    assert abs(sp.median - 2.0) <= 0.3, f"ratio {sp.median:.2f}"
+    assert sp.verdict == FASTER
+    assert res.timer == "time.perf_counter"
