@@ -14,6 +14,7 @@ from profuse.model import GPTConfig
 from profuse.profiling import (
     CATEGORIES,
     ProfileConfig,
+    ProfileResult,
     analyze_trace,
     categorize,
     run_profile,
@@ -263,3 +264,33 @@ def test_a_trace_without_steps_is_an_error():
 
 def test_device_is_taken_as_given():
     assert ProfileConfig(model=TINY, device="cpu").device == torch.device("cpu")
+
+
+def test_report_of_a_cuda_profile():
+    summary = analyze_trace(_cuda_trace(), device="cuda")
+    result = ProfileResult(
+        device="cuda:0",
+        compiled=False,
+        precision="bf16 autocast",
+        torch_version=torch.__version__,
+        config={},
+        steps=summary.steps,
+        table="(table)",
+        sort_by="self_device_time_total",
+        rows=[],
+        step_ms=0.1,
+        step_times_ms=[0.1],
+        summary=summary,
+        hotspot=summary.hotspot(),
+        trace_path="trace.json",
+        trace_bytes=1_234_567,
+    )
+    text = format_profile(result)
+    assert text.splitlines()[0] == "=== Part A: top operators over 1 training step (cuda) ==="
+    assert "4 kernels launched per step" in text
+    assert "GPU idle: 50.0% of the step" in text
+    assert text.splitlines()[-1] == (
+        "trace written: ./trace.json (1.2 MB) - open it at https://ui.perfetto.dev"
+    )
+    side = format_profile_comparison(result, result)
+    assert "kernels per step" in side and "GPU idle" in side

@@ -21,6 +21,10 @@ def _shown_path(path: str) -> str:
     return str(p) if p.is_absolute() or str(p).startswith(".") else f"./{p}"
 
 
+def _steps(n: int) -> str:
+    return f"{n} training step" + ("" if n == 1 else "s")
+
+
 def _device_label(r: ProfileResult) -> str:
     kind = r.device.split(":", 1)[0]
     return f"{kind}, torch.compile" if r.compiled else kind
@@ -37,7 +41,7 @@ def format_profile(r: ProfileResult) -> str:
     """The lab's 'Part A' block, then step time, category shares, launches, idle share, hot spot."""
     s = r.summary
     lines = [
-        f"=== Part A: top operators over {r.steps} training steps ({_device_label(r)}) ===",
+        f"=== Part A: top operators over {_steps(r.steps)} ({_device_label(r)}) ===",
         r.table.rstrip(),
         "",
         f"step time: median {r.step_ms:.3f} ms over {r.steps} steps ({r.precision}, synchronised, "
@@ -49,7 +53,7 @@ def format_profile(r: ProfileResult) -> str:
         lines.append(f"{CATEGORY_LABELS[cat]:>{W}}  {pct:5.1f}%  {'#' * round(pct / 2)}")
     lines.append(_per_step(r))
     if s.gpu_idle_pct is not None:
-        lines.append(f"GPU idle between kernels: {s.gpu_idle_pct:.1f}% of the step")
+        lines.append(f"GPU idle: {s.gpu_idle_pct:.1f}% of the step (no kernel, memcpy or memset running)")
     lines.append(f"hot spot: {r.hotspot}")
     lines.append(
         f"trace written: {_shown_path(r.trace_path)} ({_size(r.trace_bytes)}) - open it at {PERFETTO}"
@@ -61,7 +65,7 @@ def format_profile_comparison(eager: ProfileResult, compiled: ProfileResult) -> 
     """Eager and torch.compile side by side: step time, kernels (operators) per step, shares."""
     unit = eager.summary.launch_unit
     lines = [
-        f"=== Part A: eager vs torch.compile, {eager.steps} training steps ({eager.device}) ===",
+        f"=== Part A: eager vs torch.compile, {_steps(eager.steps)} ({eager.device}) ===",
         f"{'':>{W}}  {'eager':>12}  {'torch.compile':>14}",
     ]
 
@@ -82,7 +86,7 @@ def format_profile_comparison(eager: ProfileResult, compiled: ProfileResult) -> 
     )
     if eager.summary.gpu_idle_pct is not None and compiled.summary.gpu_idle_pct is not None:
         row(
-            "GPU idle between kernels",
+            "GPU idle, % of the step",
             f"{eager.summary.gpu_idle_pct:.1f}%",
             f"{compiled.summary.gpu_idle_pct:.1f}%",
         )
