@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,8 +18,11 @@ TINY = dict(n_layer=2, d_model=64, n_head=2, vocab_size=128, seq_len=32, batch_s
 def test_defaults_are_the_labs():
     cfg = GPTConfig()
     assert (cfg.n_layer, cfg.d_model) == (4, 256)  # the lab's model
-    assert cfg.ffn_hidden == 704  # 8/3 * 256 = 682.7, rounded up to a multiple of 64
-    assert cfg.ffn_hidden % 64 == 0 and cfg.head_dim == 64
+    assert cfg.hidden == 704  # 8/3 * 256 = 682.7, rounded up to a multiple of 64
+    assert cfg.head_dim == 64
+    # The hidden size follows d_model through dataclasses.replace: 8/3 * 512 = 1365.3 -> 1408.
+    assert replace(cfg, d_model=512).hidden == 1408
+    assert GPTConfig(ffn_hidden=96).hidden == 96
 
 
 @pytest.mark.parametrize(

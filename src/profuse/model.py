@@ -28,7 +28,7 @@ from profuse.errors import UsageError
 def _default_ffn_hidden(d_model: int) -> int:
     """8/3 * d_model (SwiGLU's three matrices then cost what a 4x GELU MLP's two do), rounded up to 64.
 
-    256 -> 704; 64 keeps the matmul tiles full (Shazeer 2020, LLaMA use the same rounding).
+    256 -> 704; a multiple of 64 keeps the matmul tiles full (LLaMA rounds the same way, to 256).
     """
     return 64 * math.ceil(8 * d_model / 3 / 64)
 
@@ -46,19 +46,17 @@ class GPTConfig:
     # Attention's 4*B*T^2*C = 2.1 GFLOP a forward stays a tenth of the matmuls' 2*5.3M*B*T = 22 GFLOP.
     seq_len: int = 256
     batch_size: int = 8  # 2048 tokens a step: 0.1 s on the lab's M4 laptop, about 0.7 s on 2 x86 cores
-    ffn_hidden: int | None = None  # None: 8/3 * d_model rounded up to a multiple of 64 (704 for 256)
+    ffn_hidden: int | None = None  # None: 8/3 * d_model rounded up to a multiple of 64 (see `hidden`)
     norm_eps: float = 1e-6  # RMSNorm's epsilon, as LLaMA; it matters only for rows near zero
     tie_weights: bool = True  # the head reuses the embedding (GPT-2, nanoGPT): 2.1M fewer weights
 
     def __post_init__(self) -> None:
-        if self.ffn_hidden is None:
-            self.ffn_hidden = _default_ffn_hidden(self.d_model)
         if self.n_layer <= 0:
             raise UsageError(f"the model needs at least one layer, not {self.n_layer}")
         for name in ("d_model", "n_head", "vocab_size", "seq_len", "batch_size", "ffn_hidden"):
             value = getattr(self, name)
-            if value <= 0:
-                raise UsageError(f"{name.replace('_', ' ')} must be a positive number, not {value}")
+            if value is not None and value <= 0:
+                raise UsageError(f"{name} must be a positive number, not {value}")
         if self.d_model % self.n_head:
             raise UsageError(
                 f"d_model {self.d_model} is not divisible by {self.n_head} heads: "
@@ -66,6 +64,14 @@ class GPTConfig:
             )
         if self.norm_eps <= 0:
             raise UsageError(f"norm eps must be positive, not {self.norm_eps}")
+
+    @property
+    def hidden(self) -> int:
+        """The feed-forward's hidden size: ffn_hidden, or 704 for d_model 256 when that is None.
+
+        Resolved here rather than stored, so dataclasses.replace(cfg, d_model=512) gets 1408, not 704.
+        """
+        return self.ffn_hidden if self.ffn_hidden is not None else _default_ffn_hidden(self.d_model)
 
     @property
     def head_dim(self) -> int:
@@ -110,8 +116,8 @@ class SwiGLU(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
-        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.hidden, bias=False)
+        self.w_down = nn.Linear(cfg.hidden, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # each (B, T, F)

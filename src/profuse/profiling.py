@@ -162,7 +162,7 @@ class ProfileConfig:
 
     def to_dict(self) -> dict:
         return {
-            "model": asdict(self.model),
+            "model": {**asdict(self.model), "ffn_hidden": self.model.hidden},
             "device": str(self.device),
             "steps": self.steps,
             "warmup": self.warmup,
