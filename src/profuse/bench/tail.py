@@ -300,10 +300,9 @@ def run_tail_bench(
 
 
 def _kernel_configs(cfg: TailBenchConfig) -> dict:
-    from profuse.env import sm_count
-    from profuse.kernels.tail import backward_config, forward_config
+    from profuse.kernels.tail import chosen_configs
 
-    out = {"forward": forward_config(cfg.rows, cfg.cols, cfg.dtype).to_dict()}
-    if cfg.backward:
-        out["backward"] = backward_config(cfg.rows, cfg.cols, cfg.dtype, sm_count(cfg.device)).to_dict()
+    out = chosen_configs(cfg.rows, cfg.cols, cfg.dtype, cfg.device)
+    if not cfg.backward:
+        del out["backward"]
     return out

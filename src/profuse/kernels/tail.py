@@ -346,23 +346,30 @@ def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int
     bn = triton.next_power_of_2(n_cols)
     out = []
     if bn <= BWD_MAX_FUSED:
+        shapes = []  # (rows per tile, warps)
         for bm in (1, 2, 4, 8):
             tile = bm * bn
-            if bm > _pow2_rows(n_rows) or tile > max(bn, 4096) or (bm > 1 and tile < 1024):
+            if bm > _pow2_rows(n_rows) or tile > max(bn, 2048) or (bm > 1 and tile < 1024):
                 continue
             # ~8 live fp32 values per element: 4 to 16 elements per thread keep them in registers.
-            for w in (4, 8, 16, 32):
-                if 4 <= tile // (32 * w) <= 16:
-                    n_tiles = triton.cdiv(n_rows, bm)
-                    # Persistent grid: about 1024 resident threads per SM (registers allow ~half
-                    # of the 2048 an SM can host at ~64 registers each).
-                    per_sm = max(1, 1024 // (32 * w))
-                    out.append(KernelConfig("fused", bm, bn, w, 2, max(1, min(n_tiles, n_sms * per_sm))))
+            shapes += [(bm, w) for w in (4, 8, 16, 32) if 4 <= tile // (32 * w) <= 16]
+        # favourites: ~8 elements per thread, tiles of ~2K elements
+        shapes.sort(key=lambda s: (abs(s[0] * bn // (32 * s[1]) - 8), abs(s[0] * bn - max(bn, 2048))))
+        for bm, w in shapes[:3]:
+            n_tiles = triton.cdiv(n_rows, bm)
+            # Persistent grid: about 1024 resident threads per SM (at ~64 registers each, what
+            # the register file holds), the row loop pipelined (the next tile's loads issued
+            # early) or not; or half the programs with 2-3 tiles in flight each, which gives
+            # each thread twice the registers for the prefetched tiles.
+            base = max(1, 1024 // (32 * w))
+            half = max(1, base // 2)
+            for stages, per_sm in ((2, base), (1, base), (2, half), (3, half)):
+                cfg = KernelConfig("fused", bm, bn, w, stages, max(1, min(n_tiles, n_sms * per_sm)))
+                if cfg not in out:
+                    out.append(cfg)
         if not out:  # few, narrow rows
             bm = min(_pow2_rows(n_rows), max(1, 2048 // bn))
             out.append(KernelConfig("fused", bm, bn, max(1, min(32, bm * bn // 256)), 1, triton.cdiv(n_rows, bm)))
-        out.sort(key=lambda c: (abs(c.block_m * c.block_n // (32 * c.num_warps) - 8),
-                                abs(c.block_m * c.block_n - max(bn, 2048))))  # fmt: skip
     if bn >= 8192:
         for chunk, w, per_sm in ((2048, 8, 2), (4096, 16, 1), (2048, 4, 4)):
             out.append(KernelConfig("chunked", 1, chunk, w, 1, max(1, min(n_rows, n_sms * per_sm))))
@@ -403,6 +410,23 @@ def autotune_enabled(device: torch.device) -> bool:
 def tuned_configs() -> dict[str, dict]:
     """Every config chosen so far in this process, for the results file."""
     return {"/".join(map(str, k)): v.to_dict() for k, v in _TUNED.items()}
+
+
+ALL_GRADS = (True, True, True, True)
+
+
+def chosen_configs(n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The configs that ran (or would run) for this shape: the autotuner's pick, else the
+    heuristic's favourite. The backward's is the one for all four gradients."""
+    fwd_key = ("fwd", _pow2_rows(n_rows), n_cols, dtype)
+    bwd_key = ("bwd", _pow2_rows(n_rows), n_cols, dtype, ALL_GRADS)
+    sms = sm_count(device)
+    fwd = _TUNED.get(fwd_key) or forward_config(n_rows, n_cols, dtype, sms)
+    bwd = _TUNED.get(bwd_key) or backward_config(n_rows, n_cols, dtype, sms)
+    return {
+        "forward": {**fwd.to_dict(), "autotuned": fwd_key in _TUNED},
+        "backward": {**bwd.to_dict(), "autotuned": bwd_key in _TUNED},
+    }
 
 
 def _pick(key: tuple, candidates: list[KernelConfig], launch, device: torch.device) -> KernelConfig:

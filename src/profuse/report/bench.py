@@ -7,7 +7,7 @@ import math
 from profuse.bench.stats import STATISTIC
 from profuse.bench.traffic import EAGER_FORWARD_TENSORS
 from profuse.env import card_name, dtype_name
-from profuse.report.units import fmt_bandwidth, fmt_bytes, fmt_speedup, fmt_time
+from profuse.report.units import fmt_bandwidth, fmt_bytes, fmt_speedup, fmt_time, time_unit
 
 W = 22  # label column, right-aligned as in the lab's output
 
@@ -64,12 +64,17 @@ def format_tail_bench(res) -> str:
         )
     comp = res.comparison
     if comp is None:
-        lines.append("nothing timed: the baseline (eager) failed its check or no other variant passed")
+        eager = res.checks.get("eager")
+        if eager is None or not eager.passed:
+            lines.append("nothing timed: the baseline (eager) failed its check")
+        else:
+            lines.append("nothing timed: no variant besides eager ran and passed its check")
         return "\n".join(lines)
     base_label = res.labels[comp.baseline]
+    unit = time_unit(comp.median_s(comp.baseline))
     for key, timing in comp.timings.items():
         label = res.labels[key]
-        row = f"{label:>{W}}: median {fmt_time(timing.median_s)}"
+        row = f"{label:>{W}}: median {fmt_time(timing.median_s, unit)}"
         sp = comp.speedups.get(key)
         row += f"   {fmt_speedup(sp, base_label) if sp else '':<45}"
         bw = res.achieved_Bps(key)

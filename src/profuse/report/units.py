@@ -1,19 +1,29 @@
 """Numbers with units a person reads at a glance."""
 
 
-def fmt_time(seconds: float) -> str:
-    """'69.3 us', '26.307 ms', '1.20 s' (the lab prints milliseconds with three decimals)."""
-    if seconds < 1e-3:
+def time_unit(seconds: float) -> str:
+    """The unit a column of times around `seconds` reads best in."""
+    return "us" if seconds < 1e-3 else "ms" if seconds < 1.0 else "s"
+
+
+def fmt_time(seconds: float, unit: str | None = None) -> str:
+    """'69.3 us', '26.307 ms', '1.20 s' (the lab prints milliseconds with three decimals).
+
+    Pass `unit` to keep a column in one unit."""
+    unit = unit or time_unit(seconds)
+    if unit == "us":
         return f"{seconds * 1e6:7.1f} us"
-    if seconds < 1.0:
+    if unit == "ms":
         return f"{seconds * 1e3:7.3f} ms"
-    return f"{seconds:7.2f} s "
+    return f"{seconds:7.2f} s"
 
 
 def fmt_bytes(n: float) -> str:
-    """Decimal megabytes, as the lab prints traffic ('537 MB'); GB past 10 GB."""
+    """Decimal megabytes, as the lab prints traffic ('537 MB'); GB past 10 GB, kB under 1 MB."""
     if n >= 10e9:
         return f"{n / 1e9:.1f} GB"
+    if n < 1e6:
+        return f"{n / 1e3:.0f} kB"
     return f"{n / 1e6:.0f} MB"
 
 
