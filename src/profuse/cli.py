@@ -88,7 +88,8 @@ def _add_bench_args(p: argparse.ArgumentParser, sizes_are_lists: bool = False) -
     g.add_argument(
         "--variants", default=None,
         help="comma-separated variants to run, from: eager, rms_norm, compile, compile-max, triton, "
-        "liger (default: all but compile-max; eager, the baseline, is always in)",
+        "liger (default on CUDA: all but compile-max; on CPU: eager, compile; eager, the "
+        "baseline, is always in)",
     )  # fmt: skip
     g.add_argument("--warm-cache", action="store_true",
                    help="do not flush the L2 cache before each timed call (CUDA)")  # fmt: skip
@@ -180,10 +181,10 @@ class Progress:
 
 
 def _bench_config(args, device, rows: int, cols: int):
-    from profuse.bench.tail import DEFAULT_VARIANTS, TailBenchConfig
+    from profuse.bench.tail import TailBenchConfig, default_variants
     from profuse.env import resolve_dtype
 
-    names = DEFAULT_VARIANTS if args.variants is None else tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    names = default_variants(device) if args.variants is None else tuple(v.strip() for v in args.variants.split(",") if v.strip())
     return TailBenchConfig(
         rows=rows,
         cols=cols,

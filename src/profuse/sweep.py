@@ -44,7 +44,7 @@ class SweepConfig:
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     trials: int = 30  # interleaved trials per size
-    warmup: int = 3
+    warmup: int | None = None  # as TailBenchConfig: 3 on CUDA, 1 on CPU
     seed: int = 0  # the same seed at every size: inputs and trial orders differ only by shape
     backward: bool = False  # time forward + backward instead of the forward alone
     variants: Sequence[str] = DEFAULT_VARIANTS
