@@ -399,3 +399,50 @@ def test_bad_results_files_are_one_line_errors(tmp_path, saved, content, message
         code, out, err = run_cli(*argv)
         assert code == 2 and out == ""
         assert message in err and len(err.strip().splitlines()) == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Grids over hidden sizes (--elements) and speedups over another variant (report --vs)
+# --------------------------------------------------------------------------------------------
+
+
+def test_elements_give_each_cols_its_own_rows(tmp_path):
+    code, _, stderr = run_cli(
+        "sweep", "--elements", "6K,12K", "--cols", "96,200", "--trials", "3", "--variants", "eager",
+        "--device", "cpu", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert code == 0, stderr
+    data = json.loads((tmp_path / "results.json").read_text())
+    sizes = [(r["config"]["rows"], r["config"]["cols"]) for r in data["runs"]]
+    # rows = elements // cols, per cols value: 6144 // 96 = 64, 12288 // 96 = 128, ...
+    assert sizes == [(64, 96), (128, 96), (30, 200), (61, 200)]
+    assert data["config"]["elements"] == [6144, 12288]
+
+
+@pytest.mark.parametrize("value", ["0", "-4M", "4X", ","])
+def test_bad_elements_are_one_line_errors(value):
+    code, _, stderr = run_cli("sweep", "--elements", value)
+    assert code == 2
+    assert len(stderr.strip().splitlines()) == 1 and "--elements" in stderr
+
+
+def test_report_vs_recomputes_speedups_from_the_saved_trials(saved):
+    out, _ = saved["a"]
+    data = json.loads((out / "results.json").read_text())
+    rebased = R.rebase(data, "rms_norm")
+    for run, old in zip(rebased["runs"], data["runs"]):
+        times = {k: np.array(v["times_s"]) for k, v in old["comparison"]["timings"].items()}
+        eager = rebased_sp = run["results"]["eager"]["speedup"]
+        # the point estimate is the ratio of the saved medians, rms_norm over eager
+        assert rebased_sp["median"] == pytest.approx(np.median(times["rms_norm"]) / np.median(times["eager"]))
+        assert eager["low"] <= eager["median"] <= eager["high"]
+        assert run["results"]["rms_norm"]["speedup"] is None  # the new baseline
+        assert old["results"]["eager"]["speedup"] is None  # the original is left alone
+    code, stdout, _ = run_cli("report", str(out / "results.json"), "--vs", "rms_norm")
+    assert code == 0 and "speedup vs rms_norm" in stdout
+
+
+def test_report_vs_an_untimed_variant_is_a_one_line_error(saved):
+    out, _ = saved["a"]
+    code, _, stderr = run_cli("report", str(out / "results.json"), "--vs", "triton")
+    assert code == 2 and len(stderr.strip().splitlines()) == 1 and "triton" in stderr

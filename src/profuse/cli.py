@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -54,6 +55,19 @@ def int_list(text: str) -> list[int]:
     if not parts:
         raise argparse.ArgumentTypeError("expected a comma-separated list of sizes")
     return [positive_int(p) for p in parts]
+
+
+def element_list(text: str) -> list[int]:
+    """'4M,32M,128M' -> [4194304, 33554432, 134217728] (K, M and G are powers of 1024)."""
+    scale = {"K": 2**10, "M": 2**20, "G": 2**30}
+    out = []
+    for part in (p for p in text.replace(" ", "").split(",") if p):
+        unit = scale.get(part[-1].upper(), 1)
+        number = part[:-1] if unit > 1 else part
+        out.append(positive_int(number) * unit)
+    if not out:
+        raise argparse.ArgumentTypeError("expected a comma-separated list such as 4M,32M,128M")
+    return out
 
 
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
@@ -300,6 +314,11 @@ def build_sweep_parser() -> argparse.ArgumentParser:
     rows = p._option_string_actions["--rows"]
     rows.default = SWEEP_ROWS
     rows.help = f"comma-separated rows of the tail's tensors (default: {','.join(map(str, SWEEP_ROWS))})"
+    p.add_argument(
+        "--elements", type=element_list, default=(),
+        help="comma-separated elements per tensor, e.g. 4M,32M,128M: each --cols value then gets "
+        "rows = elements / cols (instead of --rows), for a grid over hidden sizes",
+    )  # fmt: skip
     _add_out_arg(p, "profuse-sweep", "results.json, results.csv, speedup.png and bandwidth.png")
     return p
 
@@ -308,6 +327,9 @@ def build_report_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="profuse report", description="Print a saved run of profuse or profuse sweep again.")
     p.add_argument("results", type=Path, help="a results.json written by profuse or profuse sweep")
     p.add_argument("--markdown", action="store_true", help="a markdown table, for an issue or a README")
+    p.add_argument("--vs", default=None, metavar="VARIANT",
+                   help="speedups over this variant (e.g. compile, compile-max) instead of eager, "
+                   "from the saved per-trial times")  # fmt: skip
     return p
 
 
@@ -333,7 +355,7 @@ def cmd_sweep(argv: list[str]) -> int:
     device = resolve_device(args.device)
     # The one-size config maps the shared flags (dtype, variants, --warm-cache) as Part B does.
     first = _bench_config(args, device, args.rows[0], args.cols[0])
-    cfg = SweepConfig.from_bench(first, args.rows, args.cols)
+    cfg = SweepConfig.from_bench(first, args.rows, args.cols, args.elements)
     progress = Progress()
     try:
         res = run_sweep(cfg, progress=progress)
@@ -357,10 +379,13 @@ def cmd_sweep(argv: list[str]) -> int:
 
 
 def cmd_report(argv: list[str]) -> int:
-    from profuse.report.sweep import format_report, load_results
+    from profuse.report.sweep import format_report, load_results, rebase
 
     args = build_report_parser().parse_args(argv)
-    print(format_report(load_results(args.results), markdown=args.markdown))
+    data = load_results(args.results)
+    if args.vs:
+        data = rebase(data, args.vs)
+    print(format_report(data, markdown=args.markdown))
     return 0
 
 
@@ -388,3 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("profuse: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `profuse ... | head`: the reader left; nothing more to say
+        # Point stdout at /dev/null so the interpreter's final flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except SystemExit as exit_:  # argparse (--help, a bad flag): a code, for callers of main()
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 2)

@@ -51,7 +51,14 @@ class SweepConfig:
     flush_l2: bool = True
     eps: float = DEFAULT_EPS
 
+    # Elements per tensor: with these, each cols value gets rows = elements // cols (the --rows
+    # list is not used), so a grid over hidden sizes holds the same amounts of data.
+    elements: Sequence[int] = ()
+
     def __post_init__(self):
+        self.elements = tuple(dict.fromkeys(int(e) for e in self.elements))
+        if any(e <= 0 for e in self.elements):
+            raise UsageError(f"--elements must be positive, got {list(self.elements)}")
         # Repeated sizes would be timed twice and plotted on top of each other: keep the first.
         self.rows = tuple(dict.fromkeys(int(r) for r in self.rows))
         self.cols = tuple(dict.fromkeys(int(c) for c in self.cols))
@@ -64,11 +71,15 @@ class SweepConfig:
         self.variants = tuple(configs[0].variants)  # with the baseline added where it was left out
 
     @classmethod
-    def from_bench(cls, bench: TailBenchConfig, rows: Sequence[int], cols: Sequence[int]) -> SweepConfig:
+    def from_bench(
+        cls, bench: TailBenchConfig, rows: Sequence[int], cols: Sequence[int], elements: Sequence[int] = ()
+    ) -> SweepConfig:
         """The settings of one bench config (as the CLI builds it), over lists of sizes."""
-        return cls(rows=rows, cols=cols, **_settings(bench))
+        return cls(rows=rows, cols=cols, elements=elements, **_settings(bench))
 
     def sizes(self) -> list[tuple[int, int]]:
+        if self.elements:
+            return list(dict.fromkeys((max(1, e // c), c) for c in self.cols for e in self.elements))
         return [(r, c) for r in self.rows for c in self.cols]
 
     def bench_config(self, rows: int, cols: int) -> TailBenchConfig:
@@ -79,6 +90,7 @@ class SweepConfig:
         d.update(
             rows=list(self.rows),
             cols=list(self.cols),
+            elements=list(self.elements),
             dtype=dtype_name(self.dtype),
             device=str(self.device),
             variants=list(self.variants),

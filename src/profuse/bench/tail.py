@@ -278,7 +278,7 @@ def run_tail_bench(
 
     passed = [k for k in keys if checks[k].passed]
     comparison = None
-    if BASELINE in passed and len(passed) > 1:
+    if BASELINE in passed:
         with _compile.no_recompiles():
             comparison = compare(
                 {k: runners[k] for k in passed},

@@ -7,6 +7,7 @@ never live objects, so a file saved months ago on another card renders like a ru
 
 from __future__ import annotations
 
+import copy
 import csv
 import inspect
 import json
@@ -119,6 +120,34 @@ def load_results(path: str | Path) -> dict:
         raise UsageError(f"{p} is not valid JSON (line {err.lineno}: {err.msg}); was it cut short?") from None
     parse(data, str(p))  # fail here, in one line, rather than halfway through a table
     return data
+
+
+def rebase(data: dict, baseline: str) -> dict:
+    """A copy of a saved run whose speedups are over `baseline` (a variant key, e.g. compile)
+    instead of eager, recomputed from the saved per-trial times: the trials interleaved every
+    variant, so the pairs (and the paired bootstrap) hold for any two of them."""
+    from profuse.bench.stats import speedup_ci
+
+    out = copy.deepcopy(data)
+    entries = [out] if out.get("kind") == "tail" else list(out.get("runs", []))
+    if not any(baseline in ((e.get("comparison") or {}).get("timings") or {}) for e in entries):
+        raise UsageError(f"no size of this run timed the variant {baseline!r}: nothing to compare against")
+    for entry in entries:
+        comp = entry.get("comparison") or {}
+        timings = comp.get("timings") or {}
+        if baseline not in timings:
+            entry["comparison"] = None  # this size cannot say anything against the new baseline
+            entry["results"] = {}
+            continue
+        base = timings[baseline]["times_s"]
+        comp["baseline"] = baseline
+        comp["speedups"] = {}
+        for key, res in (entry.get("results") or {}).items():
+            sp = None if key == baseline else speedup_ci(base, timings[key]["times_s"]).to_dict()
+            res["speedup"] = sp
+            if sp:
+                comp["speedups"][key] = sp
+    return out
 
 
 def parse(data: dict, source: str = "results") -> SavedRun:
