@@ -171,3 +171,21 @@ def test_bad_input_in_a_real_process(argv, tmp_path):
         cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert_one_clear_line(proc.returncode, proc.stderr)
+
+
+def test_without_triton_profuse_imports_and_skips_the_triton_row(tmp_path):
+    # sys.modules[name] = None makes `import triton` fail, as on a machine without it.
+    script = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import profuse\n"
+        "from profuse.cli import main\n"
+        f"sys.exit(main(['--skip-profile', '--rows', '8', '--cols', '16', '--trials', '2', "
+        f"'--variants', 'eager,triton', '--out', {str(tmp_path)!r}]))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "triton: skipped (triton is not installed" in proc.stdout
+    assert "pip install triton" in proc.stdout
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert "triton is not installed" in saved["skipped"]["triton"]
