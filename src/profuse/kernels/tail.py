@@ -111,35 +111,43 @@ def _tail_fwd_chunked_kernel(
     BLOCK_N: tl.constexpr,  # a chunk of the row; the row is n_cols / BLOCK_N chunks
     STORE_RSTD: tl.constexpr,
 ):
-    """One row per program, in chunks: pass 1 sums h^2, pass 2 (reverse order) writes y."""
+    """Rows in chunks: pass 1 sums h^2, pass 2 (chunks in reverse) writes y.
+
+    Program p takes rows p, p + P, ...: with a persistent grid (P ~ the SMs) only P rows are
+    in flight, so pass 2's re-reads find the row still in L2 (132 rows x 3 x 128 KB = 50 MB at
+    65536 bf16 columns, under the H200's 60 MB); with one program per row they would not.
+    """
     eps = tl.cast(eps, tl.float32)
-    row = tl.program_id(0).to(tl.int64)
-    g_row = G_ptr + row * g_row_stride
-    u_row = U_ptr + row * u_row_stride
-    r_row = R_ptr + row * r_row_stride
-    y_row = Y_ptr + row * y_row_stride
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
     n_chunks = tl.cdiv(n_cols, BLOCK_N)
-    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for c in range(0, n_chunks):
-        cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = cols < n_cols
-        g = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_row + cols, mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
-        h = g * tl.sigmoid(g) * u + r
-        acc += h * h
-    rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
-    for i in range(0, n_chunks):
-        cols = (n_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = cols < n_cols
-        g = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(u_row + cols, mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        h = g * tl.sigmoid(g) * u + r
-        tl.store(y_row + cols, (h * rstd * w).to(Y_ptr.dtype.element_ty), mask=mask)
-    if STORE_RSTD:
-        tl.store(RSTD_ptr + row, rstd)
+    for row in range(pid, n_rows, n_programs):
+        row64 = tl.cast(row, tl.int64)
+        g_row = G_ptr + row64 * g_row_stride
+        u_row = U_ptr + row64 * u_row_stride
+        r_row = R_ptr + row64 * r_row_stride
+        y_row = Y_ptr + row64 * y_row_stride
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for c in range(0, n_chunks):
+            cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = cols < n_cols
+            g = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
+            u = tl.load(u_row + cols, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
+            h = g * tl.sigmoid(g) * u + r
+            acc += h * h
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
+        for i in range(0, n_chunks):
+            cols = (n_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = cols < n_cols
+            g = tl.load(g_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            u = tl.load(u_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            r = tl.load(r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            h = g * tl.sigmoid(g) * u + r
+            tl.store(y_row + cols, (h * rstd * w).to(Y_ptr.dtype.element_ty), mask=mask)
+        if STORE_RSTD:
+            tl.store(RSTD_ptr + row64, rstd)
 
 
 @triton.jit
@@ -337,7 +345,10 @@ def forward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int 
             if programs < triton.cdiv(n_rows, c.block_m):
                 out += [replace(c, num_stages=st, programs=programs) for st in (2, 3)]
     if bn >= 16384:
-        out += [KernelConfig("chunked", 1, chunk, w) for chunk, w in ((4096, 8), (8192, 16), (4096, 16))]
+        # One program per row, or a persistent grid of 1-2 per SM whose rows stay in L2
+        # between the two passes.
+        for chunk, w, per_sm in ((4096, 16, 1), (4096, 8, 2), (8192, 16, 1), (4096, 8, 0)):
+            out.append(KernelConfig("chunked", 1, chunk, w, 1, n_sms * per_sm))
     return out
 
 
@@ -504,7 +515,8 @@ def tail_forward(
                 num_warps=cfg.num_warps,
             )
         else:
-            k = _tail_fwd_chunked_kernel[(n_rows,)](
+            grid = (min(cfg.programs, n_rows) if cfg.programs else n_rows,)
+            k = _tail_fwd_chunked_kernel[grid](
                 *args, BLOCK_N=cfg.block_n, STORE_RSTD=True, num_warps=cfg.num_warps
             )
         _log_launch("fwd", cfg, k)
