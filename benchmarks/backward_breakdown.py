@@ -74,7 +74,12 @@ def main() -> int:
         ms = do_bench(fn, warmup=25, rep=200, return_mode="median")
         cpu = cpu_issue_ms(fn)
         frac = model[name] * tensor / (dev_ms * 1e-3) / ceiling
-        res["parts"][name] = {"device_ms": dev_ms, "do_bench_ms": ms, "cpu_issue_ms": cpu, "fraction_of_copy": frac}
+        res["parts"][name] = {
+            "device_ms": dev_ms,
+            "do_bench_ms": ms,
+            "cpu_issue_ms": cpu,
+            "fraction_of_copy": frac,
+        }
         print(f"{name:>30}: device {dev_ms * 1e3:7.1f} us ({frac:.0%} of copy on {model[name]} tensors), "
               f"do_bench {ms * 1e3:7.1f} us, CPU issue {cpu * 1e3:7.1f} us")  # fmt: skip
     res["configs"] = tuned_configs()

@@ -58,7 +58,9 @@ def main() -> int:
     worst = max(abs(r["ratio"] - 1) for r in rows.values() if "ratio" in r)
     print(f"largest disagreement: {worst:.1%} (target: within 5%)")
     if args.out:
-        write_json(args.out, {"rows": args.rows, "cols": args.cols, "backward": args.backward, "variants": rows})
+        write_json(
+            args.out, {"rows": args.rows, "cols": args.cols, "backward": args.backward, "variants": rows}
+        )
     return 0
 
 

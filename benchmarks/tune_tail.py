@@ -12,19 +12,20 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from dataclasses import replace
 import sys
 import time
+from dataclasses import replace
+from functools import partial
 
 import torch
 import triton
 from triton.testing import do_bench
 
+import profuse.kernels.tail as K
 from profuse import tail as T
 from profuse.bench.traffic import copy_ceiling
 from profuse.env import sm_count
 from profuse.files import write_json
-import profuse.kernels.tail as K
 from profuse.kernels.tail import (
     KernelConfig,
     backward_candidates,
@@ -94,13 +95,15 @@ def main() -> int:
                     regs, spills = K.LAUNCH_LOG[-1][2:]
                     K.LAUNCH_LOG = None
                     err = T.relative_error(y, ref_y)
-                    ms = do_bench(lambda: tail_forward(g, u, r, w, 1e-6, cfg), warmup=10, rep=60, return_mode="median")
+                    ms = do_bench(
+                        partial(tail_forward, g, u, r, w, 1e-6, cfg), warmup=10, rep=60, return_mode="median"
+                    )
                 except Exception as e:  # noqa: BLE001 - a config that cannot compile is just skipped
                     print(f"  fwd {cfg} failed: {str(e).splitlines()[0][:100]}", flush=True)
                     continue
                 frac = 4 * nbytes / (ms * 1e-3) / ceiling
-                shape["fwd"].append({**cfg.to_dict(), "ms": ms, "frac": frac, "rel_err": err, "default": cfg == default,
-                                     "regs": regs, "spills": spills})  # fmt: skip
+                row = {"ms": ms, "frac": frac, "rel_err": err, "regs": regs, "spills": spills}
+                shape["fwd"].append({**cfg.to_dict(), **row, "default": cfg == default})
             shape["fwd"].sort(key=lambda c: c["ms"])
             best = shape["fwd"][0] if shape["fwd"] else None
             print(f"{n_rows}x{n_cols} fwd best {best}", flush=True)
@@ -119,14 +122,14 @@ def main() -> int:
                     regs, spills = K.LAUNCH_LOG[-1][2:]
                     K.LAUNCH_LOG = None
                     err = max(T.relative_error(a, b) for a, b in zip(out, ref))
-                    ms = do_bench(lambda: tail_backward(dy, g, u, r, w, rstd, needs, cfg), warmup=10, rep=60,
+                    ms = do_bench(partial(tail_backward, dy, g, u, r, w, rstd, needs, cfg), warmup=10, rep=60,
                                   return_mode="median")  # fmt: skip
                 except Exception as e:  # noqa: BLE001
                     print(f"  bwd {cfg} failed: {str(e).splitlines()[0][:100]}", flush=True)
                     continue
                 frac = 7 * nbytes / (ms * 1e-3) / ceiling
-                shape["bwd"].append({**cfg.to_dict(), "ms": ms, "frac": frac, "rel_err": err, "default": cfg == default,
-                                     "regs": regs, "spills": spills})  # fmt: skip
+                row = {"ms": ms, "frac": frac, "rel_err": err, "regs": regs, "spills": spills}
+                shape["bwd"].append({**cfg.to_dict(), **row, "default": cfg == default})
             shape["bwd"].sort(key=lambda c: c["ms"])
             best = shape["bwd"][0] if shape["bwd"] else None
             print(f"{n_rows}x{n_cols} bwd best {best}", flush=True)

@@ -1,10 +1,10 @@
 """The command line: argparse -> configs -> run -> report.
 
-    profuse [flags]              the lab's main job: Part A (profile a training step), then Part B
-    profuse profile [flags]      Part A alone (also: profuse --profile-only)
-    profuse sweep [flags]        Part B over several sizes, with CSV and plots
-    profuse report RESULTS.json  print a saved run again (--markdown for a table to paste)
-    profuse diff A.json B.json   compare two saved runs variant by variant
+profuse [flags]              the lab's main job: Part A (profile a training step), then Part B
+profuse profile [flags]      Part A alone (also: profuse --profile-only)
+profuse sweep [flags]        Part B over several sizes, with CSV and plots
+profuse report RESULTS.json  print a saved run again (--markdown for a table to paste)
+profuse diff A.json B.json   compare two saved runs variant by variant
 """
 
 from __future__ import annotations
@@ -113,11 +113,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Part A: the profiled GPT training step")
     g.add_argument("--layers", type=int, default=None, help="transformer blocks (default: 4)")
     g.add_argument("--d-model", type=int, default=None, help="hidden size (default: 256)")
-    g.add_argument("--heads", type=int, default=None, help="attention heads; must divide --d-model (default: 4)")
+    g.add_argument(
+        "--heads", type=int, default=None, help="attention heads; must divide --d-model (default: 4)"
+    )
     g.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (default: 8192)")
     g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 256)")
     g.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: 8)")
-    g.add_argument("--profile-steps", type=positive_int, default=4, help="profiled training steps (default: 4)")
+    g.add_argument(
+        "--profile-steps", type=positive_int, default=4, help="profiled training steps (default: 4)"
+    )
     g.add_argument("--compile-step", action="store_true",
                    help="also profile the step with the model under torch.compile, side by side")  # fmt: skip
 
@@ -149,8 +153,10 @@ def build_profile_parser() -> argparse.ArgumentParser:
     _add_device_args(p)
     _add_model_args(p)
     _add_out_arg(p, ".", "trace.json and profile.json")
-    p.add_argument("--nproc", type=positive_int, default=None,
-                   help="profile data-parallel training on N processes (DDP; NCCL on GPUs, gloo on CPU)")  # fmt: skip
+    p.add_argument(
+        "--nproc", type=positive_int, default=None,
+        help="profile data-parallel training on N processes (DDP; NCCL on GPUs, gloo on CPU)",
+    )  # fmt: skip
     return p
 
 
@@ -198,7 +204,11 @@ def _bench_config(args, device, rows: int, cols: int):
     from profuse.bench.tail import TailBenchConfig, default_variants
     from profuse.env import resolve_dtype
 
-    names = default_variants(device) if args.variants is None else tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    names = (
+        default_variants(device)
+        if args.variants is None
+        else tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    )
     return TailBenchConfig(
         rows=rows,
         cols=cols,
@@ -225,7 +235,9 @@ def _profile_config(args, device):
         "batch_size": args.batch_size,
     }
     model = GPTConfig(**{k: v for k, v in overrides.items() if v is not None})
-    return ProfileConfig(model=model, device=device, steps=args.profile_steps, out_dir=args.out, seed=args.seed)
+    return ProfileConfig(
+        model=model, device=device, steps=args.profile_steps, out_dir=args.out, seed=args.seed
+    )
 
 
 def run_part_a(args, device) -> None:

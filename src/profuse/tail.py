@@ -117,7 +117,12 @@ class FusedTail(torch.nn.Module):
         return f"dim={self.weight.shape[0]}, eps={self.eps}, impl={self.impl!r}"
 
 
-_MODULE_IMPLS = {"triton": tail_triton, "eager": tail_eager, "rms_norm": tail_rms_norm, "compile": tail_compiled}
+_MODULE_IMPLS = {
+    "triton": tail_triton,
+    "eager": tail_eager,
+    "rms_norm": tail_rms_norm,
+    "compile": tail_compiled,
+}
 
 
 # --------------------------------------------------------------------------------------------

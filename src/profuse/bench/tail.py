@@ -60,6 +60,8 @@ CPU_DEFAULT_VARIANTS = ("eager", "compile")
 
 def default_variants(device: torch.device) -> tuple[str, ...]:
     return DEFAULT_VARIANTS if device.type == "cuda" else CPU_DEFAULT_VARIANTS
+
+
 BASELINE = "eager"
 
 
@@ -154,7 +156,11 @@ class TailBenchResult:
             "kind": "tail",
             "config": self.config.to_dict(),
             "env": self.env,
-            "traffic": {**self.traffic.to_dict(), "model_tensors": self.model_tensors, "model_bytes": self.model_bytes},
+            "traffic": {
+                **self.traffic.to_dict(),
+                "model_tensors": self.model_tensors,
+                "model_bytes": self.model_bytes,
+            },
             "copy_ceiling_Bps": self.copy_ceiling_Bps,
             "checks": {k: v.to_dict() for k, v in self.checks.items()},
             "skipped": self.skipped,
@@ -207,7 +213,9 @@ def _runner(fn: Callable, x: dict, cfg: TailBenchConfig) -> Callable[[], object]
 
 
 def _reference(x: dict, cfg: TailBenchConfig) -> tuple[torch.Tensor, ...]:
-    leaves = [x[k].detach().double().requires_grad_(cfg.backward) for k in ("gate", "up", "residual", "weight")]
+    leaves = [
+        x[k].detach().double().requires_grad_(cfg.backward) for k in ("gate", "up", "residual", "weight")
+    ]
     y = T.tail_reference(*leaves, cfg.eps)
     if not cfg.backward:
         return (y.detach(),)
@@ -266,8 +274,10 @@ def run_tail_bench(
         try:
             first_s, outs = timed_call(runners[key], dev)
         except Exception as err:  # a variant that cannot run here is a failed row, not a crash
-            checks[key] = VariantCheck(_label(key), False, float("nan"), T.FORWARD_TOL[cfg.dtype], float("nan"),
-                                       error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}")  # fmt: skip
+            first_line = str(err).splitlines()[0] if str(err) else ""
+            nan, tol = float("nan"), T.FORWARD_TOL[cfg.dtype]
+            error = f"{type(err).__name__}: {first_line}"
+            checks[key] = VariantCheck(_label(key), False, nan, tol, nan, error=error)
             continue
         outs = outs if isinstance(outs, tuple) else (outs,)
         if eager_outs is None:

@@ -380,7 +380,9 @@ def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int
                     out.append(cfg)
         if not out:  # few, narrow rows
             bm = min(_pow2_rows(n_rows), max(1, 2048 // bn))
-            out.append(KernelConfig("fused", bm, bn, max(1, min(32, bm * bn // 256)), 1, triton.cdiv(n_rows, bm)))
+            out.append(
+                KernelConfig("fused", bm, bn, max(1, min(32, bm * bn // 256)), 1, triton.cdiv(n_rows, bm))
+            )
     if bn >= 8192:
         for chunk, w, per_sm in ((2048, 8, 2), (4096, 16, 1), (2048, 4, 4)):
             out.append(KernelConfig("chunked", 1, chunk, w, 1, max(1, min(n_rows, n_sms * per_sm))))

@@ -15,7 +15,7 @@ W = 22  # label column, right-aligned as in the lab's output
 def format_checks(res) -> str:
     """The lab's 'max |diff| vs eager' lines, with the float64 check beside them."""
     lines = []
-    for key, chk in res.checks.items():
+    for chk in res.checks.values():
         if chk.error:
             lines.append(f"{chk.label:>{W}}: FAILED to run: {chk.error}")
             continue
