@@ -176,7 +176,13 @@ def _tail_bwd_kernel(
     COMPUTE_DR: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
 ):
-    """Persistent grid: program p takes row tiles p, p + P, ...; see the module docstring."""
+    """Persistent grid: program p takes row tiles p, p + P, ... and, per row,
+
+        x_hat = (silu(g) * u + r) * rstd          (recomputed; s = sigmoid(g), silu = g * s)
+        dh    = rstd * (w * dy - x_hat * mean(x_hat * w * dy))
+        dr    = dh,   du = dh * silu,   dg = dh * u * s * (1 + g * (1 - s))
+        dw   += dy * x_hat                          (fp32, this program's rows only)
+    """
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
