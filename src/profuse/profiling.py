@@ -108,6 +108,7 @@ CATEGORY_RULES: tuple[tuple[str, str], ...] = (
     ),
 )
 _RULES = tuple((cat, re.compile(pat)) for cat, pat in CATEGORY_RULES)
+Rules = tuple[tuple[str, "re.Pattern[str]"], ...]
 
 # The SwiGLU tail's ops, unfused (aten names) or as Inductor names its fused kernels.
 _TAIL_OPS = re.compile(r"silu|(?<![a-z])(mul|add|pow|mean)(?![a-z])|rsqrt|rms_?norm")
@@ -122,10 +123,10 @@ def is_tail_op(name: str) -> bool:
     return _TAIL_OPS.search(name.lower()) is not None
 
 
-def categorize(name: str) -> str:
-    """The category of an operator, autograd node or kernel name, by CATEGORY_RULES."""
+def categorize(name: str, rules: Rules = _RULES) -> str:
+    """The category of an operator, autograd node or kernel name, by CATEGORY_RULES (or `rules`)."""
     low = name.lower()
-    for cat, pattern in _RULES:
+    for cat, pattern in rules:
         if pattern.search(low):
             return cat
     return "other"
@@ -192,7 +193,7 @@ class TraceSummary:
     steps: int  # ProfilerStep spans found
     basis: str  # "self CPU time" or "GPU kernel time": what the shares divide
     total_us: float  # that time summed over the steps
-    shares: dict[str, float]  # category -> % of total_us, in CATEGORIES order, adding to 100
+    shares: dict[str, float]  # category -> % of total_us, CATEGORIES (+ extra_rules') order, adding to 100
     launches_per_step: float  # kernels on CUDA, aten operator calls on CPU
     launch_unit: str  # "kernels" or "operators"
     gpu_idle_pct: float | None  # % of the step spans with no kernel, memcpy or memset running; CUDA only
@@ -263,16 +264,30 @@ class ProfileResult:
         }
 
 
-def run_profile(cfg: ProfileConfig, progress: Progress | None = None) -> ProfileResult:
-    """Profile `cfg.steps` training steps; write the trace to cfg.out_dir / cfg.trace_name."""
+def run_profile(
+    cfg: ProfileConfig,
+    progress: Progress | None = None,
+    *,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    batch_seed: int | None = None,
+    extra_rules: tuple[tuple[str, str], ...] = (),
+) -> ProfileResult:
+    """Profile `cfg.steps` training steps; write the trace to cfg.out_dir / cfg.trace_name.
+
+    For profuse.distributed: `wrap` is applied to the model on its device, before torch.compile
+    (DistributedDataParallel; the optimizer holds the parameters, which the wrapper shares);
+    `batch_seed` draws the batch (default cfg.seed), so each data-parallel rank has its own;
+    `extra_rules` are tried before CATEGORY_RULES when the trace is read (see analyze_trace).
+    """
     say = progress or (lambda _msg: None)
     device = cfg.device
     torch.manual_seed(cfg.seed)
     model = GPT(cfg.model).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    generator = torch.Generator().manual_seed(cfg.seed)
+    generator = torch.Generator().manual_seed(cfg.seed if batch_seed is None else batch_seed)
     idx, targets = random_batch(cfg.model, generator, device)
-    net = compile_model(model) if cfg.compile else model  # profuse.compile holds the settings
+    net = wrap(model) if wrap is not None else model
+    net = compile_model(net) if cfg.compile else net  # profuse.compile holds the settings
     on_cuda = device.type == "cuda"
     autocast = (
         (lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16))
@@ -343,7 +358,7 @@ def run_profile(cfg: ProfileConfig, progress: Progress | None = None) -> Profile
         prof.export_chrome_trace(str(tmp))
     with open(trace_path, encoding="utf-8") as f:
         trace = json.load(f)
-    summary = analyze_trace(trace, device=device.type)
+    summary = analyze_trace(trace, device=device.type, extra_rules=extra_rules)
 
     return ProfileResult(
         device=str(device),
@@ -452,14 +467,8 @@ def _nest(spans: list[_Span]) -> None:
             stack.append(s)
 
 
-def analyze_trace(trace: dict | list, device: str = "cpu") -> TraceSummary:
-    """Where the profiled steps' time went, read from a Chrome trace written by torch.profiler.
-
-    device "cpu": self CPU time of every host range inside a ProfilerStep span (aten operators,
-    autograd nodes, and the Python between them, which lands on `forward`, `backward`,
-    `optimizer` and the step itself). device "cuda": device time of every kernel launched inside a
-    ProfilerStep span, matched to its launch through the correlation id.
-    """
+def read_spans(trace: dict | list) -> list[_Span]:
+    """The complete events of a Chrome trace, host ranges nested thread by thread."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     spans = []
     for e in events:  # keep pid and tid with the args, for nesting
@@ -472,6 +481,25 @@ def analyze_trace(trace: dict | list, device: str = "cpu") -> TraceSummary:
             _Span(str(e.get("name", "")), str(e.get("cat", "")), ts, ts + float(e.get("dur", 0.0)), args)
         )
     _nest(spans)
+    return spans
+
+
+def analyze_trace(
+    trace: dict | list, device: str = "cpu", extra_rules: tuple[tuple[str, str], ...] = ()
+) -> TraceSummary:
+    """Where the profiled steps' time went, read from a Chrome trace written by torch.profiler.
+
+    device "cpu": self CPU time of every host range inside a ProfilerStep span (aten operators,
+    autograd nodes, and the Python between them, which lands on `forward`, `backward`,
+    `optimizer` and the step itself). device "cuda": device time of every kernel launched inside a
+    ProfilerStep span, matched to its launch through the correlation id.
+
+    extra_rules: (category, pattern) pairs tried before CATEGORY_RULES; their categories join the
+    shares before "other" (profuse.distributed adds "communication").
+    """
+    rules = tuple((cat, re.compile(pat)) for cat, pat in extra_rules) + _RULES
+    categories = extend_categories(extra_rules)
+    spans = read_spans(trace)
 
     host = [s for s in spans if s.cat in _CPU_CATS]
     steps = _Windows(s for s in host if s.name.startswith(STEP_PREFIX))
@@ -479,7 +507,7 @@ def analyze_trace(trace: dict | list, device: str = "cpu") -> TraceSummary:
         raise RuntimeError("the trace holds no ProfilerStep span: was prof.step() called?")
     optimizer = _Windows(s for s in host if s.name == OPTIMIZER)
 
-    time_by_cat: dict[str, float] = dict.fromkeys(CATEGORIES, 0.0)
+    time_by_cat: dict[str, float] = dict.fromkeys(categories, 0.0)
     memory_groups: Counter[str] = Counter()
     launches = 0
     gpu_idle_pct = None
@@ -499,7 +527,7 @@ def analyze_trace(trace: dict | list, device: str = "cpu") -> TraceSummary:
                 continue
             launches += 1
             ops = [p for p in launch.parents if p.cat in _CPU_CATS] if launch is not None else []
-            cat = _kernel_category(k.name, ops, optimizer.find(t_launch) >= 0)
+            cat = _kernel_category(k.name, ops, optimizer.find(t_launch) >= 0, rules)
             time_by_cat[cat] += k.end - k.ts
             if cat == "memory_bound":
                 memory_groups[_kernel_group(k.name, ops)] += k.end - k.ts
@@ -510,7 +538,7 @@ def analyze_trace(trace: dict | list, device: str = "cpu") -> TraceSummary:
             if steps.find(s.ts) < 0:
                 continue
             launches += s.name.startswith("aten::")
-            cat = "optimizer" if optimizer.find(s.ts) >= 0 else categorize(s.name)
+            cat = "optimizer" if optimizer.find(s.ts) >= 0 else categorize(s.name, rules)
             time_by_cat[cat] += s.self_us
             if cat == "memory_bound":
                 memory_groups[s.name] += s.self_us
@@ -518,7 +546,7 @@ def analyze_trace(trace: dict | list, device: str = "cpu") -> TraceSummary:
     total = sum(time_by_cat.values())
     if total <= 0:
         raise RuntimeError(f"the trace holds no {basis} inside its ProfilerStep spans")
-    shares = {c: 100.0 * time_by_cat[c] / total for c in CATEGORIES}
+    shares = {c: 100.0 * time_by_cat[c] / total for c in categories}
     groups = {name: 100.0 * t / total for name, t in memory_groups.most_common()}
     tail = sum(pct for name, pct in groups.items() if is_tail_op(name))
     return TraceSummary(
@@ -534,14 +562,20 @@ def analyze_trace(trace: dict | list, device: str = "cpu") -> TraceSummary:
     )
 
 
-def _kernel_category(kernel: str, ops: list[_Span], in_optimizer: bool) -> str:
+def extend_categories(extra_rules: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
+    """CATEGORIES with the categories of `extra_rules` that are new, in their order, before "other"."""
+    new = tuple(dict.fromkeys(cat for cat, _ in extra_rules if cat not in CATEGORIES))
+    return CATEGORIES[:-1] + new + CATEGORIES[-1:]
+
+
+def _kernel_category(kernel: str, ops: list[_Span], in_optimizer: bool, rules: Rules = _RULES) -> str:
     if in_optimizer:
         return "optimizer"
-    cat = categorize(kernel)
+    cat = categorize(kernel, rules)
     if cat != "other":
         return cat
     for op in ops:  # innermost first: the operator that launched it, then the ones around that
-        cat = categorize(op.name)
+        cat = categorize(op.name, rules)
         if cat != "other":
             return cat
     return "other"

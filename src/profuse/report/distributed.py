@@ -1,0 +1,102 @@
+"""Part A on N processes as text: step time per rank, the all-reduce's share and overlap, the categories."""
+
+from __future__ import annotations
+
+import os
+
+from profuse.distributed import JOB_CATEGORIES, DDPProfile
+from profuse.profiling import CATEGORY_LABELS
+from profuse.report.profile import PERFETTO, W, _size
+
+LABELS = {**CATEGORY_LABELS, "communication": "communication (all-reduce)"}
+
+
+def _shown(path: str) -> str:
+    """A path relative to the current folder when it is below it, else as it is."""
+    try:
+        rel = os.path.relpath(path)
+    except ValueError:  # another drive, on Windows
+        return path
+    return path if rel.startswith("..") else rel
+
+
+def _what_is_timed(job: DDPProfile) -> str:
+    if job.device == "cuda":
+        return "collective kernels on the GPU, overlapped with any other kernel running"
+    return (
+        f"the all-reduce's host ranges ({job.backend}'s worker thread and the op queuing it, up to the "
+        "end of backward), overlapped with operators running on any thread"
+    )
+
+
+def format_ddp_profile(job: DDPProfile, summary_path: str | None = None) -> str:
+    """The job in one block: a row a rank, the slowest rank, communication, the category table."""
+    steps = job.steps
+    lines = [
+        f"=== Part A on {job.world_size} process{'es' if job.world_size != 1 else ''}: "
+        f"DistributedDataParallel over {job.backend} ({job.device}, {job.precision}), "
+        f"{steps} profiled step{'s' if steps != 1 else ''} a rank ===",
+        f"{'rank':>4}  {'step time':>11}  {'all-reduce':>11}  {'of the step':>11}  {'overlapped':>10}  "
+        f"{'exposed':>11}  trace",
+    ]
+    for r in job.ranks:
+        c = r.comm
+        comm_ms = c.comm_us / 1e3 / max(c.steps, 1)
+        overlap = "-" if c.overlap_pct is None else f"{c.overlap_pct:.1f}%"
+        lines.append(
+            f"{r.rank:>4}  {r.step_ms:8.3f} ms  {comm_ms:8.3f} ms  {c.comm_pct:10.1f}%  {overlap:>10}  "
+            f"{c.exposed_ms_per_step:8.3f} ms  {_shown(r.trace_path)} ({_size(r.trace_bytes)})"
+        )
+    lines.append(
+        "(step time: median, synchronised; all-reduce, overlapped, exposed: a step, on the rank's timeline)"
+    )
+    slow, fast = job.slowest, job.fastest
+    if job.world_size > 1:
+        spread = 100.0 * (slow.step_ms - fast.step_ms) / fast.step_ms if fast.step_ms > 0 else 0.0
+        lines.append(
+            f"slowest rank: {slow.rank}, {slow.step_ms:.3f} ms a step, {spread:.1f}% slower than "
+            f"the fastest (rank {fast.rank}); every all-reduce waits for the slowest rank"
+        )
+    else:
+        lines.append(f"slowest rank: {slow.rank} (the only one), {slow.step_ms:.3f} ms a step")
+
+    overlap = job.overlap_pct
+    if overlap is None:
+        # NCCL's one-rank path launches no kernel for an in-place sum (it only copies when the
+        # buffers differ), so --nproc 1 on a GPU is expected to land here; to confirm on an H200.
+        single = job.world_size == 1 and job.device == "cuda"
+        why = " (a single rank: NCCL has nothing to move)" if single else ""
+        lines.append(f"communication: none ran on the timeline in the profiled steps{why}")
+    else:
+        exposed = sum(r.comm.exposed_ms_per_step for r in job.ranks) / len(job.ranks)
+        lines.append(
+            f"communication: {job.comm_pct:.1f}% of each step (mean over the ranks), "
+            f"{overlap:.1f}% of it overlapped with compute, {exposed:.3f} ms a step exposed"
+        )
+    lines.append(f"  timed: {_what_is_timed(job)}")
+    for r in job.ranks:
+        ops = ", ".join(f"{name} x{count}" for name, count in r.comm.ops.items()) or "none"
+        lines.append(f"  rank {r.rank}'s collectives in its trace: {ops}")
+
+    shares = job.category_shares
+    per_step_ms = sum(sum(r.time_by_category_us.values()) for r in job.ranks) / 1e3 / max(steps, 1)
+    basis = job.ranks[0].basis if job.ranks else ""
+    lines.append(
+        f"time by category, whole job ({basis}, all ranks: {per_step_ms:.3f} ms a step"
+        f"{', every thread' if job.device == 'cpu' else ''}):"
+    )
+    for cat in JOB_CATEGORIES:
+        pct = shares.get(cat, 0.0)
+        lines.append(f"{LABELS.get(cat, cat):>{W}}  {pct:5.1f}%  {'#' * round(pct / 2)}")
+    if summary_path:
+        lines.append(f"summary: {_shown(summary_path)}; open the traces at {PERFETTO}")
+    return "\n".join(lines)
+
+
+def format_rank_failure(rank: int, world_size: int, exitcode: int, error: str, log: str) -> str:
+    """One line: which rank failed, how, and where its log is."""
+    if exitcode < 0:
+        how = f"was {error}" if error else f"died of signal {-exitcode}"
+    else:
+        how = f"failed (exit code {exitcode}{': ' + error if error else ''})"
+    return f"rank {rank} of {world_size} {how}; the other ranks were stopped. Its log: {_shown(log)}"
