@@ -301,10 +301,12 @@ def cmd_main(argv: list[str]) -> int:
 def cmd_profile(argv: list[str]) -> int:
     from profuse.env import resolve_device
 
-    args = build_profile_parser().parse_args(argv)
-    if args.nproc is not None:
-        from profuse.distributed import launch_profile  # Part A on N processes
+    from profuse.distributed import launch_profile, started_by_launcher
 
+    args = build_profile_parser().parse_args(argv)
+    # --nproc N launches N ranks; a process that torchrun started is one of them already
+    # (torchrun would read a --nproc after the module name as its own flag, so none is given).
+    if args.nproc is not None or started_by_launcher():
         return launch_profile(args)
     run_part_a(args, resolve_device(args.device))
     return 0
