@@ -299,9 +299,8 @@ def cmd_main(argv: list[str]) -> int:
 
 
 def cmd_profile(argv: list[str]) -> int:
-    from profuse.env import resolve_device
-
     from profuse.distributed import launch_profile, started_by_launcher
+    from profuse.env import resolve_device
 
     args = build_profile_parser().parse_args(argv)
     # --nproc N launches N ranks; a process that torchrun started is one of them already

@@ -60,34 +60,30 @@ def _rng_kwarg(seed: int) -> dict:
     return {"rng": gen} if "rng" in params else {"random_state": gen}
 
 
-def speedup_ci(
-    baseline_s,
-    variant_s,
-    confidence: float = 0.95,
-    n_resamples: int = 5000,
-    seed: int = 0,
-) -> Speedup:
-    """Ratio of medians of paired timings with a bootstrap CI (BCa, percentile as fallback)."""
-    base = np.asarray(baseline_s, dtype=float)
-    var = np.asarray(variant_s, dtype=float)
-    if base.shape != var.shape or base.ndim != 1:
-        raise ValueError("baseline and variant timings must be 1-D and paired (same length)")
-    if len(base) < 2:
-        raise ValueError("a confidence interval needs at least 2 trials")
-    if np.any(~np.isfinite(base)) or np.any(~np.isfinite(var)) or np.any(var <= 0) or np.any(base <= 0):
-        raise ValueError("timings must be positive and finite")
-    point = float(_ratio_of_medians(base, var))
-    if np.all(base == base[0]) and np.all(var == var[0]):
-        # Every resample is the same: the interval is the point.
-        return Speedup(point, point, point, confidence, "exact")
+def bootstrap_ratio_ci(
+    first: np.ndarray,
+    second: np.ndarray,
+    statistic,
+    paired: bool,
+    confidence: float,
+    n_resamples: int,
+    seed: int,
+) -> tuple[float, float, str]:
+    """(low, high, method) of `statistic(first, second)`: BCa, percentile where BCa degenerates.
+
+    `paired` resamples whole trials (pairs kept together); unpaired resamples each sample alone.
+    """
+    if np.all(first == first[0]) and np.all(second == second[0]):
+        point = float(statistic(first, second))
+        return point, point, "exact"  # every resample is the same: the interval is the point
     for method in ("BCa", "percentile"):
         with warnings.catch_warnings():
             # BCa warns (and returns NaN) when the resampled statistic is degenerate.
             warnings.simplefilter("ignore")
             res = _sps.bootstrap(
-                (base, var),
-                _ratio_of_medians,
-                paired=True,
+                (first, second),
+                statistic,
+                paired=paired,
                 vectorized=True,
                 confidence_level=confidence,
                 n_resamples=n_resamples,
@@ -96,5 +92,33 @@ def speedup_ci(
             )
         low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
         if np.isfinite(low) and np.isfinite(high):
-            return Speedup(point, low, high, confidence, method)
-    return Speedup(point, point, point, confidence, "degenerate")
+            return low, high, method
+    point = float(statistic(first, second))
+    return point, point, "degenerate"
+
+
+def check_timings(*samples) -> list[np.ndarray]:
+    """Each sample as a 1-D float array of at least 2 positive, finite times; ValueError otherwise."""
+    out = [np.asarray(x, dtype=float) for x in samples]
+    for x in out:
+        if x.ndim != 1 or len(x) < 2:
+            raise ValueError("a confidence interval needs at least 2 trials")
+        if np.any(~np.isfinite(x)) or np.any(x <= 0):
+            raise ValueError("timings must be positive and finite")
+    return out
+
+
+def speedup_ci(
+    baseline_s,
+    variant_s,
+    confidence: float = 0.95,
+    n_resamples: int = 5000,
+    seed: int = 0,
+) -> Speedup:
+    """Ratio of medians of paired timings with a bootstrap CI (BCa, percentile as fallback)."""
+    if np.shape(baseline_s) != np.shape(variant_s):
+        raise ValueError("baseline and variant timings must be 1-D and paired (same length)")
+    base, var = check_timings(baseline_s, variant_s)
+    point = float(_ratio_of_medians(base, var))
+    low, high, method = bootstrap_ratio_ci(base, var, _ratio_of_medians, True, confidence, n_resamples, seed)
+    return Speedup(point, low, high, confidence, method)

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import copy
 import csv
-import inspect
 import json
-import math
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from scipy import stats as _sps
 
+from profuse.bench.stats import bootstrap_ratio_ci, check_timings
 from profuse.env import card_name
 from profuse.errors import UsageError
 from profuse.files import atomic_path
@@ -420,36 +417,10 @@ def time_ratio_ci(a_s, b_s, confidence: float = 0.95, n_resamples: int = 5000, s
     A has nothing to do with trial i of B (their counts may even differ), and pairing them would be
     invented structure. BCa first, percentile where BCa degenerates, as speedup_ci does.
     """
-    a = np.asarray(a_s, dtype=float)
-    b = np.asarray(b_s, dtype=float)
-    if a.ndim != 1 or b.ndim != 1 or len(a) < 2 or len(b) < 2:
-        raise ValueError("each run needs at least 2 trials for a confidence interval")
-    if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b)) and np.all(a > 0) and np.all(b > 0)):
-        raise ValueError("timings must be positive and finite")
+    a, b = check_timings(a_s, b_s)
     point = float(_ratio_b_over_a(a, b))
-    if np.all(a == a[0]) and np.all(b == b[0]):
-        return TimeRatio(point, point, point, confidence, "exact")
-    params = inspect.signature(_sps.bootstrap).parameters
-    for method in ("BCa", "percentile"):
-        gen = np.random.default_rng(seed)
-        # scipy 1.15 renamed random_state to rng.
-        rng = {"rng": gen} if "rng" in params else {"random_state": gen}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # BCa warns (and gives NaN) on degenerate resamples
-            res = _sps.bootstrap(
-                (a, b),
-                _ratio_b_over_a,
-                paired=False,
-                vectorized=True,
-                confidence_level=confidence,
-                n_resamples=n_resamples,
-                method=method,
-                **rng,
-            )
-        low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
-        if math.isfinite(low) and math.isfinite(high):
-            return TimeRatio(point, low, high, confidence, method)
-    return TimeRatio(point, point, point, confidence, "degenerate")
+    low, high, method = bootstrap_ratio_ci(a, b, _ratio_b_over_a, False, confidence, n_resamples, seed)
+    return TimeRatio(point, low, high, confidence, method)
 
 
 def _short_speedup(r: VariantRow | None) -> str:
