@@ -179,14 +179,21 @@ def test_no_input_requires_grad_gives_plain_tensor(device):
     assert not y.requires_grad and y.grad_fn is None
 
 
-@pytest.mark.parametrize("kernel", ["fused", "chunked"])
+SKIP_CONFIGS = {
+    "fused": None,
+    "chunked": KernelConfig("chunked", 1, 16, num_warps=4, programs=3),
+    "split": KernelConfig("split", 1, 16, num_warps=4, num_stages=2, programs=2),
+}
+
+
+@pytest.mark.parametrize("kernel", SKIP_CONFIGS)
 def test_tail_backward_skips_what_is_not_needed(kernel, device, poisoned):
     """The launcher itself returns None (allocates nothing) for gradients not asked for, and the
     ones it returns are complete (every element written over the NaN poison)."""
     xs, dy = make_inputs((5, 40), torch.float32, device, seed=5)
     g, u, r, w = xs
     _, rstd = K.tail_forward(g, u, r, w, EPS)
-    cfg = KernelConfig("chunked", 1, 16, num_warps=4, programs=3) if kernel == "chunked" else None
+    cfg = SKIP_CONFIGS[kernel]
     ref = reference_grads(xs, dy)[1:]
     for needs in [(True, False, True, False), (False, True, False, True), (False, False, False, False)]:
         out = K.tail_backward(dy, g, u, r, w, rstd, needs, config=cfg)
@@ -207,6 +214,8 @@ CONFIG_CASES = {
     # 7 rows in tiles of 2 (the last one partial) over 2 programs: each program adds 2 tiles.
     "persistent fused": KernelConfig("fused", 2, 64, num_warps=2, num_stages=2, programs=2),
     "chunked": KernelConfig("chunked", 1, 16, num_warps=4, programs=3),
+    # 7 rows over 2 row programs x 3 column slabs (16 + 16 + 5): each dw slab sums 3-4 rows.
+    "split": KernelConfig("split", 1, 16, num_warps=4, num_stages=2, programs=2),
 }
 
 
@@ -276,6 +285,13 @@ BACKWARD_CONFIGS = {
         9, 37, KernelConfig("fused", 4, 64, num_warps=4, num_stages=1, programs=1)),
     "fused, more programs than tiles": (
         3, 20, KernelConfig("fused", 2, 32, num_warps=1, num_stages=2, programs=4)),
+    # Split: a row-dot pass, then (row programs x column slabs); the last slab is partial.
+    "split, 5 rows over 2 row programs x 3 slabs, N = 40": (
+        5, 40, KernelConfig("split", 1, 16, num_warps=4, num_stages=2, programs=2)),
+    "split, one slab wider than N": (
+        4, 11, KernelConfig("split", 1, 16, num_warps=2, num_stages=1, programs=1)),
+    "split, more row programs than rows": (
+        2, 33, KernelConfig("split", 1, 16, num_warps=4, num_stages=2, programs=3)),
 }  # fmt: skip
 
 
@@ -294,7 +310,8 @@ def test_backward_paths_with_explicit_configs(case, dtype, device, poisoned):
         err = T.relative_error(t, want)
         assert err <= T.BACKWARD_TOL[dtype], f"d{name}: rel err {err:.2e}"
         assert err <= SLACK[dtype] * max(T.relative_error(e, want), T.UNIT_ROUNDOFF[dtype]), f"d{name}"
-    # Only dweight: the chunked kernel skips pass 1 (no dh needed); its sums must not change.
+    # Only dweight: the chunked and split kernels skip their row pass (no dh needed); the dw
+    # sums must not change.
     dw_only = K.tail_backward(dy, g, u, r, w, rstd, (False, False, False, True), config=cfg)[3]
     assert torch.equal(dw_only, got[3])
 

@@ -178,10 +178,10 @@ def _tail_bwd_kernel(
 ):
     """Persistent grid: program p takes row tiles p, p + P, ... and, per row,
 
-        x_hat = (silu(g) * u + r) * rstd          (recomputed; s = sigmoid(g), silu = g * s)
-        dh    = rstd * (w * dy - x_hat * mean(x_hat * w * dy))
-        dr    = dh,   du = dh * silu,   dg = dh * u * s * (1 + g * (1 - s))
-        dw   += dy * x_hat                          (fp32, this program's rows only)
+    x_hat = (silu(g) * u + r) * rstd          (recomputed; s = sigmoid(g), silu = g * s)
+    dh    = rstd * (w * dy - x_hat * mean(x_hat * w * dy))
+    dr    = dh,   du = dh * silu,   dg = dh * u * s * (1 + g * (1 - s))
+    dw   += dy * x_hat                          (fp32, this program's rows only)
     """
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
@@ -294,6 +294,102 @@ def _tail_bwd_chunked_kernel(
                     tl.store(DG_ptr + out, dg.to(DG_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _tail_bwd_rowdot_kernel(
+    DY_ptr,
+    G_ptr,
+    U_ptr,
+    R_ptr,
+    W_ptr,
+    RSTD_ptr,
+    C_ptr,  # (n_rows,) fp32 out: mean(x_hat * w * dy) of each row
+    dy_row_stride,
+    g_row_stride,
+    u_row_stride,
+    r_row_stride,
+    n_cols,
+    BLOCK_N: tl.constexpr,  # a chunk of the row
+):
+    """Split backward, pass 1 (one program per row): c = rstd * sum(h * w * dy) / N."""
+    row = tl.program_id(0).to(tl.int64)
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        dy = tl.load(DY_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G_ptr + row * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U_ptr + row * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(R_ptr + row * r_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        acc += (g * tl.sigmoid(g) * u + r) * w * dy
+    rstd = tl.load(RSTD_ptr + row)
+    tl.store(C_ptr + row, tl.sum(acc, axis=0) * rstd / n_cols)
+
+
+@triton.jit
+def _tail_bwd_slab_kernel(
+    DY_ptr,
+    G_ptr,
+    U_ptr,
+    R_ptr,
+    W_ptr,
+    RSTD_ptr,
+    C_ptr,  # (n_rows,) fp32 from pass 1; unused when no dh is needed
+    DG_ptr,
+    DU_ptr,
+    DR_ptr,
+    DW_ptr,  # (row programs, n_cols) fp32: program (p, s) owns row p's columns of slab s
+    dy_row_stride,
+    g_row_stride,
+    u_row_stride,
+    r_row_stride,
+    n_rows,
+    n_cols,
+    BLOCK_N: tl.constexpr,  # columns of one slab
+    NUM_STAGES: tl.constexpr,
+    COMPUTE_DG: tl.constexpr,
+    COMPUTE_DU: tl.constexpr,
+    COMPUTE_DR: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+):
+    """Split backward, pass 2, for rows too wide for one program: a 2-D grid of (row programs,
+    column slabs). Program (p, s) takes rows p, p + P, ... of slab s, with the row's c from
+    pass 1, so its slab of dw stays in registers. Moves 11 tensors (pass 1 reads 4) where the
+    fused kernel moves 7, but never re-reads a row that L2 may have dropped."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = cols < n_cols
+    w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    NEED_DH: tl.constexpr = COMPUTE_DG or COMPUTE_DU or COMPUTE_DR
+    for row in tl.range(pid, n_rows, n_programs, num_stages=NUM_STAGES):
+        row64 = tl.cast(row, tl.int64)
+        dy = tl.load(DY_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(G_ptr + row64 * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(U_ptr + row64 * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(R_ptr + row64 * r_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD_ptr + row64)
+        s = tl.sigmoid(g)
+        silu = g * s
+        x_hat = (silu * u + r) * rstd
+        if COMPUTE_DW:
+            dw_acc += dy * x_hat
+        if NEED_DH:
+            c = tl.load(C_ptr + row64)
+            dh = (w * dy - x_hat * c) * rstd
+            out = row64 * n_cols + cols
+            if COMPUTE_DR:
+                tl.store(DR_ptr + out, dh.to(DR_ptr.dtype.element_ty), mask=mask)
+            if COMPUTE_DU:
+                tl.store(DU_ptr + out, (dh * silu).to(DU_ptr.dtype.element_ty), mask=mask)
+            if COMPUTE_DG:
+                dg = dh * u * s * (1.0 + g * (1.0 - s))
+                tl.store(DG_ptr + out, dg.to(DG_ptr.dtype.element_ty), mask=mask)
+    if COMPUTE_DW:
+        tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=mask)
+
+
 # --------------------------------------------------------------------------------------------
 # Configurations: measured heuristics per shape and dtype
 # --------------------------------------------------------------------------------------------
@@ -303,7 +399,7 @@ def _tail_bwd_chunked_kernel(
 class KernelConfig:
     """How one launch is shaped. Recorded with every result, so a timing names its config."""
 
-    kernel: str  # "fused" (whole rows in registers) or "chunked"
+    kernel: str  # "fused" (whole rows in registers), "chunked" (rows in chunks) or "split" (bwd)
     block_m: int  # rows per tile (fused) / 1 (chunked)
     block_n: int  # whole row (fused) or chunk (chunked), a power of two
     num_warps: int
@@ -392,6 +488,11 @@ def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int
     if bn >= 8192:
         for chunk, w, per_sm in ((2048, 8, 2), (4096, 16, 1), (2048, 4, 4)):
             out.append(KernelConfig("chunked", 1, chunk, w, 1, max(1, min(n_rows, n_sms * per_sm))))
+        # Split: a row-dot pass, then (row programs x column slabs) with dw in registers.
+        for slab, w, per_sm in ((2048, 8, 2), (4096, 16, 1)):
+            n_slabs = triton.cdiv(n_cols, slab)
+            programs = max(1, min(n_rows, triton.cdiv(n_sms * per_sm, n_slabs)))
+            out.append(KernelConfig("split", 1, slab, w, 2, programs))
     return out
 
 
@@ -584,10 +685,23 @@ def tail_backward(
                 num_warps=cfg.num_warps,
                 **flags,
             )
-        else:
+        elif cfg.kernel == "chunked":
             k = _tail_bwd_chunked_kernel[(cfg.programs,)](
                 *args, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags
             )
+        else:  # split
+            c = torch.empty(n_rows, dtype=torch.float32, device=dev)
+            if need_g or need_u or need_r:
+                _tail_bwd_rowdot_kernel[(n_rows,)](
+                    dy, g, u, r, w, rstd.reshape(-1), c,
+                    dy.stride(0), g.stride(0), u.stride(0), r.stride(0), n_cols,
+                    BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                )  # fmt: skip
+            grid = (cfg.programs, triton.cdiv(n_cols, cfg.block_n))
+            k = _tail_bwd_slab_kernel[grid](
+                *args[:6], c, *args[6:],
+                BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **flags,
+            )  # fmt: skip
         _log_launch("bwd", cfg, k)
         return partial
 
