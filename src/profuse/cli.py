@@ -185,9 +185,6 @@ class Progress:
         self._bar.n = done
         self._bar.refresh()
 
-    def message(self, text: str) -> None:
-        self("" + text, 0, 1)
-
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
@@ -241,15 +238,9 @@ def _profile_config(args, device):
 
 
 def run_part_a(args, device) -> None:
-    try:
-        from profuse.profiling import run_profile
-        from profuse.report.profile import format_profile, format_profile_comparison
-    except ImportError:
-        print("=== Part A: not available yet (profuse.profiling is missing); use --skip-profile ===\n")
-        return
-    from dataclasses import replace
-
     from profuse.files import write_json
+    from profuse.profiling import compiled_config, run_profile
+    from profuse.report.profile import format_profile, format_profile_comparison
 
     cfg = _profile_config(args, device)
     progress = Progress()
@@ -259,7 +250,7 @@ def run_part_a(args, device) -> None:
     print(format_profile(eager))
     summary = {"eager": eager.to_dict()}
     if args.compile_step:
-        compiled = run_profile(replace(cfg, compile=True, trace_name="trace_compiled.json"), progress=say)
+        compiled = run_profile(compiled_config(cfg), progress=say)
         progress.close()
         print()
         print(format_profile_comparison(eager, compiled))

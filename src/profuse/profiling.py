@@ -387,11 +387,13 @@ def run_profile_pair(
     The compiled trace goes beside the eager one, its name marked: trace.json -> trace-compiled.json.
     """
     eager = run_profile(replace(cfg, compile=False), progress)
+    return eager, run_profile(compiled_config(cfg), progress)
+
+
+def compiled_config(cfg: ProfileConfig) -> ProfileConfig:
+    """`cfg` under torch.compile: at least one warm-up step (it compiles), trace name marked."""
     stem, suffix = os.path.splitext(cfg.trace_name)
-    compiled_cfg = replace(
-        cfg, compile=True, warmup=max(cfg.warmup, 1), trace_name=f"{stem}-compiled{suffix}"
-    )
-    return eager, run_profile(compiled_cfg, progress)
+    return replace(cfg, compile=True, warmup=max(cfg.warmup, 1), trace_name=f"{stem}-compiled{suffix}")
 
 
 def _sort_key(averages: EventList, on_cuda: bool) -> str:
