@@ -109,6 +109,7 @@ def _tail_fwd_chunked_kernel(
     n_cols,
     eps,
     BLOCK_N: tl.constexpr,  # a chunk of the row; the row is n_cols / BLOCK_N chunks
+    NUM_STAGES: tl.constexpr,  # chunks in flight: the next chunks' loads issue early
     STORE_RSTD: tl.constexpr,
 ):
     """Rows in chunks: pass 1 sums h^2, pass 2 (chunks in reverse) writes y.
@@ -128,7 +129,7 @@ def _tail_fwd_chunked_kernel(
         r_row = R_ptr + row64 * r_row_stride
         y_row = Y_ptr + row64 * y_row_stride
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for c in range(0, n_chunks):
+        for c in tl.range(0, n_chunks, num_stages=NUM_STAGES):
             cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = cols < n_cols
             g = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
@@ -137,7 +138,7 @@ def _tail_fwd_chunked_kernel(
             h = g * tl.sigmoid(g) * u + r
             acc += h * h
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
-        for i in range(0, n_chunks):
+        for i in tl.range(0, n_chunks, num_stages=NUM_STAGES):
             cols = (n_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = cols < n_cols
             g = tl.load(g_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
@@ -145,7 +146,8 @@ def _tail_fwd_chunked_kernel(
             r = tl.load(r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
             w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             h = g * tl.sigmoid(g) * u + r
-            tl.store(y_row + cols, (h * rstd * w).to(Y_ptr.dtype.element_ty), mask=mask)
+            tl.store(y_row + cols, (h * rstd * w).to(Y_ptr.dtype.element_ty), mask=mask,
+                     eviction_policy="evict_first")  # fmt: skip
         if STORE_RSTD:
             tl.store(RSTD_ptr + row64, rstd)
 
@@ -240,6 +242,7 @@ def _tail_bwd_chunked_kernel(
     n_rows,
     n_cols,
     BLOCK_N: tl.constexpr,  # a chunk of the row
+    NUM_STAGES: tl.constexpr,  # chunks in flight: the next chunks' loads issue early
     COMPUTE_DG: tl.constexpr,
     COMPUTE_DU: tl.constexpr,
     COMPUTE_DR: tl.constexpr,
@@ -258,7 +261,7 @@ def _tail_bwd_chunked_kernel(
         c = 0.0
         if NEED_DH:
             acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for k in range(0, n_chunks):
+            for k in tl.range(0, n_chunks, num_stages=NUM_STAGES):
                 cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
                 mask = cols < n_cols
                 dy = tl.load(DY_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -268,30 +271,37 @@ def _tail_bwd_chunked_kernel(
                 w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 acc += (g * tl.sigmoid(g) * u + r) * w * dy
             c = tl.sum(acc, axis=0) * rstd / n_cols
-        for i in range(0, n_chunks):
+        for i in tl.range(0, n_chunks, num_stages=NUM_STAGES):
             cols = (n_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = cols < n_cols
-            dy = tl.load(DY_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-            g = tl.load(G_ptr + row64 * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(U_ptr + row64 * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(R_ptr + row64 * r_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0,
+                         eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+            g = tl.load(G_ptr + row64 * g_row_stride + cols, mask=mask, other=0.0,
+                         eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+            u = tl.load(U_ptr + row64 * u_row_stride + cols, mask=mask, other=0.0,
+                         eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+            r = tl.load(R_ptr + row64 * r_row_stride + cols, mask=mask, other=0.0,
+                         eviction_policy="evict_first").to(tl.float32)  # fmt: skip
             s = tl.sigmoid(g)
             silu = g * s
             x_hat = (silu * u + r) * rstd
             if COMPUTE_DW:
-                dw = tl.load(dw_row + cols, mask=mask, other=0.0)
-                tl.store(dw_row + cols, dw + dy * x_hat, mask=mask)
+                dw = tl.load(dw_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+                tl.store(dw_row + cols, dw + dy * x_hat, mask=mask, eviction_policy="evict_last")
             if NEED_DH:
                 w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 dh = (w * dy - x_hat * c) * rstd
                 out = row64 * n_cols + cols
                 if COMPUTE_DR:
-                    tl.store(DR_ptr + out, dh.to(DR_ptr.dtype.element_ty), mask=mask)
+                    tl.store(DR_ptr + out, dh.to(DR_ptr.dtype.element_ty), mask=mask,
+                             eviction_policy="evict_first")  # fmt: skip
                 if COMPUTE_DU:
-                    tl.store(DU_ptr + out, (dh * silu).to(DU_ptr.dtype.element_ty), mask=mask)
+                    tl.store(DU_ptr + out, (dh * silu).to(DU_ptr.dtype.element_ty), mask=mask,
+                             eviction_policy="evict_first")  # fmt: skip
                 if COMPUTE_DG:
                     dg = dh * u * s * (1.0 + g * (1.0 - s))
-                    tl.store(DG_ptr + out, dg.to(DG_ptr.dtype.element_ty), mask=mask)
+                    tl.store(DG_ptr + out, dg.to(DG_ptr.dtype.element_ty), mask=mask,
+                             eviction_policy="evict_first")  # fmt: skip
 
 
 @triton.jit
@@ -309,11 +319,12 @@ def _tail_bwd_rowdot_kernel(
     r_row_stride,
     n_cols,
     BLOCK_N: tl.constexpr,  # a chunk of the row
+    NUM_STAGES: tl.constexpr,
 ):
     """Split backward, pass 1 (one program per row): c = rstd * sum(h * w * dy) / N."""
     row = tl.program_id(0).to(tl.int64)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(0, n_cols, BLOCK_N):
+    for start in tl.range(0, n_cols, BLOCK_N, num_stages=NUM_STAGES):
         cols = start + tl.arange(0, BLOCK_N)
         mask = cols < n_cols
         dy = tl.load(DY_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -430,7 +441,7 @@ def forward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int 
             if bm > _pow2_rows(n_rows) or tile > max(bn, 8192) or (bm > 1 and tile < 2048):
                 continue
             # 8 to 32 elements per thread: one or more 16-byte loads per input, no spills.
-            for w in (4, 8, 16, 32):
+            for w in (1, 2, 4, 8, 16, 32):
                 if 8 <= tile // (32 * w) <= 32:
                     out.append(KernelConfig("fused", bm, bn, w))
         if not out:  # few, narrow rows: whatever fits, a warp or more
@@ -448,9 +459,21 @@ def forward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int 
                 out += [replace(c, num_stages=st, programs=programs) for st in (2, 3)]
     if bn >= 16384:
         # One program per row, or a persistent grid of 1-2 per SM whose rows stay in L2
-        # between the two passes.
-        for chunk, w, per_sm in ((4096, 16, 1), (4096, 8, 2), (8192, 16, 1), (4096, 8, 0)):
-            out.append(KernelConfig("chunked", 1, chunk, w, 1, n_sms * per_sm))
+        # between the two passes; at 64K columns 132 rows in flight (52 MB) crowd the L2, so
+        # also fewer programs.
+        # 2-3 stages keep the next chunks' loads in flight (through shared memory).
+        # A persistent program must keep enough bytes in flight by itself: big chunks at 32
+        # warps, or 2-3 stages (the next chunks' loads issued early, through shared memory).
+        for chunk, w, per_sm, st in (
+            (16384, 32, 1, 1), (16384, 32, 0.75, 1), (8192, 32, 1, 1), (4096, 16, 1, 2),
+            (4096, 16, 1, 3), (4096, 8, 2, 2), (4096, 8, 0, 1),
+        ):  # fmt: skip
+            if chunk <= bn:
+                out.append(KernelConfig("chunked", 1, chunk, w, st, int(n_sms * per_sm)))
+    if FWD_MAX_FUSED < bn <= 2 * FWD_MAX_FUSED and torch.finfo(dtype).bits <= 16:
+        # 16-bit rows up to 64K: 32 warps hold h (64 fp32 values per thread) once g, u, r are
+        # folded into it; worth a try against the two-pass chunked kernel.
+        out.append(KernelConfig("fused", 1, bn, 32))
     return out
 
 
@@ -486,13 +509,28 @@ def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int
                 KernelConfig("fused", bm, bn, max(1, min(32, bm * bn // 256)), 1, triton.cdiv(n_rows, bm))
             )
     if bn >= 8192:
-        for chunk, w, per_sm in ((2048, 8, 2), (4096, 16, 1), (2048, 4, 4)):
-            out.append(KernelConfig("chunked", 1, chunk, w, 1, max(1, min(n_rows, n_sms * per_sm))))
+        # Persistent, one row in flight per program: pass 2 re-reads the row from L2. Fewer
+        # programs keep wide rows (4 inputs x 128 KB each at 64K bf16) inside the L2.
+        # 2-3 stages keep the next chunks' loads in flight (through shared memory); 1024-column
+        # chunks waste no lanes on widths such as 5120.
+        # A persistent program must keep enough bytes in flight by itself: big chunks at 32
+        # warps, or 2-3 stages (the next chunks' loads issued early, through shared memory).
+        for chunk, w, per_sm, st in (
+            (8192, 32, 1, 1), (16384, 32, 1, 1), (16384, 32, 0.5, 1), (8192, 32, 0.75, 1),
+            (4096, 16, 1, 1), (2048, 8, 2, 1), (4096, 16, 1, 2), (1024, 4, 4, 2), (8192, 32, 0.5, 2),
+        ):  # fmt: skip
+            if chunk <= bn:
+                programs = max(1, min(n_rows, int(n_sms * per_sm)))
+                out.append(KernelConfig("chunked", 1, chunk, w, st, programs))
         # Split: a row-dot pass, then (row programs x column slabs) with dw in registers.
         for slab, w, per_sm in ((2048, 8, 2), (4096, 16, 1)):
             n_slabs = triton.cdiv(n_cols, slab)
             programs = max(1, min(n_rows, triton.cdiv(n_sms * per_sm, n_slabs)))
             out.append(KernelConfig("split", 1, slab, w, 2, programs))
+    if BWD_MAX_FUSED < bn <= 2 * BWD_MAX_FUSED and torch.finfo(dtype).bits <= 16:
+        # 32K 16-bit columns: 32 elements per thread at 32 warps, if the compiler keeps the live
+        # values (x_hat, w * dy, g, u) in registers.
+        out.append(KernelConfig("fused", 1, bn, 32, 1, max(1, min(n_rows, n_sms))))
     return out
 
 
@@ -626,7 +664,11 @@ def tail_forward(
         else:
             grid = (min(cfg.programs, n_rows) if cfg.programs else n_rows,)
             k = _tail_fwd_chunked_kernel[grid](
-                *args, BLOCK_N=cfg.block_n, STORE_RSTD=True, num_warps=cfg.num_warps
+                *args,
+                BLOCK_N=cfg.block_n,
+                NUM_STAGES=cfg.num_stages,
+                STORE_RSTD=True,
+                num_warps=cfg.num_warps,
             )
         _log_launch("fwd", cfg, k)
 
@@ -687,7 +729,7 @@ def tail_backward(
             )
         elif cfg.kernel == "chunked":
             k = _tail_bwd_chunked_kernel[(cfg.programs,)](
-                *args, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags
+                *args, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **flags
             )
         else:  # split
             c = torch.empty(n_rows, dtype=torch.float32, device=dev)
@@ -695,7 +737,7 @@ def tail_backward(
                 _tail_bwd_rowdot_kernel[(n_rows,)](
                     dy, g, u, r, w, rstd.reshape(-1), c,
                     dy.stride(0), g.stride(0), u.stride(0), r.stride(0), n_cols,
-                    BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                    BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
                 )  # fmt: skip
             grid = (cfg.programs, triton.cdiv(n_cols, cfg.block_n))
             k = _tail_bwd_slab_kernel[grid](
