@@ -146,12 +146,21 @@ class _InterruptAtSecondSize:
         pass
 
 
-def test_interrupted_sweep_leaves_no_file(tmp_path, monkeypatch):
+def test_interrupted_sweep_keeps_only_the_sizes_done_in_a_partial_file(tmp_path, monkeypatch):
     monkeypatch.setattr(cli, "Progress", _InterruptAtSecondSize)
     out = tmp_path / "killed"
     code, _, stderr = run_cli("sweep", *TINY, "--out", str(out))
     assert code == 130 and "interrupted" in stderr
-    assert not out.exists() or list(out.iterdir()) == []
+    assert sorted(p.name for p in out.iterdir()) == ["results.partial.json"]
+    data = json.loads((out / "results.partial.json").read_text())
+    assert data["partial"] is True and len(data["runs"]) == 1
+    code, report, _ = run_cli("report", str(out / "results.partial.json"))
+    assert code == 0 and "partial sweep: it stopped after 1 sizes" in report
+
+
+def test_finished_sweep_leaves_no_partial_file(saved):
+    out, _ = saved["a"]
+    assert not (out / "results.partial.json").exists()
 
 
 def test_interrupted_sweep_keeps_the_previous_files(tmp_path, monkeypatch, saved):
@@ -164,7 +173,7 @@ def test_interrupted_sweep_keeps_the_previous_files(tmp_path, monkeypatch, saved
     monkeypatch.setattr(cli, "Progress", _InterruptAtSecondSize)
     code, _, _ = run_cli("sweep", *TINY, "--out", str(out))
     assert code == 130
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != "results.partial.json"} == before
 
 
 def test_csv_failing_mid_write_leaves_old_file_and_no_temp(tmp_path, monkeypatch, saved):
@@ -446,3 +455,113 @@ def test_report_vs_an_untimed_variant_is_a_one_line_error(saved):
     out, _ = saved["a"]
     code, _, stderr = run_cli("report", str(out / "results.json"), "--vs", "triton")
     assert code == 2 and len(stderr.strip().splitlines()) == 1 and "triton" in stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Plots of a grid (hidden size on x, a line per variant and elements value); report --variants
+# and report --plots
+# --------------------------------------------------------------------------------------------
+
+GRID = "--cols 64,96 --elements 6144,12288 --trials 3 --variants eager,rms_norm --device cpu".split()
+needs_matplotlib = pytest.mark.skipif(not plots.HAS_MATPLOTLIB, reason="matplotlib is not installed")
+
+
+@pytest.fixture(scope="module")
+def grid(tmp_path_factory):
+    """A 2 cols x 2 elements grid saved through the CLI: sizes 64x96, 128x96, 96x64, 192x64."""
+    out = tmp_path_factory.mktemp("grid")
+    code, _, stderr = run_cli("sweep", *GRID, "--out", str(out))
+    assert code == 0, stderr
+    return json.loads((out / "results.json").read_text())
+
+
+def series_lines(fig) -> dict[str, object]:
+    """The lines drawn for a (variant, group), by their gid 'series:VARIANT:GROUP'."""
+    ax = fig.axes[0]
+    return {ln.get_gid(): ln for ln in ax.get_lines() if (ln.get_gid() or "").startswith("series:")}
+
+
+@needs_matplotlib
+def test_grid_plots_put_the_hidden_size_on_x_and_a_line_per_variant_and_group(grid):
+    run = R.parse(grid)
+    assert run.elements == [6144, 12288]
+    speedup, bandwidth = plots.speedup_figure(grid), plots.bandwidth_figure(grid)
+    for fig in (speedup, bandwidth):
+        ax = fig.axes[0]
+        assert list(ax.get_xticks()) == [64, 96]  # the cols values, not rows or rows x cols
+        assert [t.get_text() for t in ax.get_xticklabels()] == ["64", "96"]
+        assert ax.get_xscale() == "log" and "cols" in ax.get_xlabel()
+        legend = [t.get_text() for t in ax.get_legend().get_texts()]
+        assert "6144 elements" in legend and "12288 elements" in legend and "eager F.rms_norm" in legend
+    # The baseline is the line at 1.0 in the speedup plot; every variant is a line in bandwidth.
+    assert set(series_lines(speedup)) == {"series:rms_norm:6144", "series:rms_norm:12288"}
+    lines = series_lines(bandwidth)
+    assert set(lines) == {f"series:{v}:{e}" for v in ("eager", "rms_norm") for e in (6144, 12288)}
+    for ln in lines.values():
+        assert sorted(ln.get_xdata()) == [64, 96]  # one point per cols value
+    # Colour says the variant, the same in both plots; line style and marker say the group.
+    assert lines["series:eager:6144"].get_color() == lines["series:eager:12288"].get_color()
+    assert lines["series:eager:6144"].get_color() != lines["series:rms_norm:6144"].get_color()
+    drawn_over_eager = series_lines(speedup)["series:rms_norm:6144"]
+    assert drawn_over_eager.get_color() == lines["series:rms_norm:6144"].get_color()
+    style = lambda ln: (ln.get_linestyle(), ln.get_marker())
+    assert style(lines["series:eager:6144"]) == style(lines["series:rms_norm:6144"])
+    assert style(lines["series:eager:6144"]) != style(lines["series:eager:12288"])
+
+
+@needs_matplotlib
+def test_one_cols_sweep_keeps_rows_on_x_and_old_files_without_elements_plot(saved, grid):
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    ax = plots.speedup_figure(data).axes[0]
+    assert list(ax.get_xticks()) == [64, 128] and ax.get_xlabel().startswith("rows (cols = 96)")
+    assert set(series_lines(ax.figure)) == {"series:rms_norm:0"}  # one line per variant
+    old = json.loads(json.dumps(grid))
+    del old["config"]["elements"]  # saved before --elements existed: the groups are rows values
+    assert R.parse(old).elements == []
+    lines = series_lines(plots.bandwidth_figure(old))
+    assert {gid.rsplit(":", 1)[1] for gid in lines} == {"64", "96", "128", "192"}
+
+
+def test_report_variants_shows_only_those_rows(saved):
+    path = str(saved["a"][0] / "results.json")
+    rows = lambda text: [ln for ln in text.splitlines() if ln.startswith(("| 64 x 96 |", "| 128 x 96 |"))]
+    code, full, _ = run_cli("report", path, "--markdown")
+    assert code == 0 and len(rows(full)) == 4
+    code, text, _ = run_cli("report", path, "--markdown", "--variants", "rms_norm")
+    assert code == 0 and len(rows(text)) == 2
+    assert all("| eager F.rms_norm |" in ln for ln in rows(text))
+    assert "speedup vs eager" in text  # still over the baseline, whose row is left out
+
+
+@pytest.mark.parametrize("value, message", [("rms_norm,nope", "'nope'"), (",", "--variants")])
+def test_report_variants_unknown_key_is_a_one_line_error(saved, value, message):
+    code, out, err = run_cli("report", str(saved["a"][0] / "results.json"), "--variants", value)
+    assert code == 2 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+@needs_matplotlib
+def test_report_vs_plots_writes_both_pngs_over_the_new_baseline(saved, tmp_path):
+    src = saved["a"][0]
+    results, same, rebased = str(src / "results.json"), tmp_path / "same", tmp_path / "vs"
+    code, _, _ = run_cli("report", results, "--plots", str(same))
+    assert code == 0
+    # Drawn again from the file, the sweep's own plots come out byte for byte...
+    assert (same / plots.SPEEDUP_PNG).read_bytes() == (src / plots.SPEEDUP_PNG).read_bytes()
+    code, stdout, _ = run_cli("report", results, "--vs", "rms_norm", "--plots", str(rebased))
+    assert code == 0
+    for name in (plots.SPEEDUP_PNG, plots.BANDWIDTH_PNG):
+        blob = (rebased / name).read_bytes()
+        assert blob.startswith(PNG_SIGNATURE) and len(blob) > MIN_DRAWN_PNG_BYTES
+        assert f"wrote {rebased / name}" in stdout
+    # ... so a different speedup.png is the rebased data, speedups over rms_norm.
+    assert (rebased / plots.SPEEDUP_PNG).read_bytes() != (src / plots.SPEEDUP_PNG).read_bytes()
+    assert part_files(tmp_path) == []
+
+
+def test_report_plots_without_matplotlib_is_a_one_line_error(saved, tmp_path, monkeypatch):
+    monkeypatch.setattr(plots, "HAS_MATPLOTLIB", False)
+    code, out, err = run_cli("report", str(saved["a"][0] / "results.json"), "--plots", str(tmp_path / "p"))
+    assert code == 2 and out == ""
+    assert "pip install matplotlib" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "p").exists()

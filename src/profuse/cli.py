@@ -70,6 +70,14 @@ def element_list(text: str) -> list[int]:
     return out
 
 
+def variant_keys(text: str) -> list[str]:
+    """'triton,compile-max' -> ['triton', 'compile-max'] (checked against the saved run later)."""
+    keys = list(dict.fromkeys(k for k in text.replace(" ", "").split(",") if k))
+    if not keys:
+        raise argparse.ArgumentTypeError("expected comma-separated variant keys, e.g. triton,compile")
+    return keys
+
+
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
 
 
@@ -334,6 +342,12 @@ def build_report_parser() -> argparse.ArgumentParser:
     p.add_argument("--vs", default=None, metavar="VARIANT",
                    help="speedups over this variant (e.g. compile, compile-max) instead of eager, "
                    "from the saved per-trial times")  # fmt: skip
+    p.add_argument("--variants", type=variant_keys, default=None, metavar="LIST",
+                   help="comma-separated variant keys as saved (e.g. triton,compile-max): only their "
+                   "rows in the table and lines in --plots; speedups stay over the baseline")  # fmt: skip
+    p.add_argument("--plots", type=Path, default=None, metavar="DIR",
+                   help="also write speedup.png and bandwidth.png for this data (after --vs and --variants) "
+                   "into DIR (needs matplotlib)")  # fmt: skip
     return p
 
 
@@ -360,20 +374,31 @@ def cmd_sweep(argv: list[str]) -> int:
     # The one-size config maps the shared flags (dtype, variants, --warm-cache) as Part B does.
     first = _bench_config(args, device, args.rows[0], args.cols[0])
     cfg = SweepConfig.from_bench(first, args.rows, args.cols, args.elements)
+    out = Path(args.out)
+
+    partial = out / "results.partial.json"
+
+    def save_partial(res) -> None:
+        # The sizes done so far, rewritten whole after each size: a sweep stopped part-way (a
+        # time limit, Ctrl-C) keeps them in a file `profuse report` reads, and leaves any
+        # earlier complete results.json alone. A finished sweep removes it.
+        if res.runs:
+            write_json(partial, {**res.to_dict(), "partial": True})
+
     progress = Progress()
     try:
-        res = run_sweep(cfg, progress=progress)
+        res = run_sweep(cfg, progress=progress, on_size=save_partial)
     finally:
         progress.close()
     data = res.to_dict()
     print(format_sweep(data))
     if not res.runs:
         raise UsageError("no size fitted in memory, so nothing was written: choose smaller sizes")
-    out = Path(args.out)
     # JSON first: it holds every timing, and the CSV and plots can be made again from it.
     written = [write_json(out / "results.json", data), write_csv(out / "results.csv", data)]
     if plots.HAS_MATPLOTLIB:
         written += plots.write_plots(data, out)
+    partial.unlink(missing_ok=True)
     print()
     for path in written:
         print(f"wrote {path}")
@@ -383,13 +408,31 @@ def cmd_sweep(argv: list[str]) -> int:
 
 
 def cmd_report(argv: list[str]) -> int:
-    from profuse.report.sweep import format_report, load_results, rebase
+    from profuse.report.sweep import format_run, load_results, parse, rebase, select_variants
 
     args = build_report_parser().parse_args(argv)
+    if args.plots is not None:
+        from profuse.report import plots
+
+        if not plots.HAS_MATPLOTLIB:
+            raise UsageError(plots.MATPLOTLIB_MISSING)  # before the table, not after it
     data = load_results(args.results)
     if args.vs:
         data = rebase(data, args.vs)
-    print(format_report(data, markdown=args.markdown))
+    run = parse(data, str(args.results))
+    if args.variants:
+        run = select_variants(run, args.variants)
+    print(format_run(run, markdown=args.markdown))
+    if data.get("partial"):
+        done = len(data.get("runs", [])) + len(data.get("skipped", []))
+        print(f"(a partial sweep: it stopped after {done} sizes)")
+    if args.plots is not None:
+        written = plots.write_plots(run, args.plots)
+        print()
+        for path in written:
+            print(f"wrote {path}")
+        if not written:
+            print("no plots: nothing was timed")
     return 0
 
 

@@ -168,14 +168,20 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None = None) -> SweepResult:
+def run_sweep(
+    cfg: SweepConfig,
+    progress: Callable[[str, int, int], None] | None = None,
+    on_size: Callable[[SweepResult], None] | None = None,
+) -> SweepResult:
     """Run the tail benchmark at every size of `cfg`; sizes that do not fit are skipped, not fatal.
 
     `progress(stage, done, total)` counts over the whole sweep; `stage` names the size
-    ("size 2/3: 8192 x 4096").
+    ("size 2/3: 8192 x 4096"). `on_size(result so far)` runs after each size (the CLI saves the
+    sizes done, so a sweep stopped part-way keeps them).
     """
     dev = cfg.device
     ceiling = B.copy_ceiling(dev) if dev.type == "cuda" else None
+    env = environment(dev)
     sizes = cfg.sizes()
     runs: list[TailBenchResult] = []
     skipped: list[SkippedSize] = []
@@ -203,4 +209,6 @@ def run_sweep(cfg: SweepConfig, progress: Callable[[str, int, int], None] | None
             skipped.append(SkippedSize(rows, cols, f"out of memory on {dev}: {first}"))
         finally:
             _release(dev)
-    return SweepResult(cfg, environment(dev), ceiling, runs, skipped)
+        if on_size is not None:
+            on_size(SweepResult(cfg, env, ceiling, list(runs), list(skipped)))
+    return SweepResult(cfg, env, ceiling, runs, skipped)

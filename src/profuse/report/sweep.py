@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -86,6 +86,7 @@ class SavedRun:
     statistic: str = ""
     timer: str = ""
     flush_l2: bool = False
+    elements: list[int] = field(default_factory=list)  # a grid's --elements (rows = elements // cols)
 
     @property
     def sizes(self) -> list[tuple[int, int]]:
@@ -228,7 +229,21 @@ def _parse(data: dict) -> SavedRun:
         statistic=comp0.get("statistic", ""),
         timer=comp0.get("timer", ""),
         flush_l2=bool(comp0.get("flush_l2", False)),
+        elements=[int(e) for e in cfg.get("elements") or []],  # files saved before --elements: none
     )
+
+
+def select_variants(run: SavedRun, keys: list[str]) -> SavedRun:
+    """The run with only these variants' rows (keys as saved: eager, compile-max, triton, ...);
+    the speedups stay over the run's baseline, shown or not. UsageError for a key it lacks."""
+    have = list(dict.fromkeys(r.variant for r in run.variant_rows))
+    unknown = [k for k in keys if k not in have]
+    if unknown:
+        raise UsageError(
+            f"no variant {', '.join(map(repr, unknown))} in this run (it has: {', '.join(have)})"
+        )
+    wanted = set(keys)
+    return replace(run, variant_rows=[r for r in run.variant_rows if r.variant in wanted])
 
 
 # --------------------------------------------------------------------------------------------
