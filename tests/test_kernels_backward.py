@@ -316,6 +316,45 @@ def test_backward_paths_with_explicit_configs(case, dtype, device, poisoned):
     assert torch.equal(dw_only, got[3])
 
 
+# Every launch config the autotuner may pick on a GPU, at real widths but a few rows: the
+# autotuner keeps the fastest candidate without checking it, so each one must be right.
+CANDIDATE_SHAPES = [(3, 1000), (3, 5120), (2, 65536)]
+
+
+def _candidate_ids(kind):
+    def make(shape):
+        rows, n = shape
+        pick = K.forward_candidates if kind == "fwd" else K.backward_candidates
+        return [(shape, cfg) for cfg in dict.fromkeys(pick(rows, n, torch.bfloat16, 132))]
+
+    def name(shape, c):
+        launch = f"{c.kernel}-{c.block_m}x{c.block_n}-w{c.num_warps}-s{c.num_stages}-p{c.programs}"
+        return f"{shape[0]}x{shape[1]}-{launch}"
+
+    return [pytest.param(s, c, id=name(s, c)) for shape in CANDIDATE_SHAPES for s, c in make(shape)]
+
+
+@pytest.mark.parametrize("shape, cfg", _candidate_ids("fwd"))
+def test_every_forward_candidate_is_right(shape, cfg, device, poisoned):
+    (g, u, r, w), _ = make_inputs(shape, torch.bfloat16, device, seed=11)
+    y, rstd = K.tail_forward(g, u, r, w, EPS, config=cfg)
+    assert torch.isfinite(y).all(), "an output element was never written"
+    assert T.relative_error(y, T.tail_reference(g, u, r, w, EPS)) <= T.FORWARD_TOL[torch.bfloat16]
+    assert T.relative_error(rstd, reference_rstd(g, u, r)) <= 1e-5
+
+
+@pytest.mark.parametrize("shape, cfg", _candidate_ids("bwd"))
+def test_every_backward_candidate_is_right(shape, cfg, device, poisoned):
+    xs, dy = make_inputs(shape, torch.bfloat16, device, seed=12)
+    g, u, r, w = xs
+    _, rstd = K.tail_forward(g, u, r, w, EPS)
+    ref = reference_grads(xs, dy)[1:]
+    got = K.tail_backward(dy, g, u, r, w, rstd, (True, True, True, True), config=cfg)
+    for name, t, want in zip(GRADS, got, ref, strict=True):
+        err = T.relative_error(t, want)
+        assert err <= T.BACKWARD_TOL[torch.bfloat16], f"d{name}: rel err {err:.2e}"
+
+
 def test_configs_choose_paths_by_width():
     """The launch heuristics: whole rows up to the limits, chunks beyond; valid configs always."""
     fwd_limit, bwd_limit = K.FWD_MAX_FUSED, K.BWD_MAX_FUSED
