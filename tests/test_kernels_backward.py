@@ -183,6 +183,7 @@ SKIP_CONFIGS = {
     "fused": None,
     "chunked": KernelConfig("chunked", 1, 16, num_warps=4, programs=3),
     "split": KernelConfig("split", 1, 16, num_warps=4, num_stages=2, programs=2),
+    "split, row dot in 3 column ranges": KernelConfig("split", 1, 16, num_warps=4, programs=2, splits=3),
 }
 
 
@@ -216,6 +217,8 @@ CONFIG_CASES = {
     "chunked": KernelConfig("chunked", 1, 16, num_warps=4, programs=3),
     # 7 rows over 2 row programs x 3 column slabs (16 + 16 + 5): each dw slab sums 3-4 rows.
     "split": KernelConfig("split", 1, 16, num_warps=4, num_stages=2, programs=2),
+    # The same with each row's dot in 3 column ranges, summed in a fixed order.
+    "split, row dot in column ranges": KernelConfig("split", 1, 16, num_warps=4, programs=2, splits=3),
 }
 
 
@@ -292,6 +295,12 @@ BACKWARD_CONFIGS = {
         4, 11, KernelConfig("split", 1, 16, num_warps=2, num_stages=1, programs=1)),
     "split, more row programs than rows": (
         2, 33, KernelConfig("split", 1, 16, num_warps=4, num_stages=2, programs=3)),
+    # The row-dot pass in column ranges (few rows): N = 70 in 2 ranges of 3 chunks (48 + 22).
+    "split, row dot in 2 column ranges": (
+        3, 70, KernelConfig("split", 1, 16, num_warps=4, num_stages=2, programs=2, splits=2)),
+    # 5 ranges asked, but N = 40 holds 3 chunks: 3 ranges of one chunk, the last short.
+    "split, row dot in more ranges than chunks": (
+        2, 40, KernelConfig("split", 1, 16, num_warps=4, num_stages=1, programs=1, splits=5)),
 }  # fmt: skip
 
 

@@ -18,7 +18,10 @@ partials are summed by torch in one fixed order: no atomics, so gradients are bi
 
 Rows wider than a program can hold in registers take a chunked path: pass 1 streams the row's
 chunks to get the row's sum, pass 2 walks the chunks again in reverse order, so the chunks read
-last (still in L2) are read first.
+last (still in L2) are read first; a persistent grid keeps few rows in flight so they stay in
+L2. The backward can also split: a row-dot pass (each row's sum, in column ranges when rows are
+few), then a grid of (row programs x column slabs) that holds its slab of dw in registers.
+Which path and launch shape runs is chosen per shape by timing the candidates (see _pick).
 
 Layout: the @triton.jit kernels, their launchers (flatten to 2-D, allocate, pick a config,
 launch), the custom ops (so torch.compile calls them without a graph break), the
@@ -312,20 +315,25 @@ def _tail_bwd_rowdot_kernel(
     R_ptr,
     W_ptr,
     RSTD_ptr,
-    C_ptr,  # (n_rows,) fp32 out: mean(x_hat * w * dy) of each row
+    C_ptr,  # (n_rows, n_splits) fp32 out: each column range's share of mean(x_hat * w * dy)
     dy_row_stride,
     g_row_stride,
     u_row_stride,
     r_row_stride,
     n_cols,
+    span,  # columns per split, a multiple of BLOCK_N
     BLOCK_N: tl.constexpr,  # a chunk of the row
     NUM_STAGES: tl.constexpr,
 ):
-    """Split backward, pass 1 (one program per row): c = rstd * sum(h * w * dy) / N."""
+    """Split backward, pass 1: program (row, k) sums rstd * h * w * dy / N over the k-th span of
+    the row's columns. With one split this is the row's c; with several (few rows, so every SM
+    gets work) the launcher adds the splits up in a fixed order."""
     row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    n_splits = tl.num_programs(1)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in tl.range(0, n_cols, BLOCK_N, num_stages=NUM_STAGES):
-        cols = start + tl.arange(0, BLOCK_N)
+    for offset in tl.range(0, span, BLOCK_N, num_stages=NUM_STAGES):
+        cols = split * span + offset + tl.arange(0, BLOCK_N)
         mask = cols < n_cols
         dy = tl.load(DY_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(G_ptr + row * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -334,7 +342,7 @@ def _tail_bwd_rowdot_kernel(
         w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         acc += (g * tl.sigmoid(g) * u + r) * w * dy
     rstd = tl.load(RSTD_ptr + row)
-    tl.store(C_ptr + row, tl.sum(acc, axis=0) * rstd / n_cols)
+    tl.store(C_ptr + row * n_splits + split, tl.sum(acc, axis=0) * rstd / n_cols)
 
 
 @triton.jit
@@ -416,6 +424,7 @@ class KernelConfig:
     num_warps: int
     num_stages: int = 1  # pipelining depth of the tile loop of a persistent program
     programs: int = 0  # persistent grid size; 0 = one program per tile (forward only)
+    splits: int = 1  # split backward: programs per row in its row-dot pass (when rows are few)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -527,6 +536,14 @@ def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int
             n_slabs = triton.cdiv(n_cols, slab)
             programs = max(1, min(n_rows, triton.cdiv(n_sms * per_sm, n_slabs)))
             out.append(KernelConfig("split", 1, slab, w, 2, programs))
+        if n_rows < 4 * n_sms:
+            # Few rows: one row-dot program per row would leave most SMs idle while each walks
+            # a whole wide row; split every row's dot into column ranges (~4 programs per SM).
+            splits = min(triton.next_power_of_2(triton.cdiv(4 * n_sms, n_rows)), triton.cdiv(n_cols, 2048))
+            if splits > 1:
+                n_slabs = triton.cdiv(n_cols, 2048)
+                programs = max(1, min(n_rows, triton.cdiv(2 * n_sms, n_slabs)))
+                out.append(KernelConfig("split", 1, 2048, 8, 2, programs, splits))
     if BWD_MAX_FUSED < bn <= 2 * BWD_MAX_FUSED and torch.finfo(dtype).bits <= 16:
         # 32K 16-bit columns: 32 elements per thread at 32 warps, if the compiler keeps the live
         # values (x_hat, w * dy, g, u) in registers.
@@ -732,13 +749,18 @@ def tail_backward(
                 *args, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **flags
             )
         else:  # split
-            c = torch.empty(n_rows, dtype=torch.float32, device=dev)
+            # Each row's columns in `splits` spans of whole chunks (the last may be short).
+            span = triton.cdiv(triton.cdiv(n_cols, cfg.splits), cfg.block_n) * cfg.block_n
+            n_splits = triton.cdiv(n_cols, span)
+            c = torch.empty((n_rows, n_splits), dtype=torch.float32, device=dev)
             if need_g or need_u or need_r:
-                _tail_bwd_rowdot_kernel[(n_rows,)](
+                _tail_bwd_rowdot_kernel[(n_rows, n_splits)](
                     dy, g, u, r, w, rstd.reshape(-1), c,
-                    dy.stride(0), g.stride(0), u.stride(0), r.stride(0), n_cols,
+                    dy.stride(0), g.stride(0), u.stride(0), r.stride(0), n_cols, span,
                     BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
                 )  # fmt: skip
+            # One fixed-order sum over the spans: the same bits every run.
+            c = c.view(n_rows) if n_splits == 1 else c.sum(dim=1)
             grid = (cfg.programs, triton.cdiv(n_cols, cfg.block_n))
             k = _tail_bwd_slab_kernel[grid](
                 *args[:6], c, *args[6:],
