@@ -418,7 +418,7 @@ def cmd_report(argv: list[str]) -> int:
             raise UsageError(plots.MATPLOTLIB_MISSING)  # before the table, not after it
     data = load_results(args.results)
     if args.vs:
-        data = rebase(data, args.vs)
+        data = rebase(data, args.vs, only=args.variants)
     run = parse(data, str(args.results))
     if args.variants:
         run = select_variants(run, args.variants)

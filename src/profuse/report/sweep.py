@@ -120,10 +120,11 @@ def load_results(path: str | Path) -> dict:
     return data
 
 
-def rebase(data: dict, baseline: str) -> dict:
+def rebase(data: dict, baseline: str, only: list[str] | None = None) -> dict:
     """A copy of a saved run whose speedups are over `baseline` (a variant key, e.g. compile)
     instead of eager, recomputed from the saved per-trial times: the trials interleaved every
-    variant, so the pairs (and the paired bootstrap) hold for any two of them."""
+    variant, so the pairs (and the paired bootstrap) hold for any two of them. With `only`, the
+    other variants' speedups are dropped instead of recomputed (each bootstrap takes ~0.1 s)."""
     from profuse.bench.stats import speedup_ci
 
     out = copy.deepcopy(data)
@@ -141,7 +142,8 @@ def rebase(data: dict, baseline: str) -> dict:
         comp["baseline"] = baseline
         comp["speedups"] = {}
         for key, res in (entry.get("results") or {}).items():
-            sp = None if key == baseline else speedup_ci(base, timings[key]["times_s"]).to_dict()
+            skip = key == baseline or (only is not None and key not in only)
+            sp = None if skip else speedup_ci(base, timings[key]["times_s"]).to_dict()
             res["speedup"] = sp
             if sp:
                 comp["speedups"][key] = sp
