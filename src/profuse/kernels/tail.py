@@ -156,6 +156,22 @@ def _tail_fwd_chunked_kernel(
 
 
 @triton.jit
+def _store_input_grads(
+    DG_ptr, DU_ptr, DR_ptr, out, mask, dh, g, u, s, silu,
+    COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr, EVICT: tl.constexpr,
+):  # fmt: skip
+    """dr = dh, du = dh * silu(g), dg = dh * u * s * (1 + g * (1 - s)): each rounded once, stored
+    at `out` (EVICT: the stores' L2 eviction policy, "" for the default)."""
+    if COMPUTE_DR:
+        tl.store(DR_ptr + out, dh.to(DR_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICT)
+    if COMPUTE_DU:
+        tl.store(DU_ptr + out, (dh * silu).to(DU_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICT)
+    if COMPUTE_DG:
+        dg = dh * u * s * (1.0 + g * (1.0 - s))
+        tl.store(DG_ptr + out, dg.to(DG_ptr.dtype.element_ty), mask=mask, eviction_policy=EVICT)
+
+
+@triton.jit
 def _tail_bwd_kernel(
     DY_ptr,
     G_ptr,
@@ -215,13 +231,8 @@ def _tail_bwd_kernel(
             c = tl.sum(x_hat * wdy, axis=1) / n_cols
             dh = (wdy - x_hat * c[:, None]) * rstd[:, None]
             out = rows[:, None] * n_cols + c2
-            if COMPUTE_DR:
-                tl.store(DR_ptr + out, dh.to(DR_ptr.dtype.element_ty), mask=mask)
-            if COMPUTE_DU:
-                tl.store(DU_ptr + out, (dh * silu).to(DU_ptr.dtype.element_ty), mask=mask)
-            if COMPUTE_DG:
-                dg = dh * u * s * (1.0 + g * (1.0 - s))
-                tl.store(DG_ptr + out, dg.to(DG_ptr.dtype.element_ty), mask=mask)
+            _store_input_grads(DG_ptr, DU_ptr, DR_ptr, out, mask, dh, g, u, s, silu,
+                               COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "")  # fmt: skip
     if COMPUTE_DW:
         tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
 
@@ -295,16 +306,8 @@ def _tail_bwd_chunked_kernel(
                 w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 dh = (w * dy - x_hat * c) * rstd
                 out = row64 * n_cols + cols
-                if COMPUTE_DR:
-                    tl.store(DR_ptr + out, dh.to(DR_ptr.dtype.element_ty), mask=mask,
-                             eviction_policy="evict_first")  # fmt: skip
-                if COMPUTE_DU:
-                    tl.store(DU_ptr + out, (dh * silu).to(DU_ptr.dtype.element_ty), mask=mask,
-                             eviction_policy="evict_first")  # fmt: skip
-                if COMPUTE_DG:
-                    dg = dh * u * s * (1.0 + g * (1.0 - s))
-                    tl.store(DG_ptr + out, dg.to(DG_ptr.dtype.element_ty), mask=mask,
-                             eviction_policy="evict_first")  # fmt: skip
+                _store_input_grads(DG_ptr, DU_ptr, DR_ptr, out, mask, dh, g, u, s, silu,
+                                   COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
 
 
 @triton.jit
@@ -398,13 +401,8 @@ def _tail_bwd_slab_kernel(
             c = tl.load(C_ptr + row64)
             dh = (w * dy - x_hat * c) * rstd
             out = row64 * n_cols + cols
-            if COMPUTE_DR:
-                tl.store(DR_ptr + out, dh.to(DR_ptr.dtype.element_ty), mask=mask)
-            if COMPUTE_DU:
-                tl.store(DU_ptr + out, (dh * silu).to(DU_ptr.dtype.element_ty), mask=mask)
-            if COMPUTE_DG:
-                dg = dh * u * s * (1.0 + g * (1.0 - s))
-                tl.store(DG_ptr + out, dg.to(DG_ptr.dtype.element_ty), mask=mask)
+            _store_input_grads(DG_ptr, DU_ptr, DR_ptr, out, mask, dh, g, u, s, silu,
+                               COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "")  # fmt: skip
     if COMPUTE_DW:
         tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=mask)
 
