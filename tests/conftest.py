@@ -4,6 +4,7 @@ The variable must be set before triton decorates the kernels, so before profuse.
 imported: conftest runs first.
 """
 
+import math
 import os
 
 import pytest
@@ -18,3 +19,29 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 @pytest.fixture
 def device():
     return DEVICE
+
+
+class PoisonedTorch:
+    """Stands in for `torch` inside profuse.kernels.tail: torch.empty comes back full of NaN (or
+    -1 for integers), so an element a kernel forgets to write (an output, a gradient, a dw
+    partial row) cannot pass for a right answer."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kwargs):
+        t = torch.empty(*args, **kwargs)
+        return t.fill_(math.nan if t.is_floating_point() else -1)
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """profuse.kernels.tail allocates through PoisonedTorch for the test's duration."""
+    from profuse.kernels import HAS_TRITON
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    import profuse.kernels.tail as ktail
+
+    monkeypatch.setattr(ktail, "torch", PoisonedTorch())

@@ -72,24 +72,6 @@ def reference_rstd(g, u, r):
     return torch.rsqrt(h.pow(2).mean(-1) + EPS)
 
 
-class PoisonedTorch:
-    """Stands in for `torch` inside profuse.kernels.tail: torch.empty comes back full of NaN, so a
-    gradient element (or a dw partial row) the kernel forgets to write shows up."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*args, **kwargs):
-        t = torch.empty(*args, **kwargs)
-        return t.fill_(math.nan if t.is_floating_point() else -1)
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    monkeypatch.setattr(K, "torch", PoisonedTorch())
-
-
 # --------------------------------------------------------------------------------------------
 # Every gradient against float64, and against eager in the same dtype
 # --------------------------------------------------------------------------------------------

@@ -69,28 +69,6 @@ def assert_elementwise(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype)
     )
 
 
-class PoisonedTorch:
-    """Stands in for `torch` inside profuse.kernels.tail: torch.empty comes back full of NaN (or
-    -1 for integers), so an element a kernel forgets to write cannot pass for a right answer."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*args, **kwargs):
-        t = torch.empty(*args, **kwargs)
-        return t.fill_(math.nan if t.is_floating_point() else -1)
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    if not HAS_TRITON:
-        pytest.skip("triton is not installed")
-    import profuse.kernels.tail as ktail
-
-    monkeypatch.setattr(ktail, "torch", PoisonedTorch())
-
-
 def test_poisoned_allocation_is_poisoned(poisoned):
     """The poison works: otherwise the element-wise checks below would prove less than they say."""
     import profuse.kernels.tail as ktail
