@@ -1,7 +1,8 @@
 """Time every candidate launch config of the Triton tail kernels per shape (CUDA only).
 
 For each column count, rows are chosen so the tensors hold --elements elements; every candidate
-config of the forward and of the backward is checked against an fp32 eager result, then timed
+config is checked (forward: against fp32 eager; backward: against the narrowest chunked
+config, which the tests check against float64), then timed
 with triton.testing.do_bench (median, L2 flushed). This shows how far the heuristic's favourite
 (and the runtime autotuner's pick) is from the best candidate per shape.
 
@@ -54,6 +55,34 @@ def explore(cands: list[KernelConfig], n_rows: int, sms: int) -> list[KernelConf
     return out
 
 
+def forward_error(ref, out) -> float:
+    return T.relative_error(out[0], ref)
+
+
+def backward_error(ref, out) -> float:
+    return max(T.relative_error(a, b) for a, b in zip(out, ref))
+
+
+def time_candidates(kind, cands, default, run, error, floor_s) -> list[dict]:
+    """Each config: one checked call (with its registers and spills), then do_bench's median;
+    fastest first. `floor_s`: the kernel's bytes at the copy ceiling, so frac = floor / time."""
+    rows = []
+    for cfg in cands:
+        try:
+            K.LAUNCH_LOG = []
+            err = error(run(cfg))  # the first call also builds the kernel, outside the timing
+            regs, spills = K.LAUNCH_LOG[-1][2:]
+            ms = do_bench(partial(run, cfg), warmup=10, rep=60, return_mode="median")
+        except Exception as e:  # noqa: BLE001 - a config that cannot compile is just skipped
+            print(f"  {kind} {cfg} failed: {str(e).splitlines()[0][:100]}", flush=True)
+            continue
+        finally:
+            K.LAUNCH_LOG = None
+        row = {"ms": ms, "frac": floor_s / (ms * 1e-3), "rel_err": err, "regs": regs, "spills": spills}
+        rows.append({**cfg.to_dict(), **row, "default": cfg == default})
+    return sorted(rows, key=lambda c: c["ms"])
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cols", default=",".join(map(str, GRID)))
@@ -83,56 +112,31 @@ def main() -> int:
         ref_y = T.tail_eager(g.float(), u.float(), r.float(), w.float())
         shape = {"rows": n_rows, "cols": n_cols, "fwd": [], "bwd": []}
         if "fwd" in args.which:
-            default = forward_config(n_rows, n_cols, dtype)
             cands = forward_candidates(n_rows, n_cols, dtype, sms)
-            if args.explore:
-                cands = explore(cands, n_rows, sms)
-            for cfg in cands:
-                try:
-                    y, rstd = tail_forward(g, u, r, w, 1e-6, cfg)
-                    K.LAUNCH_LOG = []
-                    y, rstd = tail_forward(g, u, r, w, 1e-6, cfg)
-                    regs, spills = K.LAUNCH_LOG[-1][2:]
-                    K.LAUNCH_LOG = None
-                    err = T.relative_error(y, ref_y)
-                    ms = do_bench(
-                        partial(tail_forward, g, u, r, w, 1e-6, cfg), warmup=10, rep=60, return_mode="median"
-                    )
-                except Exception as e:  # noqa: BLE001 - a config that cannot compile is just skipped
-                    print(f"  fwd {cfg} failed: {str(e).splitlines()[0][:100]}", flush=True)
-                    continue
-                frac = 4 * nbytes / (ms * 1e-3) / ceiling
-                row = {"ms": ms, "frac": frac, "rel_err": err, "regs": regs, "spills": spills}
-                shape["fwd"].append({**cfg.to_dict(), **row, "default": cfg == default})
-            shape["fwd"].sort(key=lambda c: c["ms"])
-            best = shape["fwd"][0] if shape["fwd"] else None
-            print(f"{n_rows}x{n_cols} fwd best {best}", flush=True)
+            shape["fwd"] = time_candidates(
+                "fwd",
+                explore(cands, n_rows, sms) if args.explore else cands,
+                forward_config(n_rows, n_cols, dtype),
+                partial(tail_forward, g, u, r, w, 1e-6),
+                partial(forward_error, ref_y),
+                4 * nbytes / ceiling,
+            )
+            print(f"{n_rows}x{n_cols} fwd best {shape['fwd'][0] if shape['fwd'] else None}", flush=True)
         if "bwd" in args.which:
             _, rstd = tail_forward(g, u, r, w, 1e-6)
             needs = (True, True, True, True)
+            # A cross-check against the narrowest chunked config (the tests check it against float64).
             ref = tail_backward(dy, g, u, r, w, rstd, needs, KernelConfig("chunked", 1, 1024, 4, 1, 4 * sms))
-            default = backward_config(n_rows, n_cols, dtype, sms)
             cands = backward_candidates(n_rows, n_cols, dtype, sms)
-            if args.explore:
-                cands = explore(cands, n_rows, sms)
-            for cfg in cands:
-                try:
-                    K.LAUNCH_LOG = []
-                    out = tail_backward(dy, g, u, r, w, rstd, needs, cfg)
-                    regs, spills = K.LAUNCH_LOG[-1][2:]
-                    K.LAUNCH_LOG = None
-                    err = max(T.relative_error(a, b) for a, b in zip(out, ref))
-                    ms = do_bench(partial(tail_backward, dy, g, u, r, w, rstd, needs, cfg), warmup=10, rep=60,
-                                  return_mode="median")  # fmt: skip
-                except Exception as e:  # noqa: BLE001
-                    print(f"  bwd {cfg} failed: {str(e).splitlines()[0][:100]}", flush=True)
-                    continue
-                frac = 7 * nbytes / (ms * 1e-3) / ceiling
-                row = {"ms": ms, "frac": frac, "rel_err": err, "regs": regs, "spills": spills}
-                shape["bwd"].append({**cfg.to_dict(), **row, "default": cfg == default})
-            shape["bwd"].sort(key=lambda c: c["ms"])
-            best = shape["bwd"][0] if shape["bwd"] else None
-            print(f"{n_rows}x{n_cols} bwd best {best}", flush=True)
+            shape["bwd"] = time_candidates(
+                "bwd",
+                explore(cands, n_rows, sms) if args.explore else cands,
+                backward_config(n_rows, n_cols, dtype, sms),
+                partial(tail_backward, dy, g, u, r, w, rstd, needs),
+                partial(backward_error, ref),
+                7 * nbytes / ceiling,
+            )
+            print(f"{n_rows}x{n_cols} bwd best {shape['bwd'][0] if shape['bwd'] else None}", flush=True)
         results["shapes"].append(shape)
         write_json(args.out, results)
         torch.cuda.empty_cache()
