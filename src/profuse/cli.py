@@ -375,7 +375,6 @@ def cmd_sweep(argv: list[str]) -> int:
     first = _bench_config(args, device, args.rows[0], args.cols[0])
     cfg = SweepConfig.from_bench(first, args.rows, args.cols, args.elements)
     out = Path(args.out)
-
     partial = out / "results.partial.json"
 
     def save_partial(res) -> None:
