@@ -2,9 +2,9 @@
 
 For each column count, rows are chosen so the tensors hold --elements elements; every candidate
 config is checked (forward: against fp32 eager; backward: against the narrowest chunked
-config, which the tests check against float64), then timed
-with triton.testing.do_bench (median, L2 flushed). This shows how far the heuristic's favourite
-(and the runtime autotuner's pick) is from the best candidate per shape.
+config, which the tests check against float64), then timed as the autotuner times them (device
+time, L2 flushed, the configs taking turns over 30 trials; the median). This shows how far the
+heuristic's favourite (and the runtime autotuner's pick) is from the best candidate per shape.
 
     PYTHONPATH=src python benchmarks/tune_tail.py --out results/tune.json
 """
@@ -20,7 +20,6 @@ from functools import partial
 
 import torch
 import triton
-from triton.testing import do_bench
 
 import profuse.kernels.tail as K
 from profuse import tail as T
@@ -38,6 +37,7 @@ from profuse.kernels.tail import (
 )
 
 GRID = [1024, 2048, 4096, 5120, 8192, 11008, 14336, 16384, 32768, 65536]
+TRIALS = 30
 
 
 def explore(cands: list[KernelConfig], n_rows: int, sms: int) -> list[KernelConfig]:
@@ -55,6 +55,16 @@ def explore(cands: list[KernelConfig], n_rows: int, sms: int) -> list[KernelConf
     return out
 
 
+def l2_variants(cands: list[KernelConfig]) -> list[KernelConfig]:
+    """Each candidate also with the other L2 hints its kernel takes."""
+    out = list(cands)
+    for c in cands:
+        for l2 in ("stream", "plain"):
+            if c.kernel == "fused" and replace(c, l2=l2) not in out:
+                out.append(replace(c, l2=l2))
+    return out
+
+
 def forward_error(ref, out) -> float:
     return T.relative_error(out[0], ref)
 
@@ -63,22 +73,26 @@ def backward_error(ref, out) -> float:
     return max(T.relative_error(a, b) for a, b in zip(out, ref))
 
 
-def time_candidates(kind, cands, default, run, error, floor_s) -> list[dict]:
-    """Each config: one checked call (with its registers and spills), then do_bench's median;
-    fastest first. `floor_s`: the kernel's bytes at the copy ceiling, so frac = floor / time."""
-    rows = []
+def time_candidates(kind, cands, default, run, error, floor_s, device) -> list[dict]:
+    """Each config: one checked call (with its registers and spills), then its median device
+    time over interleaved trials (K.time_configs, as the autotuner times them); fastest first.
+    `floor_s`: the kernel's bytes at the copy ceiling, so frac = floor / time."""
+    checked = []
     for cfg in cands:
         try:
             K.LAUNCH_LOG = []
             err = error(run(cfg))  # the first call also builds the kernel, outside the timing
             regs, spills = K.LAUNCH_LOG[-1][2:]
-            ms = do_bench(partial(run, cfg), warmup=10, rep=60, return_mode="median")
         except Exception as e:  # noqa: BLE001 - a config that cannot compile is just skipped
             print(f"  {kind} {cfg} failed: {str(e).splitlines()[0][:100]}", flush=True)
             continue
         finally:
             K.LAUNCH_LOG = None
-        row = {"ms": ms, "frac": floor_s / (ms * 1e-3), "rel_err": err, "regs": regs, "spills": spills}
+        checked.append((cfg, {"rel_err": err, "regs": regs, "spills": spills}))
+    times = K.time_configs(run, [cfg for cfg, _ in checked], device, TRIALS)
+    rows = []
+    for (cfg, info), t in zip(checked, times):
+        row = {"ms": t * 1e3, "frac": floor_s / t, **info}
         rows.append({**cfg.to_dict(), **row, "default": cfg == default})
     return sorted(rows, key=lambda c: c["ms"])
 
@@ -91,6 +105,7 @@ def main() -> int:
     p.add_argument("--which", default="fwd,bwd")
     p.add_argument("--budget-s", type=float, default=300, help="stop starting new shapes after this")
     p.add_argument("--explore", action="store_true", help="also try pipelining depths and grid sizes")
+    p.add_argument("--l2", action="store_true", help="also try each candidate's other L2 hints")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -111,15 +126,20 @@ def main() -> int:
         nbytes = g.numel() * g.element_size()
         ref_y = T.tail_eager(g.float(), u.float(), r.float(), w.float())
         shape = {"rows": n_rows, "cols": n_cols, "fwd": [], "bwd": []}
+
+        def widen(cands: list[KernelConfig], n_rows: int = n_rows) -> list[KernelConfig]:
+            cands = explore(cands, n_rows, sms) if args.explore else cands
+            return l2_variants(cands) if args.l2 else cands
+
         if "fwd" in args.which:
-            cands = forward_candidates(n_rows, n_cols, dtype, sms)
             shape["fwd"] = time_candidates(
                 "fwd",
-                explore(cands, n_rows, sms) if args.explore else cands,
+                widen(forward_candidates(n_rows, n_cols, dtype, sms)),
                 forward_config(n_rows, n_cols, dtype),
                 partial(tail_forward, g, u, r, w, 1e-6),
                 partial(forward_error, ref_y),
                 4 * nbytes / ceiling,
+                dev,
             )
             print(f"{n_rows}x{n_cols} fwd best {shape['fwd'][0] if shape['fwd'] else None}", flush=True)
         if "bwd" in args.which:
@@ -127,14 +147,14 @@ def main() -> int:
             needs = (True, True, True, True)
             # A cross-check against the narrowest chunked config (the tests check it against float64).
             ref = tail_backward(dy, g, u, r, w, rstd, needs, KernelConfig("chunked", 1, 1024, 4, 1, 4 * sms))
-            cands = backward_candidates(n_rows, n_cols, dtype, sms)
             shape["bwd"] = time_candidates(
                 "bwd",
-                explore(cands, n_rows, sms) if args.explore else cands,
+                widen(backward_candidates(n_rows, n_cols, dtype, sms)),
                 backward_config(n_rows, n_cols, dtype, sms),
                 partial(tail_backward, dy, g, u, r, w, rstd, needs),
                 partial(backward_error, ref),
                 7 * nbytes / ceiling,
+                dev,
             )
             print(f"{n_rows}x{n_cols} bwd best {shape['bwd'][0] if shape['bwd'] else None}", flush=True)
         results["shapes"].append(shape)

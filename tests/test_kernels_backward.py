@@ -320,6 +320,7 @@ def _candidate_ids(kind):
 
     def name(shape, c):
         launch = f"{c.kernel}-{c.block_m}x{c.block_n}-w{c.num_warps}-s{c.num_stages}-p{c.programs}"
+        launch += f"-x{c.splits}-{c.l2}"
         return f"{shape[0]}x{shape[1]}-{launch}"
 
     return [pytest.param(s, c, id=name(s, c)) for shape in CANDIDATE_SHAPES for s, c in make(shape)]

@@ -31,6 +31,7 @@ autograd.Function, and `tail_triton`.
 from __future__ import annotations
 
 import os
+import statistics
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -63,6 +64,7 @@ def _tail_fwd_kernel(
     BLOCK_N: tl.constexpr,  # next power of two >= n_cols: the whole row is held
     NUM_STAGES: tl.constexpr,  # pipelining of the tile loop (persistent grids)
     STORE_RSTD: tl.constexpr,
+    IN_EVICT: tl.constexpr,  # the inputs' L2 eviction hint: "evict_first" (read once) or ""
 ):
     """Tiles of BLOCK_M whole rows: y = h * rstd * w, h = silu(g) * u + r.
 
@@ -81,13 +83,13 @@ def _tail_fwd_kernel(
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
         c2 = cols[None, :]
-        # Each input is read once: tell the L2 not to keep it (the weight stays).
+        # Each input is read once: the L2 may drop it first (the weight stays).
         g = tl.load(G_ptr + rows[:, None] * g_row_stride + c2, mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+                    eviction_policy=IN_EVICT).to(tl.float32)  # fmt: skip
         u = tl.load(U_ptr + rows[:, None] * u_row_stride + c2, mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+                    eviction_policy=IN_EVICT).to(tl.float32)  # fmt: skip
         r = tl.load(R_ptr + rows[:, None] * r_row_stride + c2, mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)  # fmt: skip
+                    eviction_policy=IN_EVICT).to(tl.float32)  # fmt: skip
         h = g * tl.sigmoid(g) * u + r  # masked columns give h = 0 and leave the sum alone
         rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
         y = h * rstd[:, None] * w[None, :]
@@ -196,6 +198,7 @@ def _tail_bwd_kernel(
     COMPUTE_DU: tl.constexpr,
     COMPUTE_DR: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
+    IN_EVICT: tl.constexpr,  # the inputs' L2 eviction hint: "evict_first" (read once) or ""
 ):
     """Persistent grid: program p takes row tiles p, p + P, ... and, per row,
 
@@ -216,10 +219,14 @@ def _tail_bwd_kernel(
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
         c2 = cols[None, :]
-        dy = tl.load(DY_ptr + rows[:, None] * dy_row_stride + c2, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(G_ptr + rows[:, None] * g_row_stride + c2, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U_ptr + rows[:, None] * u_row_stride + c2, mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(R_ptr + rows[:, None] * r_row_stride + c2, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY_ptr + rows[:, None] * dy_row_stride + c2, mask=mask, other=0.0,
+                     eviction_policy=IN_EVICT).to(tl.float32)  # fmt: skip
+        g = tl.load(G_ptr + rows[:, None] * g_row_stride + c2, mask=mask, other=0.0,
+                    eviction_policy=IN_EVICT).to(tl.float32)  # fmt: skip
+        u = tl.load(U_ptr + rows[:, None] * u_row_stride + c2, mask=mask, other=0.0,
+                    eviction_policy=IN_EVICT).to(tl.float32)  # fmt: skip
+        r = tl.load(R_ptr + rows[:, None] * r_row_stride + c2, mask=mask, other=0.0,
+                    eviction_policy=IN_EVICT).to(tl.float32)  # fmt: skip
         rstd = tl.load(RSTD_ptr + rows, mask=row_mask, other=0.0)
         s = tl.sigmoid(g)
         silu = g * s
@@ -300,8 +307,10 @@ def _tail_bwd_chunked_kernel(
             silu = g * s
             x_hat = (silu * u + r) * rstd
             if COMPUTE_DW:
-                dw = tl.load(dw_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-                tl.store(dw_row + cols, dw + dy * x_hat, mask=mask, eviction_policy="evict_last")
+                dw = dy * x_hat
+                if row != pid:  # the program's first row starts its partial: no zero-fill
+                    dw += tl.load(dw_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+                tl.store(dw_row + cols, dw, mask=mask, eviction_policy="evict_last")
             if NEED_DH:
                 w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 dh = (w * dy - x_hat * c) * rstd
@@ -423,6 +432,9 @@ class KernelConfig:
     num_stages: int = 1  # pipelining depth of the tile loop of a persistent program
     programs: int = 0  # persistent grid size; 0 = one program per tile (forward only)
     splits: int = 1  # split backward: programs per row in its row-dot pass (when rows are few)
+    # The fused kernels' hint on their read-once inputs: "stream" marks them evict_first in L2,
+    # "plain" gives none (the chunked and split kernels take no choice).
+    l2: str = "stream"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -464,6 +476,9 @@ def forward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int 
             programs = n_sms * per_sm
             if programs < triton.cdiv(n_rows, c.block_m):
                 out += [replace(c, num_stages=st, programs=programs) for st in (2, 3)]
+    # The same launches without the evict_first hint on the inputs: at 131072 x 1024 (bf16) the
+    # hint cost 4% (262 against 250 us, 97% against 101% of copy).
+    out += [replace(c, l2="plain") for c in out]
     if bn >= 16384:
         # One program per row, or a persistent grid of 1-2 per SM whose rows stay in L2
         # between the two passes; at 64K columns 132 rows in flight (52 MB) crowd the L2, so
@@ -507,14 +522,14 @@ def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int
             base = max(1, 1024 // (32 * w))
             half = max(1, base // 2)
             for stages, per_sm in ((2, base), (1, base), (2, half), (3, half)):
-                cfg = KernelConfig("fused", bm, bn, w, stages, max(1, min(n_tiles, n_sms * per_sm)))
+                programs = max(1, min(n_tiles, n_sms * per_sm))
+                cfg = KernelConfig("fused", bm, bn, w, stages, programs, l2="plain")
                 if cfg not in out:
                     out.append(cfg)
         if not out:  # few, narrow rows
             bm = min(_pow2_rows(n_rows), max(1, 2048 // bn))
-            out.append(
-                KernelConfig("fused", bm, bn, max(1, min(32, bm * bn // 256)), 1, triton.cdiv(n_rows, bm))
-            )
+            warps = max(1, min(32, bm * bn // 256))
+            out.append(KernelConfig("fused", bm, bn, warps, 1, triton.cdiv(n_rows, bm), l2="plain"))
     if bn >= 8192:
         # Persistent, one row in flight per program: pass 2 re-reads the row from L2. Fewer
         # programs keep wide rows (4 inputs x 128 KB each at 64K bf16) inside the L2.
@@ -533,7 +548,7 @@ def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int
         for slab, w, per_sm in ((2048, 8, 2), (4096, 16, 1)):
             n_slabs = triton.cdiv(n_cols, slab)
             programs = max(1, min(n_rows, triton.cdiv(n_sms * per_sm, n_slabs)))
-            out.append(KernelConfig("split", 1, slab, w, 2, programs))
+            out.append(KernelConfig("split", 1, slab, w, 2, programs, l2="plain"))
         if n_rows < 4 * n_sms:
             # Few rows: one row-dot program per row would leave most SMs idle while each walks
             # a whole wide row; split every row's dot into column ranges (~4 programs per SM).
@@ -541,11 +556,11 @@ def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int
             if splits > 1:
                 n_slabs = triton.cdiv(n_cols, 2048)
                 programs = max(1, min(n_rows, triton.cdiv(2 * n_sms, n_slabs)))
-                out.append(KernelConfig("split", 1, 2048, 8, 2, programs, splits))
+                out.append(KernelConfig("split", 1, 2048, 8, 2, programs, splits, l2="plain"))
     if BWD_MAX_FUSED < bn <= 2 * BWD_MAX_FUSED and torch.finfo(dtype).bits <= 16:
         # 32K 16-bit columns: 32 elements per thread at 32 warps, if the compiler keeps the live
         # values (x_hat, w * dy, g, u) in registers.
-        out.append(KernelConfig("fused", 1, bn, 32, 1, max(1, min(n_rows, n_sms))))
+        out.append(KernelConfig("fused", 1, bn, 32, 1, max(1, min(n_rows, n_sms)), l2="plain"))
     return out
 
 
@@ -559,9 +574,10 @@ def backward_config(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int) ->
 
 
 # Autotuning: on CUDA, the first call of each (kernel, rows rounded up to a power of two, cols,
-# dtype) times every candidate with triton.testing.do_bench and keeps the fastest; later calls
-# reuse it. A benchmark's warm-up makes that first call, so tuning never lands in a timing.
+# dtype) times every candidate (time_configs) and keeps the fastest; later calls reuse it. A
+# benchmark's warm-up makes that first call, so tuning never lands in a timing.
 # PROFUSE_AUTOTUNE=0 turns it off (the heuristic's favourite runs).
+AUTOTUNE_TRIALS = 15
 _TUNED: dict[tuple, KernelConfig] = {}
 
 
@@ -602,29 +618,50 @@ def chosen_configs(n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.d
     }
 
 
+def time_configs(launch, configs: list[KernelConfig], device: torch.device, trials: int) -> list[float]:
+    """Median device seconds of `launch(cfg)` per config, L2 flushed before each call.
+
+    The configs take turns within each trial, so a drift in clocks or temperature touches them
+    all alike; each trial is queued behind a GPU sleep (bench.timing.CudaTimer), so the time is
+    the device's alone. do_bench would count the host's time to launch instead wherever that
+    is longer than the kernel (few rows: the backward's several launches take ~50 us of host
+    time, the kernels ~20 us), and rank the configs by their launch overhead.
+    """
+    from profuse.bench.timing import CudaTimer
+
+    timer = CudaTimer(device)
+    calls = [lambda c=cfg: launch(c) for cfg in configs]
+    runs = [timer.time_calls(calls) for _ in range(trials)]
+    return [statistics.median(run[i] for run in runs) for i in range(len(configs))]
+
+
 def _pick(key: tuple, candidates: list[KernelConfig], launch, device: torch.device) -> KernelConfig:
     if key in _TUNED:
         return _TUNED[key]
     if len(candidates) == 1 or not autotune_enabled(device):
         return candidates[0]
-    from triton.testing import do_bench
-
-    times = []
+    runnable = []
     for cfg in candidates:
         try:
             launch(cfg)  # builds the kernel outside the timing
-            times.append((do_bench(lambda c=cfg: launch(c), warmup=5, rep=25, return_mode="median"), cfg))
+            runnable.append(cfg)
         except Exception:  # e.g. out of resources: that shape is not a candidate here
             continue
-    if not times:
+    if not runnable:
         raise RuntimeError(f"no launch config of the Triton tail kernel runs for {key}")
-    _TUNED[key] = min(times, key=lambda t: t[0])[1]
+    times = time_configs(launch, runnable, device, AUTOTUNE_TRIALS)
+    _TUNED[key] = runnable[times.index(min(times))]
     return _TUNED[key]
 
 
 # --------------------------------------------------------------------------------------------
 # Launchers
 # --------------------------------------------------------------------------------------------
+
+
+def _stream_hint(cfg: KernelConfig) -> str:
+    """The fused kernels' input load hint for this config."""
+    return "evict_first" if cfg.l2 == "stream" else ""
 
 
 def _as_rows(x: torch.Tensor, n_cols: int) -> torch.Tensor:
@@ -674,6 +711,7 @@ def tail_forward(
                 BLOCK_N=cfg.block_n,
                 NUM_STAGES=cfg.num_stages,
                 STORE_RSTD=True,
+                IN_EVICT=_stream_hint(cfg),
                 num_warps=cfg.num_warps,
             )
         else:
@@ -724,9 +762,9 @@ def tail_backward(
     flags = dict(COMPUTE_DG=need_g, COMPUTE_DU=need_u, COMPUTE_DR=need_r, COMPUTE_DW=need_w)
 
     def launch(cfg: KernelConfig) -> torch.Tensor | None:
-        # Chunked programs add into their partial row, so it starts at zero; fused ones store once.
-        alloc = torch.zeros if cfg.kernel == "chunked" else torch.empty
-        partial = alloc((cfg.programs, n_cols), dtype=torch.float32, device=dev) if need_w else None
+        # Every program has a row, so every row of the dw partials gets written.
+        cfg = replace(cfg, programs=min(cfg.programs, n_rows))
+        partial = torch.empty((cfg.programs, n_cols), dtype=torch.float32, device=dev) if need_w else None
         args = (
             dy, g, u, r, w, rstd.reshape(-1),
             dg if need_g else placeholder, du if need_u else placeholder, dr if need_r else placeholder,
@@ -739,6 +777,7 @@ def tail_backward(
                 BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n,
                 NUM_STAGES=cfg.num_stages,
+                IN_EVICT=_stream_hint(cfg),
                 num_warps=cfg.num_warps,
                 **flags,
             )
