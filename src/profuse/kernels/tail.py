@@ -307,10 +307,12 @@ def _tail_bwd_chunked_kernel(
             silu = g * s
             x_hat = (silu * u + r) * rstd
             if COMPUTE_DW:
-                dw = dy * x_hat
-                if row != pid:  # the program's first row starts its partial: no zero-fill
-                    dw += tl.load(dw_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-                tl.store(dw_row + cols, dw, mask=mask, eviction_policy="evict_last")
+                # The program's first row starts its partial (no zero-fill): what it loads (not
+                # yet written) is discarded; a branch around the load instead made it wait until
+                # after the math (7% slower at 12192 x 11008 on the H200).
+                dw = tl.load(dw_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+                dw = tl.where(row == pid, 0.0, dw)
+                tl.store(dw_row + cols, dw + dy * x_hat, mask=mask, eviction_policy="evict_last")
             if NEED_DH:
                 w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 dh = (w * dy - x_hat * c) * rstd
@@ -414,6 +416,36 @@ def _tail_bwd_slab_kernel(
                                COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "")  # fmt: skip
     if COMPUTE_DW:
         tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=mask)
+
+
+@triton.jit
+def _col_sum_kernel(
+    P_ptr,  # (n_parts, n_cols) fp32, contiguous
+    OUT_ptr,  # (n_cols,) in the weight's dtype
+    n_parts,
+    n_cols,
+    BLOCK_P: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """dw = the sum of the programs' fp32 partial rows, in one fixed order (the same bits every
+    run), rounded once. Narrow column blocks give every SM work: torch's sum over dim 0 ran
+    132 x 16384 partials on 4 warps per SM (9.6 us for 8.6 MB on the H200)."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
+    for start in range(0, n_parts, BLOCK_P):
+        parts = start + tl.arange(0, BLOCK_P)
+        mask = (parts < n_parts)[:, None] & col_mask[None, :]
+        acc += tl.load(P_ptr + parts[:, None].to(tl.int64) * n_cols + cols[None, :], mask=mask, other=0.0)
+    tl.store(OUT_ptr + cols, tl.sum(acc, axis=0).to(OUT_ptr.dtype.element_ty), mask=col_mask)
+
+
+def _sum_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    n_parts, n_cols = partial.shape
+    out = torch.empty(n_cols, dtype=dtype, device=partial.device)
+    grid = (triton.cdiv(n_cols, 64),)  # 256 programs at 16384 columns
+    _col_sum_kernel[grid](partial, out, n_parts, n_cols, BLOCK_P=32, BLOCK_N=64)
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -554,9 +586,14 @@ def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int
             # a whole wide row; split every row's dot into column ranges (~4 programs per SM).
             splits = min(triton.next_power_of_2(triton.cdiv(4 * n_sms, n_rows)), triton.cdiv(n_cols, 2048))
             if splits > 1:
+                # The slab pass with ~2 or ~8 programs per SM: more programs walk fewer rows each
+                # but leave more dw partial rows to sum.
                 n_slabs = triton.cdiv(n_cols, 2048)
-                programs = max(1, min(n_rows, triton.cdiv(2 * n_sms, n_slabs)))
-                out.append(KernelConfig("split", 1, 2048, 8, 2, programs, splits, l2="plain"))
+                for per_sm in (2, 8):
+                    programs = max(1, min(n_rows, triton.cdiv(per_sm * n_sms, n_slabs)))
+                    cfg = KernelConfig("split", 1, 2048, 8, 2, programs, splits, l2="plain")
+                    if cfg not in out:
+                        out.append(cfg)
     if BWD_MAX_FUSED < bn <= 2 * BWD_MAX_FUSED and torch.finfo(dtype).bits <= 16:
         # 32K 16-bit columns: 32 elements per thread at 32 warps, if the compiler keeps the live
         # values (x_hat, w * dy, g, u) in registers.
@@ -762,6 +799,7 @@ def tail_backward(
     flags = dict(COMPUTE_DG=need_g, COMPUTE_DU=need_u, COMPUTE_DR=need_r, COMPUTE_DW=need_w)
 
     def launch(cfg: KernelConfig) -> torch.Tensor | None:
+        """Runs the config; returns dw (the partials summed: a part of each config's cost)."""
         # Every program has a row, so every row of the dw partials gets written.
         cfg = replace(cfg, programs=min(cfg.programs, n_rows))
         partial = torch.empty((cfg.programs, n_cols), dtype=torch.float32, device=dev) if need_w else None
@@ -804,15 +842,14 @@ def tail_backward(
                 BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **flags,
             )  # fmt: skip
         _log_launch("bwd", cfg, k)
-        return partial
+        # One reduction over the programs' partials, in a fixed order: the same bits every run.
+        return _sum_partials(partial, weight.dtype) if need_w else None
 
     if config is None:
         key = ("bwd", _pow2_rows(n_rows), n_cols, gate.dtype, needs)
         cands = backward_candidates(n_rows, n_cols, gate.dtype, sm_count(dev))
         config = _pick(key, cands, launch, dev)
-    partial = launch(config)
-    # One reduction over the programs' partials, in a fixed order: the same bits every run.
-    dw = partial.sum(dim=0).to(weight.dtype) if need_w else None
+    dw = launch(config)
     return tuple(t if t is None else t.view(gate.shape) for t in (dg, du, dr)) + (dw,)
 
 
