@@ -565,3 +565,23 @@ def test_report_plots_without_matplotlib_is_a_one_line_error(saved, tmp_path, mo
     assert code == 2 and out == ""
     assert "pip install matplotlib" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "p").exists()
+
+
+def test_report_warns_of_unsteady_timings(saved):
+    """A size where a variant's trials were disturbed (a third of them at 3x the fastest) gets a
+    warning naming it; steady sizes get none."""
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    for run in data["runs"]:  # steady: every trial within 10% of the fastest
+        for timing in run["comparison"]["timings"].values():
+            timing["times_s"] = [1e-3 * (1 + 0.1 * (i % 2)) for i in range(30)]
+    assert "unsteady" not in R.format_report(data)
+    run = data["runs"][1]
+    times = run["comparison"]["timings"]["rms_norm"]["times_s"]
+    times[:] = [1e-3] * 20 + [3e-3] * 10
+    text = R.format_report(data)
+    warnings = [line for line in text.splitlines() if "unsteady" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("WARNING 128 x 96")
+    assert "F.rms_norm 10/30" in warnings[0] and "eager 0/30" in warnings[0]
+    # At one disturbed trial in 30 the median holds: no warning.
+    times[:] = [1e-3] * 29 + [3e-3]
+    assert "unsteady" not in R.format_report(data)

@@ -286,6 +286,35 @@ def speedup_cell(row: VariantRow) -> str:
     return f"no measurable gain {ci}"
 
 
+# A trial more than UNSTEADY_RATIO x its variant's fastest was disturbed (another process, a
+# clock change): steady runs on the H200 keep every trial within ~10% of the fastest. Where more
+# than UNSTEADY_SHARE of one variant's trials were, its median is disturbed too.
+UNSTEADY_RATIO = 1.5
+UNSTEADY_SHARE = 0.2
+
+
+def unsteady_trials(row: VariantRow) -> int:
+    """How many of the row's trials took more than UNSTEADY_RATIO x its fastest."""
+    if not row.times_s:
+        return 0
+    fastest = min(row.times_s)
+    return sum(t > UNSTEADY_RATIO * fastest for t in row.times_s)
+
+
+def unsteady_notes(run: SavedRun) -> list[str]:
+    """One warning per size where some variant's timings were disturbed."""
+    notes = []
+    for size in run.sizes:
+        rows = [r for r in run.variant_rows if r.size == size and r.times_s]
+        if any(unsteady_trials(r) > UNSTEADY_SHARE * len(r.times_s) for r in rows):
+            counts = ", ".join(f"{r.label} {unsteady_trials(r)}/{len(r.times_s)}" for r in rows)
+            notes.append(
+                f"WARNING {_size(*size)}: unsteady timings (trials over {UNSTEADY_RATIO}x their "
+                f"fastest: {counts}); its medians are not to be trusted: time that size again"
+            )
+    return notes
+
+
 def _notes(run: SavedRun) -> list[str]:
     bytes_model = {4: "3 inputs read + 1 output written", 11: "forward 4 tensors + backward 7 tensors"}
     model = bytes_model.get(run.model_tensors, f"{run.model_tensors} tensors")
@@ -307,7 +336,7 @@ def _notes(run: SavedRun) -> list[str]:
         notes.append(f"{_size(rows, cols)}: skipped ({why})")
     env = run.env
     notes.append(f"card: {run.card}, torch {env.get('torch')}, triton {env.get('triton')}")
-    return notes
+    return notes + unsteady_notes(run)
 
 
 def format_run(run: SavedRun, markdown: bool = False) -> str:
