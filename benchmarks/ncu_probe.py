@@ -24,6 +24,7 @@ import sys
 import torch
 
 from profuse import tail as T
+from profuse.env import DTYPES
 from profuse.kernels.tail import KernelConfig, tail_backward, tail_forward
 
 
@@ -41,7 +42,7 @@ def main() -> int:
         print("error: ncu_probe needs a CUDA device", file=sys.stderr)
         return 2
     dev = torch.device("cuda")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = DTYPES[args.dtype]
     gen = torch.Generator(device=dev).manual_seed(0)
     shape = (args.rows, args.cols)
     g, u, r, dy = (torch.randn(shape, device=dev, dtype=dtype, generator=gen) for _ in range(4))

@@ -24,7 +24,7 @@ import triton
 import profuse.kernels.tail as K
 from profuse import tail as T
 from profuse.bench.traffic import copy_ceiling
-from profuse.env import sm_count
+from profuse.env import DTYPES, sm_count
 from profuse.files import write_json
 from profuse.kernels.tail import (
     KernelConfig,
@@ -109,7 +109,7 @@ def main() -> int:
     p.add_argument("--out", required=True)
     args = p.parse_args()
     dev = torch.device("cuda")
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
+    dtype = DTYPES[args.dtype]
     sms = sm_count(dev)
     ceiling = copy_ceiling(dev)
     print(f"copy ceiling {ceiling / 1e12:.2f} TB/s, {sms} SMs", flush=True)

@@ -802,8 +802,8 @@ def tail_backward(
     def launch(cfg: KernelConfig) -> torch.Tensor | None:
         """Runs the config; returns dw (the partials summed: a part of each config's cost)."""
         # Every program has a row, so every row of the dw partials gets written.
-        cfg = replace(cfg, programs=min(cfg.programs, n_rows))
-        partial = torch.empty((cfg.programs, n_cols), dtype=torch.float32, device=dev) if need_w else None
+        programs = min(cfg.programs, n_rows)
+        partial = torch.empty((programs, n_cols), dtype=torch.float32, device=dev) if need_w else None
         args = (
             dy, g, u, r, w, rstd.reshape(-1),
             dg if need_g else placeholder, du if need_u else placeholder, dr if need_r else placeholder,
@@ -811,7 +811,7 @@ def tail_backward(
             n_rows, n_cols,
         )  # fmt: skip
         if cfg.kernel == "fused":
-            k = _tail_bwd_kernel[(cfg.programs,)](
+            k = _tail_bwd_kernel[(programs,)](
                 *args,
                 BLOCK_M=cfg.block_m,
                 BLOCK_N=cfg.block_n,
@@ -821,7 +821,7 @@ def tail_backward(
                 **flags,
             )
         elif cfg.kernel == "chunked":
-            k = _tail_bwd_chunked_kernel[(cfg.programs,)](
+            k = _tail_bwd_chunked_kernel[(programs,)](
                 *args, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **flags
             )
         else:  # split
@@ -837,7 +837,7 @@ def tail_backward(
                 )  # fmt: skip
             # One fixed-order sum over the spans: the same bits every run.
             c = c.view(n_rows) if n_splits == 1 else c.sum(dim=1)
-            grid = (cfg.programs, triton.cdiv(n_cols, cfg.block_n))
+            grid = (programs, triton.cdiv(n_cols, cfg.block_n))
             k = _tail_bwd_slab_kernel[grid](
                 *args[:6], c, *args[6:],
                 BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **flags,
