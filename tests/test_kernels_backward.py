@@ -197,6 +197,9 @@ CONFIG_CASES = {
     # 7 rows in tiles of 2 (the last one partial) over 2 programs: each program adds 2 tiles.
     "persistent fused": KernelConfig("fused", 2, 64, num_warps=2, num_stages=2, programs=2),
     "chunked": KernelConfig("chunked", 1, 16, num_warps=4, programs=3),
+    # 7 rows in tiles of 2 rows over 3 programs: the last tile holds one row.
+    "chunked, 2 rows per tile": KernelConfig("chunked", 2, 16, num_warps=4, programs=3),
+    "pipelined": KernelConfig("pipelined", 1, 16, num_warps=4, programs=3),
     # 7 rows over 2 row programs x 3 column slabs (16 + 16 + 5): each dw slab sums 3-4 rows.
     "split": KernelConfig("split", 1, 16, num_warps=4, num_stages=2, programs=2),
     # The same with each row's dot in 3 column ranges, summed in a fixed order.
@@ -233,6 +236,15 @@ FORWARD_CONFIGS = {
     # 10 rows in tiles of 4: the last tile holds 2 rows; N = 37 in a 64-wide block.
     "fused, 4 rows per tile": (10, 37, KernelConfig("fused", 4, 64, num_warps=4)),
     "fused, 1 row per tile": (3, 37, KernelConfig("fused", 1, 64, num_warps=1)),
+    # h kept in y between the passes: pass 2 reads y back instead of g, u, r.
+    "chunked, h stashed in y, 5 rows over 2 programs": (
+        5, 40, KernelConfig("chunked", 1, 16, num_warps=4, programs=2, stash_h=True)),
+    "chunked, h stashed in y, N smaller than the chunk": (
+        3, 11, KernelConfig("chunked", 1, 16, num_warps=4, stash_h=True)),
+    # Pipelined: pass 1 of a program's next row in the chunk loop of pass 2 of its current one.
+    "pipelined, 7 rows over 3 programs": (7, 40, KernelConfig("pipelined", 1, 16, num_warps=4, programs=3)),
+    "pipelined, one row per program": (3, 11, KernelConfig("pipelined", 1, 16, num_warps=2, programs=3)),
+    "pipelined, one program": (4, 48, KernelConfig("pipelined", 1, 16, num_warps=4, programs=1)),
     # A persistent forward: 7 rows in tiles of 2 (4 tiles) over 2 programs looping over them.
     "fused, persistent, 4 tiles over 2 programs": (
         7, 37, KernelConfig("fused", 2, 64, num_warps=2, num_stages=2, programs=2)),
@@ -252,9 +264,10 @@ def test_forward_paths_with_explicit_configs(case, dtype, device, poisoned):
     # rstd is computed in fp32 from the same inputs: within a few fp32 roundings of float64.
     assert rstd.shape == (rows,) and rstd.dtype == torch.float32
     assert T.relative_error(rstd, reference_rstd(g, u, r)) <= 1e-5
-    # The same answer as the default config, to within one rounding of y per element.
+    # The same answer as the default config, to within one rounding of y per element (two when
+    # h is stashed in y's dtype; a rounding is up to 2u under the interpreter, which truncates).
     y_default, _ = K.tail_forward(g, u, r, w, EPS)
-    ulp = 2 * T.UNIT_ROUNDOFF[dtype]
+    ulp = (4 if cfg.stash_h or cfg.kernel == "pipelined" else 2) * T.UNIT_ROUNDOFF[dtype]
     assert ((y.double() - y_default.double()).abs() <= ulp * ref.abs() + 1e-6).all()
 
 
@@ -264,6 +277,17 @@ BACKWARD_CONFIGS = {
         5, 40, KernelConfig("chunked", 1, 16, num_warps=4, programs=3)),
     "chunked, 1 program for every row": (4, 33, KernelConfig("chunked", 1, 16, num_warps=4, programs=1)),
     "chunked, more programs than rows": (2, 40, KernelConfig("chunked", 1, 16, num_warps=4, programs=3)),
+    # Two rows per tile: 5 rows in 3 tiles (the last holds one row) over 2 programs.
+    "chunked, 2 rows per tile, odd rows over 2 programs": (
+        5, 40, KernelConfig("chunked", 2, 16, num_warps=4, programs=2)),
+    "chunked, 2 rows per tile, more programs than tiles": (
+        3, 33, KernelConfig("chunked", 2, 16, num_warps=4, programs=4)),
+    "chunked, 2 rows per tile, one row": (1, 40, KernelConfig("chunked", 2, 16, num_warps=4, programs=2)),
+    # Pipelined: each program's next row's pass 1 in the chunk loop of its current row's pass 2.
+    "pipelined, 7 rows over 3 programs, N = 40": (
+        7, 40, KernelConfig("pipelined", 1, 16, num_warps=4, programs=3)),
+    "pipelined, one row per program": (3, 11, KernelConfig("pipelined", 1, 16, num_warps=2, programs=3)),
+    "pipelined, one program": (4, 48, KernelConfig("pipelined", 1, 16, num_warps=4, programs=1)),
     "fused, 2 rows per tile, 4 tiles over 2 programs": (
         7, 37, KernelConfig("fused", 2, 64, num_warps=2, num_stages=2, programs=2)),
     "fused, 4 rows per tile, 3 tiles over 1 program": (
@@ -345,6 +369,21 @@ def test_every_backward_candidate_is_right(shape, cfg, device, poisoned):
     for name, t, want in zip(GRADS, got, ref, strict=True):
         err = T.relative_error(t, want)
         assert err <= T.BACKWARD_TOL[torch.bfloat16], f"d{name}: rel err {err:.2e}"
+
+
+def test_fp16_forward_never_keeps_h_in_y(device):
+    """An fp16 h can overflow where y does not (h = 90000 normalises to a finite y): no fp16
+    candidate stashes h in y, and the chunked kernel without it gets such rows right."""
+    for rows, n in ((2, 16384), (64, 40000), (4096, 65536)):
+        fp16 = K.forward_candidates(rows, n, torch.float16, 132)
+        assert fp16 and not any(c.stash_h or c.kernel == "pipelined" for c in fp16)
+        bf16 = K.forward_candidates(rows, n, torch.bfloat16, 132)
+        assert any(c.stash_h for c in bf16) and any(c.kernel == "pipelined" for c in bf16)
+    (g, u, r, w), _ = make_inputs((3, 40), torch.float16, device, seed=13)
+    g[:, ::7], u[:, ::7] = 300.0, 300.0  # h = silu(300) * 300 + r ~ 90000 > fp16 max
+    y, _ = K.tail_forward(g, u, r, w, EPS, config=KernelConfig("chunked", 1, 16, num_warps=4, programs=2))
+    assert torch.isfinite(y).all()
+    assert T.relative_error(y, T.tail_reference(g, u, r, w, EPS)) <= T.FORWARD_TOL[torch.float16]
 
 
 def test_configs_choose_paths_by_width():

@@ -4,7 +4,8 @@
 
 Forward reads g, u, r once and writes y once (4 tensors; eager moves 15, see bench/traffic.py);
 it also writes one fp32 rstd per row for the backward. All arithmetic is fp32 whatever the input
-dtype; only the stores round.
+dtype; only the stores round (on rows of 16384 columns and more in bf16, also h, when it is kept
+in y between the two passes).
 
 Backward (x_hat = h * rstd, s = sigmoid(g), silu(g) = g * s, N = cols):
     dh  = rstd * (w * dy - x_hat * mean(x_hat * w * dy))
@@ -20,9 +21,12 @@ repeatable.
 Rows wider than a program can hold in registers take a chunked path: pass 1 streams the row's
 chunks to get the row's sum, pass 2 walks the chunks again in reverse order, so the chunks read
 last (still in L2) are read first; a persistent grid keeps few rows in flight so they stay in
-L2. The backward can also split: a row-dot pass (each row's sum, in column ranges when rows are
-few), then a grid of (row programs x column slabs) that holds its slab of dw in registers.
-Which path and launch shape runs is chosen per shape by timing the candidates (see _pick).
+L2. The forward may keep h in y between the passes (one tensor re-read instead of three). The
+pipelined kernels run pass 1 of a program's next row in the same chunk loop as pass 2 of its
+current row, so the DRAM is read all the time. The backward can also split: a row-dot pass
+(each row's sum, in column ranges when rows are few), then a grid of (row programs x column
+slabs) that holds its slab of dw in registers. Which path and launch shape runs is chosen per
+shape by timing the candidates (see _pick).
 
 Layout: the @triton.jit kernels, their launchers (flatten to 2-D, allocate, pick a config,
 launch), the custom ops (so torch.compile calls them without a graph break), the
@@ -117,12 +121,18 @@ def _tail_fwd_chunked_kernel(
     BLOCK_N: tl.constexpr,  # a chunk of the row; the row is n_cols / BLOCK_N chunks
     NUM_STAGES: tl.constexpr,  # chunks in flight: the next chunks' loads issue early
     STORE_RSTD: tl.constexpr,
+    STASH_H: tl.constexpr,  # pass 1 writes h into y and pass 2 reads it back (see below)
+    IN_EVICT: tl.constexpr,  # pass 1's hint on g, u, r: "evict_first" when they are read once
 ):
     """Rows in chunks: pass 1 sums h^2, pass 2 (chunks in reverse) writes y.
 
     Program p takes rows p, p + P, ...: with a persistent grid (P ~ the SMs) only P rows are
     in flight, so pass 2's re-reads find the row still in L2 (132 rows x 3 x 128 KB = 50 MB at
     65536 bf16 columns, under the H200's 60 MB); with one program per row they would not.
+    With STASH_H, pass 1 also stores h (rounded to y's dtype) where y goes, and pass 2 re-reads
+    that one tensor instead of g, u and r: a third of the bytes held in L2 between the passes.
+    The price is one more rounding of h in bf16 (eager rounds h several times); fp16, whose
+    range an h can exceed where y does not, never stashes (see forward_candidates).
     """
     eps = tl.cast(eps, tl.float32)
     pid = tl.program_id(0)
@@ -138,24 +148,114 @@ def _tail_fwd_chunked_kernel(
         for c in tl.range(0, n_chunks, num_stages=NUM_STAGES):
             cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = cols < n_cols
-            g = tl.load(g_row + cols, mask=mask, other=0.0).to(tl.float32)
-            u = tl.load(u_row + cols, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(r_row + cols, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(g_row + cols, mask=mask, other=0.0, eviction_policy=IN_EVICT).to(tl.float32)
+            u = tl.load(u_row + cols, mask=mask, other=0.0, eviction_policy=IN_EVICT).to(tl.float32)
+            r = tl.load(r_row + cols, mask=mask, other=0.0, eviction_policy=IN_EVICT).to(tl.float32)
             h = g * tl.sigmoid(g) * u + r
             acc += h * h
+            if STASH_H:
+                tl.store(y_row + cols, h.to(Y_ptr.dtype.element_ty), mask=mask)
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
+        # Each thread reads back only what it stored itself (the same layout), and the row sum
+        # above has its barrier; this one makes the order explicit.
+        tl.debug_barrier()
         for i in tl.range(0, n_chunks, num_stages=NUM_STAGES):
             cols = (n_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = cols < n_cols
-            g = tl.load(g_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            u = tl.load(u_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-            r = tl.load(r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+            if STASH_H:
+                h = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
+            else:
+                g = tl.load(g_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                u = tl.load(u_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                r = tl.load(r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+                h = g * tl.sigmoid(g) * u + r
             w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            h = g * tl.sigmoid(g) * u + r
             tl.store(y_row + cols, (h * rstd * w).to(Y_ptr.dtype.element_ty), mask=mask,
                      eviction_policy="evict_first")  # fmt: skip
         if STORE_RSTD:
             tl.store(RSTD_ptr + row64, rstd)
+
+
+@triton.jit
+def _stash_chunk(G_row, U_row, R_row, Y_row, cols, mask):
+    """Pass 1 of the pipelined forward on one chunk of a row (pointers at its start): stores h
+    where y goes, rounded to y's dtype, and returns h^2 for the row's sum."""
+    g = tl.load(G_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    u = tl.load(U_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    r = tl.load(R_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    h = g * tl.sigmoid(g) * u + r
+    tl.store(Y_row + cols, h.to(Y_row.dtype.element_ty), mask=mask)
+    return h * h
+
+
+@triton.jit
+def _finish_chunk(Y_row, W_ptr, cols, mask, rstd):
+    """Pass 2 of the pipelined forward: y = h * rstd * w over the h that pass 1 stashed."""
+    h = tl.load(Y_row + cols, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(
+        Y_row + cols, (h * rstd * w).to(Y_row.dtype.element_ty), mask=mask, eviction_policy="evict_first"
+    )
+
+
+@triton.jit
+def _tail_fwd_pipelined_kernel(
+    G_ptr,
+    U_ptr,
+    R_ptr,
+    W_ptr,
+    Y_ptr,
+    RSTD_ptr,
+    g_row_stride,
+    u_row_stride,
+    r_row_stride,
+    y_row_stride,
+    n_rows,
+    n_cols,
+    eps,
+    BLOCK_N: tl.constexpr,  # a chunk of the row
+    STORE_RSTD: tl.constexpr,
+):
+    """Wide rows, persistent grid, h stashed in y: program p takes rows p, p + P, ..., and one
+    chunk loop does pass 1 of its next row (read g, u, r from DRAM, store h, sum h^2) and pass 2
+    of its current row (read h back from L2, write y).
+
+    Two passes per row in turn would leave the DRAM idle while every program reads from L2 (the
+    programs start together and stay in step); overlapped, the reads never stop. In flight per
+    program: two rows of h (at 65536 bf16 columns, 132 programs hold 34 MB of the L2). The price
+    is one more rounding of h in bf16, as in the chunked kernel's STASH_H (not run in fp16).
+    """
+    eps = tl.cast(eps, tl.float32)
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_chunks = tl.cdiv(n_cols, BLOCK_N)
+    row = tl.cast(pid, tl.int64)  # the launcher gives every program a row
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in range(0, n_chunks):
+        cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        acc += _stash_chunk(G_ptr + row * g_row_stride, U_ptr + row * u_row_stride,
+                            R_ptr + row * r_row_stride, Y_ptr + row * y_row_stride, cols, mask)  # fmt: skip
+    rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
+    for nxt in range(pid + n_programs, n_rows, n_programs):
+        nxt64 = tl.cast(nxt, tl.int64)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in range(0, n_chunks):
+            cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = cols < n_cols
+            acc += _stash_chunk(G_ptr + nxt64 * g_row_stride, U_ptr + nxt64 * u_row_stride,
+                                R_ptr + nxt64 * r_row_stride, Y_ptr + nxt64 * y_row_stride,
+                                cols, mask)  # fmt: skip
+            _finish_chunk(Y_ptr + row * y_row_stride, W_ptr, cols, mask, rstd)
+        if STORE_RSTD:
+            tl.store(RSTD_ptr + row, rstd)
+        row = nxt64
+        rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
+    for k in range(0, n_chunks):
+        cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
+        _finish_chunk(Y_ptr + row * y_row_stride, W_ptr, cols, cols < n_cols, rstd)
+    if STORE_RSTD:
+        tl.store(RSTD_ptr + row, rstd)
 
 
 @triton.jit
@@ -246,6 +346,53 @@ def _tail_bwd_kernel(
 
 
 @triton.jit
+def _load_row_chunk(DY_row, G_row, U_row, R_row, cols, mask, EVICT: tl.constexpr):
+    """dy, g, u, r of one row (pointers at its start) at `cols`, in fp32; masked lanes are 0."""
+    dy = tl.load(DY_row + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    g = tl.load(G_row + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    u = tl.load(U_row + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    r = tl.load(R_row + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    return dy, g, u, r
+
+
+@triton.jit
+def _row_dot_chunk(DY_row, G_row, U_row, R_row, cols, mask, w):
+    """h * w * dy at one row's `cols` (summed over the row and times rstd / N, it is c)."""
+    dy, g, u, r = _load_row_chunk(DY_row, G_row, U_row, R_row, cols, mask, "")
+    return (g * tl.sigmoid(g) * u + r) * w * dy
+
+
+@triton.jit
+def _row_chunk_grads(
+    DY_row, G_row, U_row, R_row, DG_row, DU_row, DR_row, cols, mask, w, rstd, c,
+    COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr, EVICT: tl.constexpr,
+):  # fmt: skip
+    """The gradients at one row's `cols` (pointers at the row's start), given its rstd and c:
+    stores dg, du, dr (those asked for) and returns dy * x_hat, the chunk's share of dw. EVICT:
+    the L2 hint on its loads and stores ("evict_first" where nothing reads them again)."""
+    dy, g, u, r = _load_row_chunk(DY_row, G_row, U_row, R_row, cols, mask, EVICT)
+    s = tl.sigmoid(g)
+    silu = g * s
+    x_hat = (silu * u + r) * rstd
+    if COMPUTE_DG or COMPUTE_DU or COMPUTE_DR:
+        dh = (w * dy - x_hat * c) * rstd
+        _store_input_grads(DG_row, DU_row, DR_row, cols, mask, dh, g, u, s, silu,
+                           COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, EVICT)  # fmt: skip
+    return dy * x_hat
+
+
+@triton.jit
+def _add_to_dw(dw_row, cols, mask, dwc, first):
+    """The program's fp32 dw partial row += dwc at `cols`. Its first row (`first`) starts the
+    partial, so nothing zero-fills it: what that row loads (not yet written) is discarded. A
+    branch around the load instead made it wait until after the math (7% slower at
+    12192 x 11008 on the H200)."""
+    dw = tl.load(dw_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
+    dw = tl.where(first, 0.0, dw)
+    tl.store(dw_row + cols, dw + dwc, mask=mask, eviction_policy="evict_last")
+
+
+@triton.jit
 def _tail_bwd_chunked_kernel(
     DY_ptr,
     G_ptr,
@@ -263,6 +410,7 @@ def _tail_bwd_chunked_kernel(
     r_row_stride,
     n_rows,
     n_cols,
+    ROWS: tl.constexpr,  # rows walked together, 1 or 2: each chunk of w and dw serves both
     BLOCK_N: tl.constexpr,  # a chunk of the row
     NUM_STAGES: tl.constexpr,  # chunks in flight: the next chunks' loads issue early
     COMPUTE_DG: tl.constexpr,
@@ -270,56 +418,155 @@ def _tail_bwd_chunked_kernel(
     COMPUTE_DR: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
 ):
-    """Wide rows, persistent grid, one row at a time: pass 1 gets mean(x_hat * w * dy), pass 2
-    (chunks in reverse) writes dg, du, dr and adds dy * x_hat into the program's dw row."""
+    """Wide rows, persistent grid, ROWS rows at a time: pass 1 gets each row's
+    c = mean(x_hat * w * dy), pass 2 (chunks in reverse) writes dg, du, dr and adds dy * x_hat
+    into the program's dw row.
+
+    Pass 2 reads the dw row and writes it back per chunk: with one row that is 8 bytes of L2
+    traffic per element on top of w's 2 and the inputs' 8 re-read, and the L2 was the busy unit
+    (74% at 2048 x 16384, ncu). Two rows share each chunk of w and of the dw row.
+    """
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     n_chunks = tl.cdiv(n_cols, BLOCK_N)
     dw_row = DW_ptr + pid.to(tl.int64) * n_cols
     NEED_DH: tl.constexpr = COMPUTE_DG or COMPUTE_DU or COMPUTE_DR
-    for row in range(pid, n_rows, n_programs):
-        row64 = tl.cast(row, tl.int64)
-        rstd = tl.load(RSTD_ptr + row64)
-        c = 0.0
+    for tile in range(pid, tl.cdiv(n_rows, ROWS), n_programs):
+        row = tl.cast(tile, tl.int64) * ROWS
+        # Row a's pointers; row b (ROWS = 2) is one row stride on, absent in a last odd tile.
+        dy_a = DY_ptr + row * dy_row_stride
+        g_a = G_ptr + row * g_row_stride
+        u_a = U_ptr + row * u_row_stride
+        r_a = R_ptr + row * r_row_stride
+        dg_a, du_a, dr_a = DG_ptr + row * n_cols, DU_ptr + row * n_cols, DR_ptr + row * n_cols
+        rstd_a = tl.load(RSTD_ptr + row)
+        # Row b's columns: none without a row b (a vector compare; the interpreter rejects a
+        # vector mask and-ed with a scalar one).
+        n_cols_b = tl.where(row + 1 < n_rows, n_cols, 0)
+        rstd_b = 0.0
+        if ROWS == 2:  # without a row b, any rstd will do: its loads are masked to zeros
+            rstd_b = tl.load(RSTD_ptr + tl.minimum(row + 1, n_rows - 1))
+        c_a = 0.0
+        c_b = 0.0
         if NEED_DH:
-            acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc_a = tl.zeros([BLOCK_N], dtype=tl.float32)
+            acc_b = tl.zeros([BLOCK_N], dtype=tl.float32)
             for k in tl.range(0, n_chunks, num_stages=NUM_STAGES):
                 cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
                 mask = cols < n_cols
-                dy = tl.load(DY_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-                g = tl.load(G_ptr + row64 * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-                u = tl.load(U_ptr + row64 * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-                r = tl.load(R_ptr + row64 * r_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
                 w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                acc += (g * tl.sigmoid(g) * u + r) * w * dy
-            c = tl.sum(acc, axis=0) * rstd / n_cols
+                acc_a += _row_dot_chunk(dy_a, g_a, u_a, r_a, cols, mask, w)
+                if ROWS == 2:
+                    acc_b += _row_dot_chunk(dy_a + dy_row_stride, g_a + g_row_stride, u_a + u_row_stride,
+                                            r_a + r_row_stride, cols, cols < n_cols_b, w)  # fmt: skip
+            c_a = tl.sum(acc_a, axis=0) * rstd_a / n_cols
+            if ROWS == 2:
+                c_b = tl.sum(acc_b, axis=0) * rstd_b / n_cols
         for i in tl.range(0, n_chunks, num_stages=NUM_STAGES):
             cols = (n_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = cols < n_cols
-            dy = tl.load(DY_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0,
-                         eviction_policy="evict_first").to(tl.float32)  # fmt: skip
-            g = tl.load(G_ptr + row64 * g_row_stride + cols, mask=mask, other=0.0,
-                         eviction_policy="evict_first").to(tl.float32)  # fmt: skip
-            u = tl.load(U_ptr + row64 * u_row_stride + cols, mask=mask, other=0.0,
-                         eviction_policy="evict_first").to(tl.float32)  # fmt: skip
-            r = tl.load(R_ptr + row64 * r_row_stride + cols, mask=mask, other=0.0,
-                         eviction_policy="evict_first").to(tl.float32)  # fmt: skip
-            s = tl.sigmoid(g)
-            silu = g * s
-            x_hat = (silu * u + r) * rstd
-            if COMPUTE_DW:
-                # The program's first row starts its partial (no zero-fill): what it loads (not
-                # yet written) is discarded; a branch around the load instead made it wait until
-                # after the math (7% slower at 12192 x 11008 on the H200).
-                dw = tl.load(dw_row + cols, mask=mask, other=0.0, eviction_policy="evict_last")
-                dw = tl.where(row == pid, 0.0, dw)
-                tl.store(dw_row + cols, dw + dy * x_hat, mask=mask, eviction_policy="evict_last")
-            if NEED_DH:
-                w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                dh = (w * dy - x_hat * c) * rstd
-                out = row64 * n_cols + cols
-                _store_input_grads(DG_ptr, DU_ptr, DR_ptr, out, mask, dh, g, u, s, silu,
+            w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            dwc = _row_chunk_grads(dy_a, g_a, u_a, r_a, dg_a, du_a, dr_a, cols, mask, w, rstd_a, c_a,
                                    COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
+            if ROWS == 2:
+                dwc += _row_chunk_grads(dy_a + dy_row_stride, g_a + g_row_stride, u_a + u_row_stride,
+                                        r_a + r_row_stride, dg_a + n_cols, du_a + n_cols, dr_a + n_cols,
+                                        cols, cols < n_cols_b, w, rstd_b, c_b,
+                                        COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
+            if COMPUTE_DW:
+                _add_to_dw(dw_row, cols, mask, dwc, tile == pid)
+
+
+@triton.jit
+def _finish_row_chunk(
+    DY_row, G_row, U_row, R_row, DG_row, DU_row, DR_row, dw_row, cols, mask, w, rstd, c, first,
+    COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr, COMPUTE_DW: tl.constexpr,
+):  # fmt: skip
+    """Pass 2 of the pipelined backward on one chunk of a row: its gradients, and its dy * x_hat
+    added into the program's dw row (`first`: the program's first row, which starts it)."""
+    dwc = _row_chunk_grads(DY_row, G_row, U_row, R_row, DG_row, DU_row, DR_row, cols, mask, w, rstd, c,
+                           COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
+    if COMPUTE_DW:
+        _add_to_dw(dw_row, cols, mask, dwc, first)
+
+
+@triton.jit
+def _tail_bwd_pipelined_kernel(
+    DY_ptr,
+    G_ptr,
+    U_ptr,
+    R_ptr,
+    W_ptr,
+    RSTD_ptr,
+    DG_ptr,
+    DU_ptr,
+    DR_ptr,
+    DW_ptr,  # (programs, n_cols) fp32; program p adds into its own row
+    dy_row_stride,
+    g_row_stride,
+    u_row_stride,
+    r_row_stride,
+    n_rows,
+    n_cols,
+    BLOCK_N: tl.constexpr,
+    COMPUTE_DG: tl.constexpr,
+    COMPUTE_DU: tl.constexpr,
+    COMPUTE_DR: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+):
+    """Wide rows, persistent grid: one chunk loop does pass 1 of the program's next row (its c,
+    reading dy, g, u, r from DRAM) and pass 2 of its current row (re-reading them from L2,
+    writing dg, du, dr and the dw partial), so the DRAM reads of the one overlap the writes and
+    L2 traffic of the other instead of every program taking its turn at each. In flight per
+    program: two rows of four inputs (at 16384 bf16 columns, 132 programs hold 34 MB)."""
+    pid = tl.program_id(0)
+    n_programs = tl.num_programs(0)
+    n_chunks = tl.cdiv(n_cols, BLOCK_N)
+    dw_row = DW_ptr + pid.to(tl.int64) * n_cols
+    NEED_DH: tl.constexpr = COMPUTE_DG or COMPUTE_DU or COMPUTE_DR
+    row = tl.cast(pid, tl.int64)  # the launcher gives every program a row
+    rstd = tl.load(RSTD_ptr + row)
+    c = rstd * 0.0
+    if NEED_DH:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in range(0, n_chunks):
+            cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = cols < n_cols
+            w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            acc += _row_dot_chunk(DY_ptr + row * dy_row_stride, G_ptr + row * g_row_stride,
+                                  U_ptr + row * u_row_stride, R_ptr + row * r_row_stride,
+                                  cols, mask, w)  # fmt: skip
+        c = tl.sum(acc, axis=0) * rstd / n_cols
+    for nxt in range(pid + n_programs, n_rows, n_programs):
+        nxt64 = tl.cast(nxt, tl.int64)
+        rstd_next = tl.load(RSTD_ptr + nxt64)
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for k in range(0, n_chunks):
+            cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask = cols < n_cols
+            w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            if NEED_DH:
+                acc += _row_dot_chunk(DY_ptr + nxt64 * dy_row_stride, G_ptr + nxt64 * g_row_stride,
+                                      U_ptr + nxt64 * u_row_stride, R_ptr + nxt64 * r_row_stride,
+                                      cols, mask, w)  # fmt: skip
+            _finish_row_chunk(DY_ptr + row * dy_row_stride, G_ptr + row * g_row_stride,
+                              U_ptr + row * u_row_stride, R_ptr + row * r_row_stride,
+                              DG_ptr + row * n_cols, DU_ptr + row * n_cols, DR_ptr + row * n_cols, dw_row,
+                              cols, mask, w, rstd, c, row == pid,
+                              COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, COMPUTE_DW)  # fmt: skip
+        if NEED_DH:
+            c = tl.sum(acc, axis=0) * rstd_next / n_cols
+        row = nxt64
+        rstd = rstd_next
+    for k in range(0, n_chunks):
+        cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask = cols < n_cols
+        w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        _finish_row_chunk(DY_ptr + row * dy_row_stride, G_ptr + row * g_row_stride,
+                          U_ptr + row * u_row_stride, R_ptr + row * r_row_stride,
+                          DG_ptr + row * n_cols, DU_ptr + row * n_cols, DR_ptr + row * n_cols, dw_row,
+                          cols, mask, w, rstd, c, row == pid,
+                          COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, COMPUTE_DW)  # fmt: skip
 
 
 @triton.jit
@@ -347,15 +594,13 @@ def _tail_bwd_rowdot_kernel(
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    dy_row, g_row = DY_ptr + row * dy_row_stride, G_ptr + row * g_row_stride
+    u_row, r_row = U_ptr + row * u_row_stride, R_ptr + row * r_row_stride
     for offset in tl.range(0, span, BLOCK_N, num_stages=NUM_STAGES):
         cols = split * span + offset + tl.arange(0, BLOCK_N)
         mask = cols < n_cols
-        dy = tl.load(DY_ptr + row * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(G_ptr + row * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U_ptr + row * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(R_ptr + row * r_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
         w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        acc += (g * tl.sigmoid(g) * u + r) * w * dy
+        acc += _row_dot_chunk(dy_row, g_row, u_row, r_row, cols, mask, w)
     rstd = tl.load(RSTD_ptr + row)
     tl.store(C_ptr + row * n_splits + split, tl.sum(acc, axis=0) * rstd / n_cols)
 
@@ -368,7 +613,7 @@ def _tail_bwd_slab_kernel(
     R_ptr,
     W_ptr,
     RSTD_ptr,
-    C_ptr,  # (n_rows,) fp32 from pass 1; unused when no dh is needed
+    C_ptr,  # (n_rows, n_splits) fp32 from pass 1; unused when no dh is needed
     DG_ptr,
     DU_ptr,
     DR_ptr,
@@ -379,6 +624,8 @@ def _tail_bwd_slab_kernel(
     r_row_stride,
     n_rows,
     n_cols,
+    n_splits,  # column ranges of pass 1: a row's c is the sum of its n_splits parts
+    SPLITS: tl.constexpr,  # n_splits rounded up to a power of two
     BLOCK_N: tl.constexpr,  # columns of one slab
     NUM_STAGES: tl.constexpr,
     COMPUTE_DG: tl.constexpr,
@@ -396,25 +643,19 @@ def _tail_bwd_slab_kernel(
     mask = cols < n_cols
     w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    parts = tl.arange(0, SPLITS)
     NEED_DH: tl.constexpr = COMPUTE_DG or COMPUTE_DU or COMPUTE_DR
     for row in tl.range(pid, n_rows, n_programs, num_stages=NUM_STAGES):
         row64 = tl.cast(row, tl.int64)
-        dy = tl.load(DY_ptr + row64 * dy_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        g = tl.load(G_ptr + row64 * g_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        u = tl.load(U_ptr + row64 * u_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(R_ptr + row64 * r_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD_ptr + row64)
-        s = tl.sigmoid(g)
-        silu = g * s
-        x_hat = (silu * u + r) * rstd
-        if COMPUTE_DW:
-            dw_acc += dy * x_hat
-        if NEED_DH:
-            c = tl.load(C_ptr + row64)
-            dh = (w * dy - x_hat * c) * rstd
-            out = row64 * n_cols + cols
-            _store_input_grads(DG_ptr, DU_ptr, DR_ptr, out, mask, dh, g, u, s, silu,
-                               COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "")  # fmt: skip
+        c = 0.0
+        if NEED_DH:  # the parts summed in one fixed order: the same bits every run
+            c = tl.sum(tl.load(C_ptr + row64 * n_splits + parts, mask=parts < n_splits, other=0.0), axis=0)
+        dw_acc += _row_chunk_grads(
+            DY_ptr + row64 * dy_row_stride, G_ptr + row64 * g_row_stride, U_ptr + row64 * u_row_stride,
+            R_ptr + row64 * r_row_stride, DG_ptr + row64 * n_cols, DU_ptr + row64 * n_cols,
+            DR_ptr + row64 * n_cols, cols, mask, w, tl.load(RSTD_ptr + row64), c,
+            COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "",
+        )  # fmt: skip
     if COMPUTE_DW:
         tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=mask)
 
@@ -458,9 +699,12 @@ def _sum_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class KernelConfig:
     """How one launch is shaped. Recorded with every result, so a timing names its config."""
 
-    kernel: str  # "fused" (whole rows in registers), "chunked" (rows in chunks) or "split" (bwd)
-    block_m: int  # rows per tile (fused) / 1 (chunked)
-    block_n: int  # whole row (fused) or chunk (chunked), a power of two
+    # "fused" (whole rows in registers), "chunked" (rows in chunks, two passes each),
+    # "pipelined" (chunked, with pass 1 of a program's next row overlapping pass 2 of its
+    # current one) or "split" (backward: a row-dot pass, then the gradients in column slabs)
+    kernel: str
+    block_m: int  # rows per tile (fused; chunked backward: 1 or 2); 1 for the others
+    block_n: int  # whole row (fused), chunk (chunked, pipelined) or slab (split): a power of two
     num_warps: int
     num_stages: int = 1  # pipelining depth of the tile loop of a persistent program
     programs: int = 0  # persistent grid size; 0 = one program per tile (forward only)
@@ -468,6 +712,8 @@ class KernelConfig:
     # The fused kernels' hint on their read-once inputs: "stream" marks them evict_first in L2,
     # "plain" gives none (the chunked and split kernels take no choice).
     l2: str = "stream"
+    # Chunked forward: h kept in y between the passes (STASH_H) instead of re-reading g, u, r.
+    stash_h: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -515,16 +761,23 @@ def forward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int 
     if bn >= 16384:
         # One program per row, or a persistent grid of 1-2 per SM whose rows stay in L2
         # between the two passes; at 64K columns 132 rows in flight (52 MB) crowd the L2, so
-        # also fewer programs.
-        # 2-3 stages keep the next chunks' loads in flight (through shared memory).
-        # A persistent program must keep enough bytes in flight by itself: big chunks at 32
-        # warps, or 2-3 stages (the next chunks' loads issued early, through shared memory).
+        # also fewer programs. A persistent program must keep enough bytes in flight by itself:
+        # big chunks at 32 warps, or 2-3 stages (the next chunks' loads issued early, through
+        # shared memory).
         for chunk, w, per_sm, st in (
             (16384, 32, 1, 1), (16384, 32, 0.75, 1), (8192, 32, 1, 1), (4096, 16, 1, 2),
             (4096, 16, 1, 3), (4096, 8, 2, 2), (4096, 8, 0, 1),
         ):  # fmt: skip
             if chunk <= bn:
                 out.append(KernelConfig("chunked", 1, chunk, w, st, int(n_sms * per_sm)))
+        if dtype != torch.float16:
+            # h kept in y between the passes: pass 2 re-reads one tensor from L2 instead of
+            # three (512 x 65536 bf16: 108.6 -> 90.4 us). Not in fp16: an h beyond 65504 would
+            # be stored as inf where y is finite (bf16 has fp32's range).
+            out += [replace(c, stash_h=True) for c in out if c.kernel == "chunked"]
+            # The same, with pass 2 of each row overlapped with pass 1 of the next (87.0 us).
+            for chunk, w, per_sm in ((16384, 32, 1), (8192, 32, 1), (8192, 16, 2)):
+                out.append(KernelConfig("pipelined", 1, chunk, w, 1, n_sms * per_sm, l2="plain"))
     if FWD_MAX_FUSED < bn <= 2 * FWD_MAX_FUSED and torch.finfo(dtype).bits <= 16:
         # 16-bit rows up to 64K: 32 warps hold h (64 fp32 values per thread) once g, u, r are
         # folded into it; worth a try against the two-pass chunked kernel.
@@ -577,6 +830,16 @@ def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int
             if chunk <= bn:
                 programs = max(1, min(n_rows, int(n_sms * per_sm)))
                 out.append(KernelConfig("chunked", 1, chunk, w, st, programs))
+        # Two rows per program share each chunk of w and of the dw partial: ~8 instead of 14
+        # bytes of L2 traffic per element for those two (the L2 was 74% busy, ncu), at the
+        # same 8 elements per thread.
+        for chunk, w, per_sm in ((2048, 16, 1), (1024, 8, 2), (4096, 32, 1)):
+            programs = max(1, min(triton.cdiv(n_rows, 2), n_sms * per_sm))
+            out.append(KernelConfig("chunked", 2, chunk, w, 1, programs))
+        # Pass 1 of each program's next row overlapped with pass 2 of its current one.
+        for chunk, w, per_sm in ((4096, 32, 1), (2048, 8, 2)):
+            programs = max(1, min(n_rows, n_sms * per_sm))
+            out.append(KernelConfig("pipelined", 1, chunk, w, 1, programs, l2="plain"))
         # Split: a row-dot pass, then (row programs x column slabs) with dw in registers.
         for slab, w, per_sm in ((2048, 8, 2), (4096, 16, 1)):
             n_slabs = triton.cdiv(n_cols, slab)
@@ -752,6 +1015,10 @@ def tail_forward(
                 IN_EVICT=_stream_hint(cfg),
                 num_warps=cfg.num_warps,
             )
+        elif cfg.kernel == "pipelined":
+            k = _tail_fwd_pipelined_kernel[(min(cfg.programs, n_rows),)](
+                *args, BLOCK_N=cfg.block_n, STORE_RSTD=True, num_warps=cfg.num_warps
+            )
         else:
             grid = (min(cfg.programs, n_rows) if cfg.programs else n_rows,)
             k = _tail_fwd_chunked_kernel[grid](
@@ -759,6 +1026,8 @@ def tail_forward(
                 BLOCK_N=cfg.block_n,
                 NUM_STAGES=cfg.num_stages,
                 STORE_RSTD=True,
+                STASH_H=cfg.stash_h,
+                IN_EVICT="evict_first" if cfg.stash_h else "",
                 num_warps=cfg.num_warps,
             )
         _log_launch("fwd", cfg, k)
@@ -801,8 +1070,8 @@ def tail_backward(
 
     def launch(cfg: KernelConfig) -> torch.Tensor | None:
         """Runs the config; returns dw (the partials summed: a part of each config's cost)."""
-        # Every program has a row, so every row of the dw partials gets written.
-        programs = min(cfg.programs, n_rows)
+        # Every program has a tile, so every row of the dw partials gets written.
+        programs = min(cfg.programs, triton.cdiv(n_rows, cfg.block_m))
         partial = torch.empty((programs, n_cols), dtype=torch.float32, device=dev) if need_w else None
         args = (
             dy, g, u, r, w, rstd.reshape(-1),
@@ -822,7 +1091,16 @@ def tail_backward(
             )
         elif cfg.kernel == "chunked":
             k = _tail_bwd_chunked_kernel[(programs,)](
-                *args, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **flags
+                *args,
+                ROWS=cfg.block_m,
+                BLOCK_N=cfg.block_n,
+                NUM_STAGES=cfg.num_stages,
+                num_warps=cfg.num_warps,
+                **flags,
+            )
+        elif cfg.kernel == "pipelined":
+            k = _tail_bwd_pipelined_kernel[(programs,)](
+                *args, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags
             )
         else:  # split
             # Each row's columns in `splits` spans of whole chunks (the last may be short).
@@ -835,11 +1113,9 @@ def tail_backward(
                     dy.stride(0), g.stride(0), u.stride(0), r.stride(0), n_cols, span,
                     BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
                 )  # fmt: skip
-            # One fixed-order sum over the spans: the same bits every run.
-            c = c.view(n_rows) if n_splits == 1 else c.sum(dim=1)
             grid = (programs, triton.cdiv(n_cols, cfg.block_n))
             k = _tail_bwd_slab_kernel[grid](
-                *args[:6], c, *args[6:],
+                *args[:6], c, *args[6:], n_splits, SPLITS=triton.next_power_of_2(n_splits),
                 BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **flags,
             )  # fmt: skip
         _log_launch("bwd", cfg, k)
