@@ -236,6 +236,10 @@ FORWARD_CONFIGS = {
     # 10 rows in tiles of 4: the last tile holds 2 rows; N = 37 in a 64-wide block.
     "fused, 4 rows per tile": (10, 37, KernelConfig("fused", 4, 64, num_warps=4)),
     "fused, 1 row per tile": (3, 37, KernelConfig("fused", 1, 64, num_warps=1)),
+    # Whole tiles (N = the block, 4 rows per tile divide 8): the kernel drops its masks.
+    "fused, whole tiles": (8, 64, KernelConfig("fused", 4, 64, num_warps=2)),
+    "fused, whole tiles, persistent": (
+        8, 32, KernelConfig("fused", 2, 32, num_warps=1, num_stages=2, programs=3)),
     # h kept in y between the passes: pass 2 reads y back instead of g, u, r.
     "chunked, h stashed in y, 5 rows over 2 programs": (
         5, 40, KernelConfig("chunked", 1, 16, num_warps=4, programs=2, stash_h=True)),

@@ -70,22 +70,30 @@ def _tail_fwd_kernel(
     NUM_STAGES: tl.constexpr,  # pipelining of the tile loop (persistent grids)
     STORE_RSTD: tl.constexpr,
     IN_EVICT: tl.constexpr,  # the inputs' L2 eviction hint: "evict_first" (read once) or ""
+    EVEN: tl.constexpr,  # n_cols == BLOCK_N and BLOCK_M divides n_rows: every mask is all-true
 ):
     """Tiles of BLOCK_M whole rows: y = h * rstd * w, h = silu(g) * u + r.
 
     Program p takes tiles p, p + P, ...: one tile each when the grid covers every tile, or a
-    persistent loop that loads the next tile while it reduces this one.
+    persistent loop that loads the next tile while it reduces this one. With EVEN the masks are
+    constants the compiler drops, as Inductor's kernel for a static width has none.
     """
     eps = tl.cast(eps, tl.float32)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
+    if EVEN:
+        col_mask = tl.full([BLOCK_N], 1, tl.int1)
+    else:
+        col_mask = cols < n_cols
     w = tl.load(W_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
     for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
         rows = tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
-        row_mask = rows < n_rows
+        if EVEN:
+            row_mask = tl.full([BLOCK_M], 1, tl.int1)
+        else:
+            row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
         c2 = cols[None, :]
         # Each input is read once: the L2 may drop it first (the weight stays).
@@ -1013,6 +1021,7 @@ def tail_forward(
                 NUM_STAGES=cfg.num_stages,
                 STORE_RSTD=True,
                 IN_EVICT=_stream_hint(cfg),
+                EVEN=n_cols == cfg.block_n and n_rows % cfg.block_m == 0,
                 num_warps=cfg.num_warps,
             )
         elif cfg.kernel == "pipelined":
