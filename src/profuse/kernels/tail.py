@@ -112,6 +112,31 @@ def _tail_fwd_kernel(
 
 
 @triton.jit
+def _row_starts(A_ptr, B_ptr, C_ptr, D_ptr, row, a_row_stride, b_row_stride, c_row_stride, d_row_stride):
+    """Four tensors' pointers at the start of `row` (int64)."""
+    return (A_ptr + row * a_row_stride, B_ptr + row * b_row_stride, C_ptr + row * c_row_stride,
+            D_ptr + row * d_row_stride)  # fmt: skip
+
+
+@triton.jit
+def _load_h(G_row, U_row, R_row, cols, mask, EVICT: tl.constexpr):
+    """h = silu(g) * u + r at one row's `cols` (pointers at its start), in fp32; 0 where masked."""
+    g = tl.load(G_row + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    u = tl.load(U_row + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    r = tl.load(R_row + cols, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    return g * tl.sigmoid(g) * u + r
+
+
+@triton.jit
+def _store_y(Y_row, W_ptr, cols, mask, h, rstd):
+    """y = h * rstd * w at one row's `cols`, rounded once; nothing reads it again (evict_first)."""
+    w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(
+        Y_row + cols, (h * rstd * w).to(Y_row.dtype.element_ty), mask=mask, eviction_policy="evict_first"
+    )
+
+
+@triton.jit
 def _tail_fwd_chunked_kernel(
     G_ptr,
     U_ptr,
@@ -148,38 +173,29 @@ def _tail_fwd_chunked_kernel(
     n_chunks = tl.cdiv(n_cols, BLOCK_N)
     for row in range(pid, n_rows, n_programs):
         row64 = tl.cast(row, tl.int64)
-        g_row = G_ptr + row64 * g_row_stride
-        u_row = U_ptr + row64 * u_row_stride
-        r_row = R_ptr + row64 * r_row_stride
-        y_row = Y_ptr + row64 * y_row_stride
+        g_row, u_row, r_row, y_row = _row_starts(G_ptr, U_ptr, R_ptr, Y_ptr, row64, g_row_stride,
+                                                 u_row_stride, r_row_stride, y_row_stride)  # fmt: skip
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for c in tl.range(0, n_chunks, num_stages=NUM_STAGES):
             cols = c * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = cols < n_cols
-            g = tl.load(g_row + cols, mask=mask, other=0.0, eviction_policy=IN_EVICT).to(tl.float32)
-            u = tl.load(u_row + cols, mask=mask, other=0.0, eviction_policy=IN_EVICT).to(tl.float32)
-            r = tl.load(r_row + cols, mask=mask, other=0.0, eviction_policy=IN_EVICT).to(tl.float32)
-            h = g * tl.sigmoid(g) * u + r
+            h = _load_h(g_row, u_row, r_row, cols, mask, IN_EVICT)
             acc += h * h
             if STASH_H:
                 tl.store(y_row + cols, h.to(Y_ptr.dtype.element_ty), mask=mask)
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
-        # Each thread reads back only what it stored itself (the same layout), and the row sum
-        # above has its barrier; this one makes the order explicit.
-        tl.debug_barrier()
+        if STASH_H:
+            # Each thread reads back only what it stored itself (the same layout), and the row
+            # sum above has its barrier; this one makes the order explicit.
+            tl.debug_barrier()
         for i in tl.range(0, n_chunks, num_stages=NUM_STAGES):
             cols = (n_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = cols < n_cols
             if STASH_H:
                 h = tl.load(y_row + cols, mask=mask, other=0.0).to(tl.float32)
             else:
-                g = tl.load(g_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                u = tl.load(u_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                r = tl.load(r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-                h = g * tl.sigmoid(g) * u + r
-            w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            tl.store(y_row + cols, (h * rstd * w).to(Y_ptr.dtype.element_ty), mask=mask,
-                     eviction_policy="evict_first")  # fmt: skip
+                h = _load_h(g_row, u_row, r_row, cols, mask, "evict_first")
+            _store_y(y_row, W_ptr, cols, mask, h, rstd)
         if STORE_RSTD:
             tl.store(RSTD_ptr + row64, rstd)
 
@@ -188,10 +204,7 @@ def _tail_fwd_chunked_kernel(
 def _stash_chunk(G_row, U_row, R_row, Y_row, cols, mask):
     """Pass 1 of the pipelined forward on one chunk of a row (pointers at its start): stores h
     where y goes, rounded to y's dtype, and returns h^2 for the row's sum."""
-    g = tl.load(G_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    u = tl.load(U_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    r = tl.load(R_row + cols, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
-    h = g * tl.sigmoid(g) * u + r
+    h = _load_h(G_row, U_row, R_row, cols, mask, "evict_first")
     tl.store(Y_row + cols, h.to(Y_row.dtype.element_ty), mask=mask)
     return h * h
 
@@ -199,11 +212,7 @@ def _stash_chunk(G_row, U_row, R_row, Y_row, cols, mask):
 @triton.jit
 def _finish_chunk(Y_row, W_ptr, cols, mask, rstd):
     """Pass 2 of the pipelined forward: y = h * rstd * w over the h that pass 1 stashed."""
-    h = tl.load(Y_row + cols, mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(
-        Y_row + cols, (h * rstd * w).to(Y_row.dtype.element_ty), mask=mask, eviction_policy="evict_first"
-    )
+    _store_y(Y_row, W_ptr, cols, mask, tl.load(Y_row + cols, mask=mask, other=0.0).to(tl.float32), rstd)
 
 
 @triton.jit
@@ -238,23 +247,24 @@ def _tail_fwd_pipelined_kernel(
     n_programs = tl.num_programs(0)
     n_chunks = tl.cdiv(n_cols, BLOCK_N)
     row = tl.cast(pid, tl.int64)  # the launcher gives every program a row
+    g_0, u_0, r_0, y_0 = _row_starts(G_ptr, U_ptr, R_ptr, Y_ptr, row, g_row_stride, u_row_stride,
+                                     r_row_stride, y_row_stride)  # fmt: skip
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k in range(0, n_chunks):
         cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask = cols < n_cols
-        acc += _stash_chunk(G_ptr + row * g_row_stride, U_ptr + row * u_row_stride,
-                            R_ptr + row * r_row_stride, Y_ptr + row * y_row_stride, cols, mask)  # fmt: skip
+        acc += _stash_chunk(g_0, u_0, r_0, y_0, cols, cols < n_cols)
     rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
     for nxt in range(pid + n_programs, n_rows, n_programs):
         nxt64 = tl.cast(nxt, tl.int64)
+        g_n, u_n, r_n, y_n = _row_starts(G_ptr, U_ptr, R_ptr, Y_ptr, nxt64, g_row_stride, u_row_stride,
+                                         r_row_stride, y_row_stride)  # fmt: skip
+        y_row = Y_ptr + row * y_row_stride
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k in range(0, n_chunks):
             cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = cols < n_cols
-            acc += _stash_chunk(G_ptr + nxt64 * g_row_stride, U_ptr + nxt64 * u_row_stride,
-                                R_ptr + nxt64 * r_row_stride, Y_ptr + nxt64 * y_row_stride,
-                                cols, mask)  # fmt: skip
-            _finish_chunk(Y_ptr + row * y_row_stride, W_ptr, cols, mask, rstd)
+            acc += _stash_chunk(g_n, u_n, r_n, y_n, cols, mask)
+            _finish_chunk(y_row, W_ptr, cols, mask, rstd)
         if STORE_RSTD:
             tl.store(RSTD_ptr + row, rstd)
         row = nxt64
@@ -372,19 +382,20 @@ def _row_dot_chunk(DY_row, G_row, U_row, R_row, cols, mask, w):
 
 @triton.jit
 def _row_chunk_grads(
-    DY_row, G_row, U_row, R_row, DG_row, DU_row, DR_row, cols, mask, w, rstd, c,
+    DY_row, G_row, U_row, R_row, DG_ptr, DU_ptr, DR_ptr, out_row, cols, mask, w, rstd, c,
     COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
-    """The gradients at one row's `cols` (pointers at the row's start), given its rstd and c:
-    stores dg, du, dr (those asked for) and returns dy * x_hat, the chunk's share of dw. EVICT:
-    the L2 hint on its loads and stores ("evict_first" where nothing reads them again)."""
+    """The gradients at one row's `cols` (input pointers at the row's start; the contiguous
+    outputs' row starts at offset `out_row`), given its rstd and c: stores dg, du, dr (those
+    asked for) and returns dy * x_hat, the chunk's share of dw. EVICT: the L2 hint on its loads
+    and stores ("evict_first" where nothing reads them again)."""
     dy, g, u, r = _load_row_chunk(DY_row, G_row, U_row, R_row, cols, mask, EVICT)
     s = tl.sigmoid(g)
     silu = g * s
     x_hat = (silu * u + r) * rstd
     if COMPUTE_DG or COMPUTE_DU or COMPUTE_DR:
         dh = (w * dy - x_hat * c) * rstd
-        _store_input_grads(DG_row, DU_row, DR_row, cols, mask, dh, g, u, s, silu,
+        _store_input_grads(DG_ptr, DU_ptr, DR_ptr, out_row + cols, mask, dh, g, u, s, silu,
                            COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, EVICT)  # fmt: skip
     return dy * x_hat
 
@@ -441,12 +452,11 @@ def _tail_bwd_chunked_kernel(
     NEED_DH: tl.constexpr = COMPUTE_DG or COMPUTE_DU or COMPUTE_DR
     for tile in range(pid, tl.cdiv(n_rows, ROWS), n_programs):
         row = tl.cast(tile, tl.int64) * ROWS
-        # Row a's pointers; row b (ROWS = 2) is one row stride on, absent in a last odd tile.
-        dy_a = DY_ptr + row * dy_row_stride
-        g_a = G_ptr + row * g_row_stride
-        u_a = U_ptr + row * u_row_stride
-        r_a = R_ptr + row * r_row_stride
-        dg_a, du_a, dr_a = DG_ptr + row * n_cols, DU_ptr + row * n_cols, DR_ptr + row * n_cols
+        # Rows a and b (ROWS = 2: the next row, absent in a last odd tile).
+        dy_a, g_a, u_a, r_a = _row_starts(DY_ptr, G_ptr, U_ptr, R_ptr, row, dy_row_stride, g_row_stride,
+                                          u_row_stride, r_row_stride)  # fmt: skip
+        dy_b, g_b, u_b, r_b = _row_starts(dy_a, g_a, u_a, r_a, 1, dy_row_stride, g_row_stride,
+                                          u_row_stride, r_row_stride)  # fmt: skip
         rstd_a = tl.load(RSTD_ptr + row)
         # Row b's columns: none without a row b (a vector compare; the interpreter rejects a
         # vector mask and-ed with a scalar one).
@@ -465,8 +475,7 @@ def _tail_bwd_chunked_kernel(
                 w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 acc_a += _row_dot_chunk(dy_a, g_a, u_a, r_a, cols, mask, w)
                 if ROWS == 2:
-                    acc_b += _row_dot_chunk(dy_a + dy_row_stride, g_a + g_row_stride, u_a + u_row_stride,
-                                            r_a + r_row_stride, cols, cols < n_cols_b, w)  # fmt: skip
+                    acc_b += _row_dot_chunk(dy_b, g_b, u_b, r_b, cols, cols < n_cols_b, w)
             c_a = tl.sum(acc_a, axis=0) * rstd_a / n_cols
             if ROWS == 2:
                 c_b = tl.sum(acc_b, axis=0) * rstd_b / n_cols
@@ -474,11 +483,11 @@ def _tail_bwd_chunked_kernel(
             cols = (n_chunks - 1 - i) * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = cols < n_cols
             w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            dwc = _row_chunk_grads(dy_a, g_a, u_a, r_a, dg_a, du_a, dr_a, cols, mask, w, rstd_a, c_a,
+            dwc = _row_chunk_grads(dy_a, g_a, u_a, r_a, DG_ptr, DU_ptr, DR_ptr, row * n_cols, cols, mask,
+                                   w, rstd_a, c_a,
                                    COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
             if ROWS == 2:
-                dwc += _row_chunk_grads(dy_a + dy_row_stride, g_a + g_row_stride, u_a + u_row_stride,
-                                        r_a + r_row_stride, dg_a + n_cols, du_a + n_cols, dr_a + n_cols,
+                dwc += _row_chunk_grads(dy_b, g_b, u_b, r_b, DG_ptr, DU_ptr, DR_ptr, (row + 1) * n_cols,
                                         cols, cols < n_cols_b, w, rstd_b, c_b,
                                         COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
             if COMPUTE_DW:
@@ -487,13 +496,13 @@ def _tail_bwd_chunked_kernel(
 
 @triton.jit
 def _finish_row_chunk(
-    DY_row, G_row, U_row, R_row, DG_row, DU_row, DR_row, dw_row, cols, mask, w, rstd, c, first,
+    DY_row, G_row, U_row, R_row, DG_ptr, DU_ptr, DR_ptr, out_row, dw_row, cols, mask, w, rstd, c, first,
     COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr, COMPUTE_DW: tl.constexpr,
 ):  # fmt: skip
     """Pass 2 of the pipelined backward on one chunk of a row: its gradients, and its dy * x_hat
     added into the program's dw row (`first`: the program's first row, which starts it)."""
-    dwc = _row_chunk_grads(DY_row, G_row, U_row, R_row, DG_row, DU_row, DR_row, cols, mask, w, rstd, c,
-                           COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
+    dwc = _row_chunk_grads(DY_row, G_row, U_row, R_row, DG_ptr, DU_ptr, DR_ptr, out_row, cols, mask, w,
+                           rstd, c, COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
     if COMPUTE_DW:
         _add_to_dw(dw_row, cols, mask, dwc, first)
 
@@ -533,6 +542,8 @@ def _tail_bwd_pipelined_kernel(
     dw_row = DW_ptr + pid.to(tl.int64) * n_cols
     NEED_DH: tl.constexpr = COMPUTE_DG or COMPUTE_DU or COMPUTE_DR
     row = tl.cast(pid, tl.int64)  # the launcher gives every program a row
+    dy_r, g_r, u_r, r_r = _row_starts(DY_ptr, G_ptr, U_ptr, R_ptr, row, dy_row_stride, g_row_stride,
+                                      u_row_stride, r_row_stride)  # fmt: skip
     rstd = tl.load(RSTD_ptr + row)
     c = rstd * 0.0
     if NEED_DH:
@@ -541,12 +552,12 @@ def _tail_bwd_pipelined_kernel(
             cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
             mask = cols < n_cols
             w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            acc += _row_dot_chunk(DY_ptr + row * dy_row_stride, G_ptr + row * g_row_stride,
-                                  U_ptr + row * u_row_stride, R_ptr + row * r_row_stride,
-                                  cols, mask, w)  # fmt: skip
+            acc += _row_dot_chunk(dy_r, g_r, u_r, r_r, cols, mask, w)
         c = tl.sum(acc, axis=0) * rstd / n_cols
     for nxt in range(pid + n_programs, n_rows, n_programs):
         nxt64 = tl.cast(nxt, tl.int64)
+        dy_n, g_n, u_n, r_n = _row_starts(DY_ptr, G_ptr, U_ptr, R_ptr, nxt64, dy_row_stride, g_row_stride,
+                                          u_row_stride, r_row_stride)  # fmt: skip
         rstd_next = tl.load(RSTD_ptr + nxt64)
         acc = tl.zeros([BLOCK_N], dtype=tl.float32)
         for k in range(0, n_chunks):
@@ -554,27 +565,20 @@ def _tail_bwd_pipelined_kernel(
             mask = cols < n_cols
             w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             if NEED_DH:
-                acc += _row_dot_chunk(DY_ptr + nxt64 * dy_row_stride, G_ptr + nxt64 * g_row_stride,
-                                      U_ptr + nxt64 * u_row_stride, R_ptr + nxt64 * r_row_stride,
-                                      cols, mask, w)  # fmt: skip
-            _finish_row_chunk(DY_ptr + row * dy_row_stride, G_ptr + row * g_row_stride,
-                              U_ptr + row * u_row_stride, R_ptr + row * r_row_stride,
-                              DG_ptr + row * n_cols, DU_ptr + row * n_cols, DR_ptr + row * n_cols, dw_row,
-                              cols, mask, w, rstd, c, row == pid,
+                acc += _row_dot_chunk(dy_n, g_n, u_n, r_n, cols, mask, w)
+            _finish_row_chunk(dy_r, g_r, u_r, r_r, DG_ptr, DU_ptr, DR_ptr, row * n_cols, dw_row, cols, mask,
+                              w, rstd, c, row == pid,
                               COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, COMPUTE_DW)  # fmt: skip
         if NEED_DH:
             c = tl.sum(acc, axis=0) * rstd_next / n_cols
-        row = nxt64
-        rstd = rstd_next
+        row, rstd = nxt64, rstd_next
+        dy_r, g_r, u_r, r_r = dy_n, g_n, u_n, r_n
     for k in range(0, n_chunks):
         cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
         mask = cols < n_cols
         w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        _finish_row_chunk(DY_ptr + row * dy_row_stride, G_ptr + row * g_row_stride,
-                          U_ptr + row * u_row_stride, R_ptr + row * r_row_stride,
-                          DG_ptr + row * n_cols, DU_ptr + row * n_cols, DR_ptr + row * n_cols, dw_row,
-                          cols, mask, w, rstd, c, row == pid,
-                          COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, COMPUTE_DW)  # fmt: skip
+        _finish_row_chunk(dy_r, g_r, u_r, r_r, DG_ptr, DU_ptr, DR_ptr, row * n_cols, dw_row, cols, mask,
+                          w, rstd, c, row == pid, COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, COMPUTE_DW)  # fmt: skip
 
 
 @triton.jit
@@ -602,8 +606,8 @@ def _tail_bwd_rowdot_kernel(
     split = tl.program_id(1)
     n_splits = tl.num_programs(1)
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    dy_row, g_row = DY_ptr + row * dy_row_stride, G_ptr + row * g_row_stride
-    u_row, r_row = U_ptr + row * u_row_stride, R_ptr + row * r_row_stride
+    dy_row, g_row, u_row, r_row = _row_starts(DY_ptr, G_ptr, U_ptr, R_ptr, row, dy_row_stride, g_row_stride,
+                                              u_row_stride, r_row_stride)  # fmt: skip
     for offset in tl.range(0, span, BLOCK_N, num_stages=NUM_STAGES):
         cols = split * span + offset + tl.arange(0, BLOCK_N)
         mask = cols < n_cols
@@ -658,12 +662,11 @@ def _tail_bwd_slab_kernel(
         c = 0.0
         if NEED_DH:  # the parts summed in one fixed order: the same bits every run
             c = tl.sum(tl.load(C_ptr + row64 * n_splits + parts, mask=parts < n_splits, other=0.0), axis=0)
-        dw_acc += _row_chunk_grads(
-            DY_ptr + row64 * dy_row_stride, G_ptr + row64 * g_row_stride, U_ptr + row64 * u_row_stride,
-            R_ptr + row64 * r_row_stride, DG_ptr + row64 * n_cols, DU_ptr + row64 * n_cols,
-            DR_ptr + row64 * n_cols, cols, mask, w, tl.load(RSTD_ptr + row64), c,
-            COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "",
-        )  # fmt: skip
+        dy_row, g_row, u_row, r_row = _row_starts(DY_ptr, G_ptr, U_ptr, R_ptr, row64, dy_row_stride,
+                                                  g_row_stride, u_row_stride, r_row_stride)  # fmt: skip
+        dw_acc += _row_chunk_grads(dy_row, g_row, u_row, r_row, DG_ptr, DU_ptr, DR_ptr, row64 * n_cols, cols,
+                                   mask, w, tl.load(RSTD_ptr + row64), c,
+                                   COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "")  # fmt: skip
     if COMPUTE_DW:
         tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=mask)
 

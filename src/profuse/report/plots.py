@@ -245,10 +245,8 @@ def _variant_handles(series, colors: dict[str, str], layout: _Layout) -> list:
         if key in seen:
             continue
         seen.add(key)
-        if layout.grid:
-            out.append((Line2D([], [], color=colors[key], linewidth=2.5), rows[0].label))
-        else:
-            out.append((Line2D([], [], color=colors[key], marker="o", markersize=6), rows[0].label))
+        style = dict(linewidth=2.5) if layout.grid else dict(marker="o", markersize=6)
+        out.append((Line2D([], [], color=colors[key], **style), rows[0].label))
     return out
 
 
@@ -338,7 +336,7 @@ def bandwidth_figure(data: dict | SavedRun):
         pct = ax.secondary_yaxis("right", functions=(lambda y: y / roof * 100, lambda p: p * roof / 100))
         pct.set_ylabel("% of the copy ceiling")
     else:
-        notes.append((Line2D([], [], linestyle="none"), "no copy ceiling (measured on CUDA only)"))
+        notes.append((_blank(), "no copy ceiling (measured on CUDA only)"))
     tensors = {4: "4 tensors", 11: "11 tensors"}.get(run.model_tensors, f"{run.model_tensors} tensors")
     ax.set_ylabel(f"achieved bandwidth (GB/s)\n= minimum fused traffic ({tensors}) / median time")
     ax.set_ylim(0, top * 1.12 if top > 0 else 1)

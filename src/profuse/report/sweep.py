@@ -305,9 +305,9 @@ def unsteady_notes(run: SavedRun) -> list[str]:
     """One warning per size where some variant's timings were disturbed."""
     notes = []
     for size in run.sizes:
-        rows = [r for r in run.variant_rows if r.size == size and r.times_s]
-        if any(unsteady_trials(r) > UNSTEADY_SHARE * len(r.times_s) for r in rows):
-            counts = ", ".join(f"{r.label} {unsteady_trials(r)}/{len(r.times_s)}" for r in rows)
+        rows = [(r, unsteady_trials(r)) for r in run.variant_rows if r.size == size and r.times_s]
+        if any(n > UNSTEADY_SHARE * len(r.times_s) for r, n in rows):
+            counts = ", ".join(f"{r.label} {n}/{len(r.times_s)}" for r, n in rows)
             notes.append(
                 f"WARNING {_size(*size)}: unsteady timings (trials over {UNSTEADY_RATIO}x their "
                 f"fastest: {counts}); its medians are not to be trusted: time that size again"
