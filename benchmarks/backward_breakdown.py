@@ -21,10 +21,11 @@ import torch
 from triton.testing import do_bench
 
 from profuse import tail_triton
-from profuse.bench.timing import CudaTimer
 from profuse.bench.traffic import copy_ceiling
 from profuse.files import write_json
-from profuse.kernels.tail import tail_backward, tail_forward, tuned_configs
+from profuse.kernels.autotune import TUNER
+from profuse.kernels.tail import tail_backward, tail_forward
+from profuse.timers import CudaTimer
 
 
 def cpu_issue_ms(fn, n: int = 20) -> float:
@@ -82,7 +83,7 @@ def main() -> int:
         }
         print(f"{name:>30}: device {dev_ms * 1e3:7.1f} us ({frac:.0%} of copy on {model[name]} tensors), "
               f"do_bench {ms * 1e3:7.1f} us, CPU issue {cpu * 1e3:7.1f} us")  # fmt: skip
-    res["configs"] = tuned_configs()
+    res["configs"] = TUNER.chosen_dict()
     print("configs:", res["configs"])
     if args.out:
         write_json(args.out, res)

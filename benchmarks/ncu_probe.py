@@ -25,7 +25,8 @@ import torch
 
 from profuse import tail as T
 from profuse.env import DTYPES
-from profuse.kernels.tail import KernelConfig, tail_backward, tail_forward
+from profuse.kernels.configs import KernelConfig
+from profuse.kernels.tail import tail_backward, tail_forward
 
 
 def main() -> int:

@@ -21,20 +21,19 @@ from functools import partial
 import torch
 import triton
 
-import profuse.kernels.tail as K
 from profuse import tail as T
 from profuse.bench.traffic import copy_ceiling
 from profuse.env import DTYPES, sm_count
 from profuse.files import write_json
-from profuse.kernels.tail import (
+from profuse.kernels import autotune as A
+from profuse.kernels.configs import (
     KernelConfig,
     backward_candidates,
     backward_config,
     forward_candidates,
     forward_config,
-    tail_backward,
-    tail_forward,
 )
+from profuse.kernels.tail import tail_backward, tail_forward
 
 GRID = [1024, 2048, 4096, 5120, 8192, 11008, 14336, 16384, 32768, 65536]
 TRIALS = 30
@@ -75,21 +74,21 @@ def backward_error(ref, out) -> float:
 
 def time_candidates(kind, cands, default, run, error, floor_s, device) -> list[dict]:
     """Each config: one checked call (with its registers and spills), then its median device
-    time over interleaved trials (K.time_configs, as the autotuner times them); fastest first.
+    time over interleaved trials (Autotuner.time_configs, as the autotuner times them); fastest first.
     `floor_s`: the kernel's bytes at the copy ceiling, so frac = floor / time."""
     checked = []
     for cfg in cands:
         try:
-            K.LAUNCH_LOG = []
+            A.LAUNCH_LOG = []
             err = error(run(cfg))  # the first call also builds the kernel, outside the timing
-            regs, spills = K.LAUNCH_LOG[-1][2:]
+            regs, spills = A.LAUNCH_LOG[-1][2:]
         except Exception as e:  # noqa: BLE001 - a config that cannot compile is just skipped
             print(f"  {kind} {cfg} failed: {str(e).splitlines()[0][:100]}", flush=True)
             continue
         finally:
-            K.LAUNCH_LOG = None
+            A.LAUNCH_LOG = None
         checked.append((cfg, {"rel_err": err, "regs": regs, "spills": spills}))
-    times = K.time_configs(run, [cfg for cfg, _ in checked], device, TRIALS)
+    times = A.Autotuner(trials=TRIALS).time_configs(run, [cfg for cfg, _ in checked], device)
     rows = []
     for (cfg, info), t in zip(checked, times):
         row = {"ms": t * 1e3, "frac": floor_s / t, **info}

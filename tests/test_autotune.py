@@ -1,6 +1,7 @@
-"""The autotuner's choice (kernels.tail._pick), with the device timing replaced by a fake one:
-the fastest config that runs wins, configs that fail to launch are skipped, the choice is kept
-per key, and an unrunnable shape is a clear error."""
+"""The autotuner and the plan cache (kernels/autotune.py), with a fake timer injected: the
+fastest config that runs wins, configs that fail to launch are skipped, the choice is kept per
+key, an unrunnable shape is a clear error; and after the first call for a shape, a call builds
+no candidates and looks up the plan a fresh pick would have made."""
 
 from __future__ import annotations
 
@@ -12,50 +13,67 @@ from profuse.kernels import HAS_TRITON
 if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from profuse import tail as T  # noqa: E402
+from profuse.kernels import autotune as A  # noqa: E402
+from profuse.kernels import configs as C  # noqa: E402
 from profuse.kernels import tail as K  # noqa: E402
-from profuse.kernels.tail import KernelConfig  # noqa: E402
+from profuse.kernels.configs import KernelConfig  # noqa: E402
 
 CUDA = torch.device("cuda")
 CONFIGS = [KernelConfig("fused", 1, 1024, w) for w in (1, 2, 4, 8)]
 
 
+class FakeTimer:
+    """Each call 'takes' what `speeds` says for the config its launch ran."""
+
+    def __init__(self, speeds, ran):
+        self.speeds, self.ran = speeds, ran
+
+    def time_calls(self, calls):
+        out = []
+        for call in calls:
+            n = len(self.ran)
+            call()
+            out.append(self.speeds[self.ran[n]])
+        return out
+
+
 @pytest.fixture
-def fake_device_timing(monkeypatch):
-    """Autotuning on, as on a GPU; each config's 'time' is looked up in `speeds`."""
+def tuner(monkeypatch):
+    """An Autotuner timing with FakeTimer, autotuning on as on a GPU. `launched` records every
+    config launched; `timers` counts the timers made (one per tuning)."""
+    monkeypatch.setattr(A, "autotune_enabled", lambda device: True)
+    monkeypatch.setattr(A, "capturing", lambda device: False)
     speeds: dict[KernelConfig, float] = {}
-    timed: list[list[KernelConfig]] = []
+    launched: list[KernelConfig] = []
+    timers = []
 
-    def fake_time_configs(launch, configs, device, trials):
-        assert trials >= 5, "too few trials to rank configs"
-        timed.append(list(configs))
-        for cfg in configs:
-            launch(cfg)
-        return [speeds[c] for c in configs]
+    def make_timer(device):
+        timers.append(device)
+        return FakeTimer(speeds, launched)
 
-    monkeypatch.setattr(K, "autotune_enabled", lambda device: True)
-    monkeypatch.setattr(K, "time_configs", fake_time_configs)
-    monkeypatch.setattr(K, "_TUNED", {})
-    return speeds, timed
+    t = A.Autotuner(make_timer=make_timer, trials=5)
+    return t, speeds, launched, timers
 
 
 @pytest.mark.parametrize("fastest", range(len(CONFIGS)))
-def test_the_fastest_config_wins_and_is_kept(fake_device_timing, fastest):
-    speeds, timed = fake_device_timing
+def test_the_fastest_config_wins_and_is_kept(tuner, fastest):
+    t, speeds, launched, timers = tuner
     for i, cfg in enumerate(CONFIGS):
         speeds[cfg] = 1.0 + abs(i - fastest)
-    launched = []
     key = ("fwd", 64, 1000, torch.bfloat16)
-    assert K._pick(key, CONFIGS, launched.append, CUDA) == CONFIGS[fastest]
-    # Every config was built (launched once) before the timing, and timed once.
-    assert launched[: len(CONFIGS)] == CONFIGS and timed == [CONFIGS]
-    # Asked again, the choice is reused without timing anything.
-    assert K._pick(key, CONFIGS, launched.append, CUDA) == CONFIGS[fastest]
-    assert len(timed) == 1
-    assert "fwd/64/1000/torch.bfloat16" in K.tuned_configs()
+    assert t.pick(key, CONFIGS, launched.append, CUDA) == CONFIGS[fastest]
+    # Every config was built (launched once) before the timing, then timed in every trial.
+    assert launched[: len(CONFIGS)] == CONFIGS
+    assert len(launched) == len(CONFIGS) * (1 + t.trials) and len(timers) == 1
+    # Asked again, the choice is reused without timing or launching anything.
+    assert t.pick(key, CONFIGS, launched.append, CUDA) == CONFIGS[fastest]
+    assert len(timers) == 1 and len(launched) == len(CONFIGS) * (1 + t.trials)
+    assert "fwd/64/1000/torch.bfloat16" in t.chosen_dict()
 
 
-def test_configs_that_cannot_launch_are_skipped(fake_device_timing):
-    speeds, timed = fake_device_timing
+def test_configs_that_cannot_launch_are_skipped(tuner):
+    t, speeds, launched, _ = tuner
     broken = CONFIGS[0]  # would be the fastest, but it does not fit (e.g. shared memory)
     for i, cfg in enumerate(CONFIGS):
         speeds[cfg] = float(i)
@@ -63,26 +81,139 @@ def test_configs_that_cannot_launch_are_skipped(fake_device_timing):
     def launch(cfg):
         if cfg == broken:
             raise RuntimeError("out of resource: shared memory")
+        launched.append(cfg)
 
-    assert K._pick(("bwd", 8), CONFIGS, launch, CUDA) == CONFIGS[1]
-    assert timed == [CONFIGS[1:]]
+    assert t.pick(("bwd", 8), CONFIGS, launch, CUDA) == CONFIGS[1]
+    assert broken not in launched
 
 
-def test_no_runnable_config_is_a_clear_error(fake_device_timing):
+def test_no_runnable_config_is_a_clear_error(tuner):
+    t = tuner[0]
+
     def launch(cfg):
         raise RuntimeError("out of resource")
 
     with pytest.raises(RuntimeError, match="no launch config"):
-        K._pick(("fwd", 1), CONFIGS, launch, CUDA)
+        t.pick(("fwd", 1), CONFIGS, launch, CUDA)
 
 
 def test_without_autotuning_the_favourite_runs_untimed(monkeypatch):
-    monkeypatch.setattr(K, "_TUNED", {})
-
-    def no_timing(*args):
+    def no_timer(device):
         raise AssertionError("timed a config with autotuning off")
 
-    monkeypatch.setattr(K, "time_configs", no_timing)
+    t = A.Autotuner(make_timer=no_timer)
     monkeypatch.setenv("PROFUSE_AUTOTUNE", "0")
-    assert K._pick(("fwd", 1), CONFIGS, lambda c: None, CUDA) == CONFIGS[0]
-    assert K._pick(("fwd", 1), CONFIGS, lambda c: None, torch.device("cpu")) == CONFIGS[0]
+    assert t.pick(("fwd", 1), CONFIGS, lambda c: None, CUDA) == CONFIGS[0]
+    monkeypatch.delenv("PROFUSE_AUTOTUNE")
+    assert t.pick(("fwd", 1), CONFIGS, lambda c: None, torch.device("cpu")) == CONFIGS[0]
+    assert not t.chosen  # a favourite that was not timed is not remembered as tuned
+
+
+def test_while_a_cuda_graph_is_captured_nothing_is_timed(monkeypatch):
+    """A first call inside a graph capture cannot time candidates (and must not launch them):
+    the favourite runs, untuned, so a later call outside the capture can still tune."""
+    monkeypatch.setattr(A, "autotune_enabled", lambda device: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+    def no_timer(device):
+        raise AssertionError("timed a config during a graph capture")
+
+    t = A.Autotuner(make_timer=no_timer)
+    launched = []
+    assert t.pick(("fwd", 8), CONFIGS, launched.append, CUDA) == CONFIGS[0]
+    assert launched == [] and not t.chosen
+
+
+# --------------------------------------------------------------------------------------------
+# The plan cache, through the real launchers (the interpreter on a CPU)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Fresh plan caches and tuner; counts the candidate lists built, per kind."""
+    monkeypatch.setattr(K, "_FWD_PLANS", A.PlanCache())
+    monkeypatch.setattr(K, "_BWD_PLANS", A.PlanCache())
+    monkeypatch.setattr(K, "TUNER", A.Autotuner())
+    built = {"fwd": 0, "bwd": 0}
+    fwd, bwd = C.forward_candidates, C.backward_candidates
+
+    def count_fwd(*a):
+        built["fwd"] += 1
+        return fwd(*a)
+
+    def count_bwd(*a):
+        built["bwd"] += 1
+        return bwd(*a)
+
+    monkeypatch.setattr(C, "forward_candidates", count_fwd)
+    monkeypatch.setattr(C, "backward_candidates", count_bwd)
+    return built
+
+
+def _leaves(shape, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    g, u, r = (torch.randn(shape, generator=gen).to(device, dtype).requires_grad_() for _ in range(3))
+    w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(device, dtype).requires_grad_()
+    return g, u, r, w
+
+
+def test_a_second_call_builds_no_candidates(counted, device):
+    g, u, r, w = _leaves((5, 48), torch.float32, device, seed=1)
+    for _ in range(3):
+        T.tail_triton(g, u, r, w).sum().backward()
+    assert counted == {"fwd": 1, "bwd": 1}
+    assert K._FWD_PLANS.builds == 1 and K._BWD_PLANS.builds == 1
+    # Without gradients the forward stores no rstd: its own plan, made once.
+    with torch.no_grad():
+        for _ in range(3):
+            T.tail_triton(g, u, r, w)
+    assert counted["fwd"] == 2 and K._FWD_PLANS.builds == 2
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["rows", "cols", "dtype", "needs"],
+)
+def test_new_shapes_dtypes_and_gradients_still_plan(counted, device, change):
+    g, u, r, w = _leaves((5, 48), torch.float32, device, seed=2)
+    T.tail_triton(g, u, r, w).sum().backward()
+    shape, dtype = {
+        "rows": ((6, 48), torch.float32),
+        "cols": ((5, 40), torch.float32),
+        "dtype": ((5, 48), torch.bfloat16),
+        "needs": ((5, 48), torch.float32),
+    }[change]
+    g2, u2, r2, w2 = _leaves(shape, dtype, device, seed=3)
+    if change == "needs":
+        u2.requires_grad_(False)
+    y = T.tail_triton(g2, u2, r2, w2)
+    y.sum().backward()
+    # A new forward plan for a new shape or dtype; a new backward plan for anything new.
+    assert counted["fwd"] == (1 if change == "needs" else 2) and counted["bwd"] == 2
+    want = T.tail_reference(g2, u2, r2, w2)
+    assert T.relative_error(y, want) <= T.FORWARD_TOL[dtype]
+    assert u2.grad is None and g2.grad is not None if change == "needs" else u2.grad is not None
+
+
+def test_the_cached_plan_is_the_one_a_fresh_pick_makes(counted, device):
+    """What the cache hands back launches the config the tuner picks for the shape, bound to the
+    same grid and compile-time arguments as a plan built from scratch."""
+    g, u, r, w = _leaves((7, 33), torch.float16, device, seed=4)
+    T.tail_triton(g, u, r, w).sum().backward()
+    ((fwd_key, fwd),) = K._FWD_PLANS.items()
+    ((bwd_key, bwd),) = K._BWD_PLANS.items()
+    rows, cols = 7, 33
+    fresh_fwd = K._forward_launch(C.forward_config(rows, cols, torch.float16, 4), rows, cols, True)
+    assert fwd.config == fresh_fwd.config and fwd.meta == fresh_fwd.meta
+    assert fwd_key == (rows, cols, torch.float16, g.device, True)
+    fresh_bwd = K._BackwardPlan(C.backward_config(rows, cols, torch.float16, 4), rows, cols, bwd_key[-1])
+    assert bwd.config == fresh_bwd.config and bwd.programs == fresh_bwd.programs
+    assert bwd.main.meta == fresh_bwd.main.meta
+
+
+def test_plan_cache_starts_again_past_its_size():
+    cache = A.PlanCache(max_size=3)
+    for i in range(5):
+        cache.add(i, object())
+    assert cache.builds == 5 and len(cache) <= 3 and 4 in cache

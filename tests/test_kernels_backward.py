@@ -32,8 +32,9 @@ from profuse.kernels import HAS_TRITON
 if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from profuse.kernels import configs as C  # noqa: E402
 from profuse.kernels import tail as K  # noqa: E402
-from profuse.kernels.tail import KernelConfig  # noqa: E402
+from profuse.kernels.configs import KernelConfig  # noqa: E402
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SHAPES = [(1, 131), (5, 760), (2, 3, 97), (7, 33)]
@@ -343,7 +344,7 @@ CANDIDATE_SHAPES = [(3, 1000), (3, 5120), (2, 65536)]
 def _candidate_ids(kind):
     def make(shape):
         rows, n = shape
-        pick = K.forward_candidates if kind == "fwd" else K.backward_candidates
+        pick = C.forward_candidates if kind == "fwd" else C.backward_candidates
         return [(shape, cfg) for cfg in dict.fromkeys(pick(rows, n, torch.bfloat16, 132))]
 
     def name(shape, c):
@@ -379,9 +380,9 @@ def test_fp16_forward_never_keeps_h_in_y(device):
     """An fp16 h can overflow where y does not (h = 90000 normalises to a finite y): no fp16
     candidate stashes h in y, and the chunked kernel without it gets such rows right."""
     for rows, n in ((2, 16384), (64, 40000), (4096, 65536)):
-        fp16 = K.forward_candidates(rows, n, torch.float16, 132)
+        fp16 = C.forward_candidates(rows, n, torch.float16, 132)
         assert fp16 and not any(c.stash_h or c.kernel == "pipelined" for c in fp16)
-        bf16 = K.forward_candidates(rows, n, torch.bfloat16, 132)
+        bf16 = C.forward_candidates(rows, n, torch.bfloat16, 132)
         assert any(c.stash_h for c in bf16) and any(c.kernel == "pipelined" for c in bf16)
     (g, u, r, w), _ = make_inputs((3, 40), torch.float16, device, seed=13)
     g[:, ::7], u[:, ::7] = 300.0, 300.0  # h = silu(300) * 300 + r ~ 90000 > fp16 max
@@ -392,22 +393,22 @@ def test_fp16_forward_never_keeps_h_in_y(device):
 
 def test_configs_choose_paths_by_width():
     """The launch heuristics: whole rows up to the limits, chunks beyond; valid configs always."""
-    fwd_limit, bwd_limit = K.FWD_MAX_FUSED, K.BWD_MAX_FUSED
-    assert K.forward_config(4, fwd_limit, torch.bfloat16).kernel == "fused"
-    assert K.forward_config(4, fwd_limit + 1, torch.bfloat16).kernel == "chunked"
-    assert K.backward_config(4, bwd_limit, torch.bfloat16, 132).kernel == "fused"
-    assert K.backward_config(4, bwd_limit + 1, torch.bfloat16, 132).kernel == "chunked"
+    fwd_limit, bwd_limit = C.FWD_MAX_FUSED, C.BWD_MAX_FUSED
+    assert C.forward_config(4, fwd_limit, torch.bfloat16).kernel == "fused"
+    assert C.forward_config(4, fwd_limit + 1, torch.bfloat16).kernel == "chunked"
+    assert C.backward_config(4, bwd_limit, torch.bfloat16, 132).kernel == "fused"
+    assert C.backward_config(4, bwd_limit + 1, torch.bfloat16, 132).kernel == "chunked"
     for rows in (1, 3, 8192):
         for n in (1, 97, 760, 4096, 20000):
             for cfg in (
-                K.forward_config(rows, n, torch.bfloat16),
-                K.backward_config(rows, n, torch.bfloat16, 132),
+                C.forward_config(rows, n, torch.bfloat16),
+                C.backward_config(rows, n, torch.bfloat16, 132),
             ):
                 assert cfg.block_n & (cfg.block_n - 1) == 0, cfg  # a power of two
                 assert cfg.block_m >= 1 and 1 <= cfg.num_warps <= 32
                 if cfg.kernel == "fused":
                     assert cfg.block_n >= n, cfg  # the whole row fits
-            bwd = K.backward_config(rows, n, torch.bfloat16, 132)
+            bwd = C.backward_config(rows, n, torch.bfloat16, 132)
             tiles = math.ceil(rows / bwd.block_m)
             assert 1 <= bwd.programs <= max(tiles, 1), bwd
             assert set(bwd.to_dict()) >= {"kernel", "block_m", "block_n", "num_warps", "programs"}

@@ -57,7 +57,27 @@ def tail_compiled(gate, up, residual, weight, eps: float = DEFAULT_EPS):
 
 
 def check_tail_args(gate, up, residual, weight) -> None:
-    """Raise ValueError naming the argument whose type, shape, dtype or device is off."""
+    """Raise ValueError naming the argument whose type, shape, dtype or device is off.
+
+    Every call of tail_triton pays this, so inputs that are right pass one chain of comparisons;
+    only wrong ones are looked at one by one, for the message.
+    """
+    try:
+        shape, dtype, device = gate.shape, gate.dtype, gate.device
+        ok = (
+            up.shape == shape and residual.shape == shape and weight.shape == shape[-1:]
+            and shape[-1] > 0 and dtype in SUPPORTED_DTYPES
+            and up.dtype == dtype and residual.dtype == dtype and weight.dtype == dtype
+            and up.device == device and residual.device == device and weight.device == device
+            and isinstance(gate, torch.Tensor)
+        )  # fmt: skip
+    except (AttributeError, IndexError, TypeError):
+        ok = False
+    if not ok:
+        _explain_tail_args(gate, up, residual, weight)
+
+
+def _explain_tail_args(gate, up, residual, weight) -> None:
     named = {"gate": gate, "up": up, "residual": residual, "weight": weight}
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
@@ -77,6 +97,7 @@ def check_tail_args(gate, up, residual, weight) -> None:
             raise ValueError(f"{name} has dtype {t.dtype}, gate has {gate.dtype}")
         if t.device != gate.device:
             raise ValueError(f"{name} is on {t.device}, gate is on {gate.device}")
+    raise ValueError("gate, up, residual and weight do not fit together")  # a safety net
 
 
 def tail_triton(gate, up, residual, weight, eps: float = DEFAULT_EPS):
@@ -88,9 +109,9 @@ def tail_triton(gate, up, residual, weight, eps: float = DEFAULT_EPS):
     if not HAS_TRITON:
         raise RuntimeError(TRITON_MISSING)
     check_tail_args(gate, up, residual, weight)
-    from profuse.kernels.tail import TailFunction
+    from profuse.kernels.tail import tail_fused
 
-    return TailFunction.apply(gate, up, residual, weight, float(eps))
+    return tail_fused(gate, up, residual, weight, float(eps))
 
 
 class FusedTail(torch.nn.Module):
@@ -160,3 +181,4 @@ class Variant:
     needs_cuda: bool = False
     available: bool = True
     why_unavailable: str = ""
+    interpretable: bool = False  # Triton: runs on a CPU through the interpreter (TRITON_INTERPRET=1)

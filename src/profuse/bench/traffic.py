@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from profuse.bench.timing import CudaTimer
+from profuse.timers import CudaTimer
 
 # Fused forward: read gate, up, residual; write the output.
 FUSED_FORWARD_TENSORS = 4

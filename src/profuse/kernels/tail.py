@@ -26,24 +26,27 @@ pipelined kernels run pass 1 of a program's next row in the same chunk loop as p
 current row, so the DRAM is read all the time. The backward can also split: a row-dot pass
 (each row's sum, in column ranges when rows are few), then a grid of (row programs x column
 slabs) that holds its slab of dw in registers. Which path and launch shape runs is chosen per
-shape by timing the candidates (see _pick).
+shape: kernels/configs.py proposes the candidates, kernels/autotune.py times them once and
+keeps the shape's plan, so a later call is a lookup and its launches.
 
-Layout: the @triton.jit kernels, their launchers (flatten to 2-D, allocate, pick a config,
-launch), the custom ops (so torch.compile calls them without a graph break), the
-autograd.Function, and `tail_triton`.
+Layout: the @triton.jit kernels; the launch plans (each kernel bound to its grid and
+compile-time arguments); the launchers (flatten to 2-D, allocate, look up the plan, launch); the
+custom ops (so torch.compile calls them without a graph break); the autograd.Function; and
+`tail_fused`, the entry point behind profuse.tail_triton.
 """
 
 from __future__ import annotations
 
 import os
-import statistics
-from dataclasses import asdict, dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
 from profuse.env import sm_count
+from profuse.kernels import configs as C
+from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing
+from profuse.kernels.configs import KernelConfig
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -693,282 +696,18 @@ def _col_sum_kernel(
     tl.store(OUT_ptr + cols, tl.sum(acc, axis=0).to(OUT_ptr.dtype.element_ty), mask=col_mask)
 
 
-def _sum_partials(partial: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    n_parts, n_cols = partial.shape
-    out = torch.empty(n_cols, dtype=dtype, device=partial.device)
-    grid = (triton.cdiv(n_cols, 64),)  # 256 programs at 16384 columns
-    _col_sum_kernel[grid](partial, out, n_parts, n_cols, BLOCK_P=32, BLOCK_N=64)
-    return out
-
-
 # --------------------------------------------------------------------------------------------
-# Configurations: measured heuristics per shape and dtype
+# Launch plans: built on the first call of a signature, then looked up
 # --------------------------------------------------------------------------------------------
 
+# Forward plans by (rows, cols, dtype, device, rstd stored); backward plans by (rows, cols,
+# dtype, device, gradients asked for). A plan is what the autotuner chose for the shape, bound
+# to its grid: a call looks it up and launches.
+_FWD_PLANS = PlanCache()
+_BWD_PLANS = PlanCache()
 
-@dataclass(frozen=True)
-class KernelConfig:
-    """How one launch is shaped. Recorded with every result, so a timing names its config."""
-
-    # "fused" (whole rows in registers), "chunked" (rows in chunks, two passes each),
-    # "pipelined" (chunked, with pass 1 of a program's next row overlapping pass 2 of its
-    # current one) or "split" (backward: a row-dot pass, then the gradients in column slabs)
-    kernel: str
-    block_m: int  # rows per tile (fused; chunked backward: 1 or 2); 1 for the others
-    block_n: int  # whole row (fused), chunk (chunked, pipelined) or slab (split): a power of two
-    num_warps: int
-    num_stages: int = 1  # pipelining depth of the tile loop of a persistent program
-    programs: int = 0  # persistent grid size; 0 = one program per tile (forward only)
-    splits: int = 1  # split backward: programs per row in its row-dot pass (when rows are few)
-    # The fused kernels' hint on their read-once inputs: "stream" marks them evict_first in L2,
-    # "plain" gives none (the chunked and split kernels take no choice).
-    l2: str = "stream"
-    # Chunked forward: h kept in y between the passes (STASH_H) instead of re-reading g, u, r.
-    stash_h: bool = False
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-# Widest row (elements) held whole in registers; wider rows take the chunked kernels.
-FWD_MAX_FUSED = 32768
-BWD_MAX_FUSED = 16384
-
-
-def _pow2_rows(n_rows: int) -> int:
-    return triton.next_power_of_2(max(n_rows, 1))
-
-
-def forward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int = 132) -> list[KernelConfig]:
-    """Launch shapes worth trying for the forward, the heuristic's favourite first."""
-    bn = triton.next_power_of_2(n_cols)
-    out = []
-    if bn <= FWD_MAX_FUSED:
-        # Narrow rows: several rows per tile, so a program moves at least ~4K elements.
-        for bm in (1, 2, 4, 8, 16):
-            tile = bm * bn
-            if bm > _pow2_rows(n_rows) or tile > max(bn, 8192) or (bm > 1 and tile < 2048):
-                continue
-            # 8 to 32 elements per thread: one or more 16-byte loads per input, no spills.
-            for w in (1, 2, 4, 8, 16, 32):
-                if 8 <= tile // (32 * w) <= 32:
-                    out.append(KernelConfig("fused", bm, bn, w))
-        if not out:  # few, narrow rows: whatever fits, a warp or more
-            bm = min(_pow2_rows(n_rows), max(1, 4096 // bn))
-            out.append(KernelConfig("fused", bm, bn, max(1, min(32, bm * bn // 512))))
-        # favourite: ~16 elements per thread, the smallest tile that has >= 4K elements
-        out.sort(key=lambda c: (abs(c.block_m * c.block_n // (32 * c.num_warps) - 16),
-                                abs(c.block_m * c.block_n - max(bn, 4096))))  # fmt: skip
-        # Persistent versions of the two favourites: fewer, longer programs that load the next
-        # tile while they reduce this one.
-        for c in out[:2]:
-            per_sm = max(1, 2048 // (32 * c.num_warps) // 2)
-            programs = n_sms * per_sm
-            if programs < triton.cdiv(n_rows, c.block_m):
-                out += [replace(c, num_stages=st, programs=programs) for st in (2, 3)]
-    # The same launches without the evict_first hint on the inputs: at 131072 x 1024 (bf16) the
-    # hint cost 4% (262 against 250 us, 97% against 101% of copy).
-    out += [replace(c, l2="plain") for c in out]
-    if bn >= 16384:
-        # One program per row, or a persistent grid of 1-2 per SM whose rows stay in L2
-        # between the two passes; at 64K columns 132 rows in flight (52 MB) crowd the L2, so
-        # also fewer programs. A persistent program must keep enough bytes in flight by itself:
-        # big chunks at 32 warps, or 2-3 stages (the next chunks' loads issued early, through
-        # shared memory).
-        for chunk, w, per_sm, st in (
-            (16384, 32, 1, 1), (16384, 32, 0.75, 1), (8192, 32, 1, 1), (4096, 16, 1, 2),
-            (4096, 16, 1, 3), (4096, 8, 2, 2), (4096, 8, 0, 1),
-        ):  # fmt: skip
-            if chunk <= bn:
-                out.append(KernelConfig("chunked", 1, chunk, w, st, int(n_sms * per_sm)))
-        if dtype != torch.float16:
-            # h kept in y between the passes: pass 2 re-reads one tensor from L2 instead of
-            # three (512 x 65536 bf16: 108.6 -> 90.4 us). Not in fp16: an h beyond 65504 would
-            # be stored as inf where y is finite (bf16 has fp32's range).
-            out += [replace(c, stash_h=True) for c in out if c.kernel == "chunked"]
-            # The same, with pass 2 of each row overlapped with pass 1 of the next (87.0 us).
-            for chunk, w, per_sm in ((16384, 32, 1), (8192, 32, 1), (8192, 16, 2)):
-                out.append(KernelConfig("pipelined", 1, chunk, w, 1, n_sms * per_sm, l2="plain"))
-    if FWD_MAX_FUSED < bn <= 2 * FWD_MAX_FUSED and torch.finfo(dtype).bits <= 16:
-        # 16-bit rows up to 64K: 32 warps hold h (64 fp32 values per thread) once g, u, r are
-        # folded into it; worth a try against the two-pass chunked kernel.
-        out.append(KernelConfig("fused", 1, bn, 32))
-    return out
-
-
-def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int) -> list[KernelConfig]:
-    """Launch shapes worth trying for the backward, the heuristic's favourite first."""
-    bn = triton.next_power_of_2(n_cols)
-    out = []
-    if bn <= BWD_MAX_FUSED:
-        shapes = []  # (rows per tile, warps)
-        for bm in (1, 2, 4, 8):
-            tile = bm * bn
-            if bm > _pow2_rows(n_rows) or tile > max(bn, 2048) or (bm > 1 and tile < 1024):
-                continue
-            # ~8 live fp32 values per element: 4 to 16 elements per thread keep them in registers.
-            shapes += [(bm, w) for w in (4, 8, 16, 32) if 4 <= tile // (32 * w) <= 16]
-        # favourites: ~8 elements per thread, tiles of ~2K elements
-        shapes.sort(key=lambda s: (abs(s[0] * bn // (32 * s[1]) - 8), abs(s[0] * bn - max(bn, 2048))))
-        for bm, w in shapes[:3]:
-            n_tiles = triton.cdiv(n_rows, bm)
-            # Persistent grid: about 1024 resident threads per SM (at ~64 registers each, what
-            # the register file holds), the row loop pipelined (the next tile's loads issued
-            # early) or not; or half the programs with 2-3 tiles in flight each, which gives
-            # each thread twice the registers for the prefetched tiles.
-            base = max(1, 1024 // (32 * w))
-            half = max(1, base // 2)
-            for stages, per_sm in ((2, base), (1, base), (2, half), (3, half)):
-                programs = max(1, min(n_tiles, n_sms * per_sm))
-                cfg = KernelConfig("fused", bm, bn, w, stages, programs, l2="plain")
-                if cfg not in out:
-                    out.append(cfg)
-        if not out:  # few, narrow rows
-            bm = min(_pow2_rows(n_rows), max(1, 2048 // bn))
-            warps = max(1, min(32, bm * bn // 256))
-            out.append(KernelConfig("fused", bm, bn, warps, 1, triton.cdiv(n_rows, bm), l2="plain"))
-    if bn >= 8192:
-        # Persistent, one row in flight per program: pass 2 re-reads the row from L2. Fewer
-        # programs keep wide rows (4 inputs x 128 KB each at 64K bf16) inside the L2.
-        # 2-3 stages keep the next chunks' loads in flight (through shared memory); 1024-column
-        # chunks waste no lanes on widths such as 5120.
-        # A persistent program must keep enough bytes in flight by itself: big chunks at 32
-        # warps, or 2-3 stages (the next chunks' loads issued early, through shared memory).
-        for chunk, w, per_sm, st in (
-            (8192, 32, 1, 1), (16384, 32, 1, 1), (16384, 32, 0.5, 1), (8192, 32, 0.75, 1),
-            (4096, 16, 1, 1), (2048, 8, 2, 1), (4096, 16, 1, 2), (1024, 4, 4, 2), (8192, 32, 0.5, 2),
-        ):  # fmt: skip
-            if chunk <= bn:
-                programs = max(1, min(n_rows, int(n_sms * per_sm)))
-                out.append(KernelConfig("chunked", 1, chunk, w, st, programs))
-        # Two rows per program share each chunk of w and of the dw partial: ~8 instead of 14
-        # bytes of L2 traffic per element for those two (the L2 was 74% busy, ncu), at the
-        # same 8 elements per thread.
-        for chunk, w, per_sm in ((2048, 16, 1), (1024, 8, 2), (4096, 32, 1)):
-            programs = max(1, min(triton.cdiv(n_rows, 2), n_sms * per_sm))
-            out.append(KernelConfig("chunked", 2, chunk, w, 1, programs))
-        # Pass 1 of each program's next row overlapped with pass 2 of its current one.
-        for chunk, w, per_sm in ((4096, 32, 1), (2048, 8, 2)):
-            programs = max(1, min(n_rows, n_sms * per_sm))
-            out.append(KernelConfig("pipelined", 1, chunk, w, 1, programs, l2="plain"))
-        # Split: a row-dot pass, then (row programs x column slabs) with dw in registers.
-        for slab, w, per_sm in ((2048, 8, 2), (4096, 16, 1)):
-            n_slabs = triton.cdiv(n_cols, slab)
-            programs = max(1, min(n_rows, triton.cdiv(n_sms * per_sm, n_slabs)))
-            out.append(KernelConfig("split", 1, slab, w, 2, programs, l2="plain"))
-        if n_rows < 4 * n_sms:
-            # Few rows: one row-dot program per row would leave most SMs idle while each walks
-            # a whole wide row; split every row's dot into column ranges (~4 programs per SM).
-            splits = min(triton.next_power_of_2(triton.cdiv(4 * n_sms, n_rows)), triton.cdiv(n_cols, 2048))
-            if splits > 1:
-                # The slab pass with ~2 or ~8 programs per SM: more programs walk fewer rows each
-                # but leave more dw partial rows to sum.
-                n_slabs = triton.cdiv(n_cols, 2048)
-                for per_sm in (2, 8):
-                    programs = max(1, min(n_rows, triton.cdiv(per_sm * n_sms, n_slabs)))
-                    cfg = KernelConfig("split", 1, 2048, 8, 2, programs, splits, l2="plain")
-                    if cfg not in out:
-                        out.append(cfg)
-    if BWD_MAX_FUSED < bn <= 2 * BWD_MAX_FUSED and torch.finfo(dtype).bits <= 16:
-        # 32K 16-bit columns: 32 elements per thread at 32 warps, if the compiler keeps the live
-        # values (x_hat, w * dy, g, u) in registers.
-        out.append(KernelConfig("fused", 1, bn, 32, 1, max(1, min(n_rows, n_sms)), l2="plain"))
-    return out
-
-
-def forward_config(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int = 132) -> KernelConfig:
-    """The heuristic's choice (what runs when autotuning is off, and in the interpreter)."""
-    return forward_candidates(n_rows, n_cols, dtype, n_sms)[0]
-
-
-def backward_config(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int) -> KernelConfig:
-    return backward_candidates(n_rows, n_cols, dtype, n_sms)[0]
-
-
-# Autotuning: on CUDA, the first call of each (kernel, rows rounded up to a power of two, cols,
-# dtype) times every candidate (time_configs) and keeps the fastest; later calls reuse it. A
-# benchmark's warm-up makes that first call, so tuning never lands in a timing.
-# PROFUSE_AUTOTUNE=0 turns it off (the heuristic's favourite runs).
-AUTOTUNE_TRIALS = 15
-_TUNED: dict[tuple, KernelConfig] = {}
-
-
-# Set to a list to record (kernel, config, registers, spills) of each launch (benchmarks do).
-LAUNCH_LOG: list | None = None
-
-
-def _log_launch(kind: str, cfg: KernelConfig, compiled) -> None:
-    if LAUNCH_LOG is not None:
-        regs = getattr(compiled, "n_regs", None)
-        spills = getattr(compiled, "n_spills", None)
-        LAUNCH_LOG.append((kind, cfg, regs, spills))
-
-
-def autotune_enabled(device: torch.device) -> bool:
-    return device.type == "cuda" and os.environ.get("PROFUSE_AUTOTUNE", "1") != "0"
-
-
-def tuned_configs() -> dict[str, dict]:
-    """Every config chosen so far in this process, for the results file."""
-    return {"/".join(map(str, k)): v.to_dict() for k, v in _TUNED.items()}
-
-
-ALL_GRADS = (True, True, True, True)
-
-
-def chosen_configs(n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device) -> dict:
-    """The configs that ran (or would run) for this shape: the autotuner's pick, else the
-    heuristic's favourite. The backward's is the one for all four gradients."""
-    fwd_key = ("fwd", _pow2_rows(n_rows), n_cols, dtype)
-    bwd_key = ("bwd", _pow2_rows(n_rows), n_cols, dtype, ALL_GRADS)
-    sms = sm_count(device)
-    fwd = _TUNED.get(fwd_key) or forward_config(n_rows, n_cols, dtype, sms)
-    bwd = _TUNED.get(bwd_key) or backward_config(n_rows, n_cols, dtype, sms)
-    return {
-        "forward": {**fwd.to_dict(), "autotuned": fwd_key in _TUNED},
-        "backward": {**bwd.to_dict(), "autotuned": bwd_key in _TUNED},
-    }
-
-
-def time_configs(launch, configs: list[KernelConfig], device: torch.device, trials: int) -> list[float]:
-    """Median device seconds of `launch(cfg)` per config, L2 flushed before each call.
-
-    The configs take turns within each trial, so a drift in clocks or temperature touches them
-    all alike; each trial is queued behind a GPU sleep (bench.timing.CudaTimer), so the time is
-    the device's alone. do_bench would count the host's time to launch instead wherever that
-    is longer than the kernel (few rows: the backward's several launches take ~50 us of host
-    time, the kernels ~20 us), and rank the configs by their launch overhead.
-    """
-    from profuse.bench.timing import CudaTimer
-
-    timer = CudaTimer(device)
-    calls = [lambda c=cfg: launch(c) for cfg in configs]
-    runs = [timer.time_calls(calls) for _ in range(trials)]
-    return [statistics.median(run[i] for run in runs) for i in range(len(configs))]
-
-
-def _pick(key: tuple, candidates: list[KernelConfig], launch, device: torch.device) -> KernelConfig:
-    if key in _TUNED:
-        return _TUNED[key]
-    if len(candidates) == 1 or not autotune_enabled(device):
-        return candidates[0]
-    runnable = []
-    for cfg in candidates:
-        try:
-            launch(cfg)  # builds the kernel outside the timing
-            runnable.append(cfg)
-        except Exception:  # e.g. out of resources: that shape is not a candidate here
-            continue
-    if not runnable:
-        raise RuntimeError(f"no launch config of the Triton tail kernel runs for {key}")
-    times = time_configs(launch, runnable, device, AUTOTUNE_TRIALS)
-    _TUNED[key] = runnable[times.index(min(times))]
-    return _TUNED[key]
-
-
-# --------------------------------------------------------------------------------------------
-# Launchers
-# --------------------------------------------------------------------------------------------
+# The column sum of the dw partials: 64-column blocks, 256 programs at 16384 columns.
+_COL_SUM_BLOCK_N = 64
 
 
 def _stream_hint(cfg: KernelConfig) -> str:
@@ -978,6 +717,8 @@ def _stream_hint(cfg: KernelConfig) -> str:
 
 def _as_rows(x: torch.Tensor, n_cols: int) -> torch.Tensor:
     """x as (rows, n_cols) with contiguous columns and one row stride, copying only if it must."""
+    if x.dim() == 2 and x.stride(1) == 1:
+        return x
     if x.stride(-1) != 1:
         x = x.contiguous()
     try:
@@ -986,12 +727,121 @@ def _as_rows(x: torch.Tensor, n_cols: int) -> torch.Tensor:
         return x.reshape(-1, n_cols)
 
 
-def _check_runnable(t: torch.Tensor) -> None:
-    if t.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+def _check_runnable(device: torch.device) -> None:
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
-            f"tail_triton needs CUDA tensors (got {t.device}); "
+            f"tail_triton needs CUDA tensors (got {device}); "
             "set TRITON_INTERPRET=1 to run it on CPU tensors through the interpreter"
         )
+
+
+def _forward_launch(cfg: KernelConfig, n_rows: int, n_cols: int, store_rstd: bool) -> Launch:
+    """The forward kernel of `cfg`, bound to its grid for this shape. Runtime arguments:
+    (g, u, r, w, y, rstd, g/u/r/y row strides, n_rows, n_cols, eps)."""
+    if cfg.kernel == "fused":
+        n_tiles = triton.cdiv(n_rows, cfg.block_m)
+        grid = (min(cfg.programs, n_tiles) if cfg.programs else n_tiles,)
+        return Launch(
+            _tail_fwd_kernel, grid, cfg, "fwd",
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, STORE_RSTD=store_rstd,
+            IN_EVICT=_stream_hint(cfg), EVEN=n_cols == cfg.block_n and n_rows % cfg.block_m == 0,
+            num_warps=cfg.num_warps,
+        )  # fmt: skip
+    if cfg.kernel == "pipelined":
+        return Launch(
+            _tail_fwd_pipelined_kernel, (min(cfg.programs, n_rows),), cfg, "fwd",
+            BLOCK_N=cfg.block_n, STORE_RSTD=store_rstd, num_warps=cfg.num_warps,
+        )  # fmt: skip
+    grid = (min(cfg.programs, n_rows) if cfg.programs else n_rows,)
+    return Launch(
+        _tail_fwd_chunked_kernel, grid, cfg, "fwd",
+        BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, STORE_RSTD=store_rstd, STASH_H=cfg.stash_h,
+        IN_EVICT="evict_first" if cfg.stash_h else "", num_warps=cfg.num_warps,
+    )  # fmt: skip
+
+
+class _BackwardPlan:
+    """The backward for one shape and set of gradients: its launches and buffer sizes, fixed.
+
+    Calling it allocates what the math needs (the gradients asked for, one fp32 dw partial row
+    per program, and for the split path each row's dot parts) and launches: the gradient kernel
+    (the split path: its row-dot pass first), then the column sum of the dw partials.
+    """
+
+    __slots__ = ("config", "needs", "programs", "main", "rowdot", "span", "n_splits", "col_sum")
+
+    def __init__(self, cfg: KernelConfig, n_rows: int, n_cols: int, needs: tuple[bool, ...]):
+        need_g, need_u, need_r, need_w = needs
+        flags = dict(COMPUTE_DG=need_g, COMPUTE_DU=need_u, COMPUTE_DR=need_r, COMPUTE_DW=need_w)
+        self.config = cfg
+        self.needs = needs
+        # Every program has a tile, so every row of the dw partials gets written.
+        self.programs = programs = min(cfg.programs, triton.cdiv(n_rows, cfg.block_m))
+        self.rowdot = None
+        self.span = self.n_splits = 0
+        kw = dict(BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+        if cfg.kernel == "fused":
+            self.main = Launch(
+                _tail_bwd_kernel, (programs,), cfg, "bwd", BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages,
+                IN_EVICT=_stream_hint(cfg), **kw, **flags,
+            )  # fmt: skip
+        elif cfg.kernel == "chunked":
+            self.main = Launch(
+                _tail_bwd_chunked_kernel, (programs,), cfg, "bwd",
+                ROWS=cfg.block_m, NUM_STAGES=cfg.num_stages, **kw, **flags,
+            )  # fmt: skip
+        elif cfg.kernel == "pipelined":
+            self.main = Launch(_tail_bwd_pipelined_kernel, (programs,), cfg, "bwd", **kw, **flags)
+        else:  # split: each row's columns in `splits` spans of whole chunks (the last may be short)
+            self.span = triton.cdiv(triton.cdiv(n_cols, cfg.splits), cfg.block_n) * cfg.block_n
+            self.n_splits = triton.cdiv(n_cols, self.span)
+            if need_g or need_u or need_r:
+                self.rowdot = Launch(
+                    _tail_bwd_rowdot_kernel, (n_rows, self.n_splits), cfg, "bwd row dot",
+                    NUM_STAGES=cfg.num_stages, **kw,
+                )  # fmt: skip
+            self.main = Launch(
+                _tail_bwd_slab_kernel, (programs, triton.cdiv(n_cols, cfg.block_n)), cfg, "bwd",
+                SPLITS=triton.next_power_of_2(self.n_splits), NUM_STAGES=cfg.num_stages, **kw, **flags,
+            )  # fmt: skip
+        self.col_sum = None
+        if need_w:
+            self.col_sum = Launch(
+                _col_sum_kernel, (triton.cdiv(n_cols, _COL_SUM_BLOCK_N),), None, "dw sum",
+                BLOCK_P=32, BLOCK_N=_COL_SUM_BLOCK_N,
+            )  # fmt: skip
+
+    def __call__(self, dy, g, u, r, w, rstd, shape) -> tuple[torch.Tensor | None, ...]:
+        """Gradients (dgate, dup, dresidual shaped `shape`, dweight); None where not asked for."""
+        need_g, need_u, need_r, need_w = self.needs
+        n_rows, n_cols = g.shape
+        dtype, dev = g.dtype, g.device
+        dg = torch.empty(shape, dtype=dtype, device=dev) if need_g else None
+        du = torch.empty(shape, dtype=dtype, device=dev) if need_u else None
+        dr = torch.empty(shape, dtype=dtype, device=dev) if need_r else None
+        partial = torch.empty((self.programs, n_cols), dtype=torch.float32, device=dev) if need_w else None
+        # Outputs not asked for get any tensor: their COMPUTE_ flag is off, the kernel never touches it.
+        outs = (g if dg is None else dg, g if du is None else du, g if dr is None else dr,
+                g if partial is None else partial)  # fmt: skip
+        strides = (dy.stride(0), g.stride(0), u.stride(0), r.stride(0))
+        if self.n_splits:
+            c = torch.empty((n_rows, self.n_splits), dtype=torch.float32, device=dev)
+            if self.rowdot is not None:
+                self.rowdot(dy, g, u, r, w, rstd, c, *strides, n_cols, self.span)
+            self.main(dy, g, u, r, w, rstd, c, *outs, *strides, n_rows, n_cols, self.n_splits)
+        else:
+            self.main(dy, g, u, r, w, rstd, *outs, *strides, n_rows, n_cols)
+        dw = None
+        if need_w:
+            # One reduction over the programs' partials, in a fixed order: the same bits every run.
+            dw = torch.empty(n_cols, dtype=w.dtype, device=dev)
+            self.col_sum(partial, dw, self.programs, n_cols)
+        return dg, du, dr, dw
+
+
+# --------------------------------------------------------------------------------------------
+# Launchers
+# --------------------------------------------------------------------------------------------
 
 
 def tail_forward(
@@ -1001,55 +851,45 @@ def tail_forward(
     weight: torch.Tensor,
     eps: float,
     config: KernelConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward on (..., N) inputs; returns y shaped like gate and fp32 rstd per row."""
+    store_rstd: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch the forward on (..., N) inputs: y shaped like gate, and the fp32 rstd per row the
+    backward needs (shaped gate.shape[:-1]; None when `store_rstd` is off, no gradient wanted).
+
+    `config` runs that launch shape; without it the shape's plan runs (tuned on its first call).
+    """
     n_cols = gate.shape[-1]
-    g, u, r = (_as_rows(t, n_cols) for t in (gate, up, residual))
+    g, u, r = _as_rows(gate, n_cols), _as_rows(up, n_cols), _as_rows(residual, n_cols)
     n_rows = g.shape[0]
-    y = torch.empty((n_rows, n_cols), dtype=gate.dtype, device=gate.device)
-    rstd = torch.empty(n_rows, dtype=torch.float32, device=gate.device)
+    dev = gate.device
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=dev)
+    rstd = torch.empty(gate.shape[:-1], dtype=torch.float32, device=dev) if store_rstd else None
     if n_rows == 0:
-        return y.view(gate.shape), rstd.view(gate.shape[:-1])
-    w = weight.contiguous()
-    args = (g, u, r, w, y, rstd, g.stride(0), u.stride(0), r.stride(0), y.stride(0), n_rows, n_cols, eps)
+        return y, rstd
+    # y is contiguous: its row stride is n_cols. Without rstd, y stands in for its pointer.
+    args = (g, u, r, weight.contiguous(), y, y if rstd is None else rstd,
+            g.stride(0), u.stride(0), r.stride(0), n_cols, n_rows, n_cols, eps)  # fmt: skip
+    if config is not None:
+        launch = _forward_launch(config, n_rows, n_cols, store_rstd)
+    else:
+        key = (n_rows, n_cols, gate.dtype, dev, store_rstd)
+        launch = _FWD_PLANS.get(key)
+        if launch is None:
+            launch = _forward_plan(n_rows, n_cols, gate.dtype, dev, store_rstd, args)
+            if not capturing(dev):  # a plan made inside a graph capture is untuned: not kept
+                _FWD_PLANS.add(key, launch)
+    launch(*args)
+    return y, rstd
 
-    def launch(cfg: KernelConfig) -> None:
-        if cfg.kernel == "fused":
-            n_tiles = triton.cdiv(n_rows, cfg.block_m)
-            grid = (min(cfg.programs, n_tiles) if cfg.programs else n_tiles,)
-            k = _tail_fwd_kernel[grid](
-                *args,
-                BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n,
-                NUM_STAGES=cfg.num_stages,
-                STORE_RSTD=True,
-                IN_EVICT=_stream_hint(cfg),
-                EVEN=n_cols == cfg.block_n and n_rows % cfg.block_m == 0,
-                num_warps=cfg.num_warps,
-            )
-        elif cfg.kernel == "pipelined":
-            k = _tail_fwd_pipelined_kernel[(min(cfg.programs, n_rows),)](
-                *args, BLOCK_N=cfg.block_n, STORE_RSTD=True, num_warps=cfg.num_warps
-            )
-        else:
-            grid = (min(cfg.programs, n_rows) if cfg.programs else n_rows,)
-            k = _tail_fwd_chunked_kernel[grid](
-                *args,
-                BLOCK_N=cfg.block_n,
-                NUM_STAGES=cfg.num_stages,
-                STORE_RSTD=True,
-                STASH_H=cfg.stash_h,
-                IN_EVICT="evict_first" if cfg.stash_h else "",
-                num_warps=cfg.num_warps,
-            )
-        _log_launch("fwd", cfg, k)
 
-    if config is None:
-        key = ("fwd", _pow2_rows(n_rows), n_cols, gate.dtype)
-        cands = forward_candidates(n_rows, n_cols, gate.dtype, sm_count(gate.device))
-        config = _pick(key, cands, launch, gate.device)
-    launch(config)
-    return y.view(gate.shape), rstd.view(gate.shape[:-1])
+def _forward_plan(n_rows, n_cols, dtype, device, store_rstd, args) -> Launch:
+    """The forward's launch for a new signature: the tuned config (timed now if its tuning key
+    is new), bound to this shape's grid."""
+    _check_runnable(device)
+    candidates = C.forward_candidates(n_rows, n_cols, dtype, sm_count(device))
+    key = ("fwd", C.pow2_rows(n_rows), n_cols, dtype)
+    cfg = TUNER.pick(key, candidates, lambda c: _forward_launch(c, n_rows, n_cols, store_rstd)(*args), device)
+    return _forward_launch(cfg, n_rows, n_cols, store_rstd)
 
 
 def tail_backward(
@@ -1062,88 +902,61 @@ def tail_backward(
     needs: tuple[bool, bool, bool, bool],
     config: KernelConfig | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
-    """Gradients (dgate, dup, dresidual, dweight); None where `needs` says no (and no work)."""
-    need_g, need_u, need_r, need_w = needs
+    """Gradients (dgate, dup, dresidual, dweight); None where `needs` says no (and no work).
+
+    `config` runs that launch shape; without it the shape's plan runs (tuned on its first call).
+    """
     n_cols = gate.shape[-1]
     dy, g, u, r = (_as_rows(t, n_cols) for t in (grad_out, gate, up, residual))
     n_rows = g.shape[0]
-    dev = gate.device
-
-    def out(flag: bool) -> torch.Tensor | None:
-        return torch.empty((n_rows, n_cols), dtype=gate.dtype, device=dev) if flag else None
-
-    dg, du, dr = out(need_g), out(need_u), out(need_r)
     if n_rows == 0 or not any(needs):
-        dw = torch.zeros_like(weight) if need_w else None
-        return tuple(t if t is None else t.view(gate.shape) for t in (dg, du, dr)) + (dw,)
-    placeholder = g  # any tensor: an output pointer the kernel never touches
+        dev = gate.device
+        grads = (torch.empty(gate.shape, dtype=gate.dtype, device=dev) if n else None for n in needs[:3])
+        return (*grads, torch.zeros_like(weight) if needs[3] else None)
     w = weight.contiguous()
-    flags = dict(COMPUTE_DG=need_g, COMPUTE_DU=need_u, COMPUTE_DR=need_r, COMPUTE_DW=need_w)
+    if config is not None:
+        plan = _BackwardPlan(config, n_rows, n_cols, needs)
+    else:
+        key = (n_rows, n_cols, gate.dtype, gate.device, needs)
+        plan = _BWD_PLANS.get(key)
+        if plan is None:
+            plan = _backward_plan(dy, g, u, r, w, rstd, gate.shape, needs)
+            if not capturing(gate.device):  # a plan made inside a graph capture is untuned: not kept
+                _BWD_PLANS.add(key, plan)
+    return plan(dy, g, u, r, w, rstd, gate.shape)
 
-    def launch(cfg: KernelConfig) -> torch.Tensor | None:
-        """Runs the config; returns dw (the partials summed: a part of each config's cost)."""
-        # Every program has a tile, so every row of the dw partials gets written.
-        programs = min(cfg.programs, triton.cdiv(n_rows, cfg.block_m))
-        partial = torch.empty((programs, n_cols), dtype=torch.float32, device=dev) if need_w else None
-        args = (
-            dy, g, u, r, w, rstd.reshape(-1),
-            dg if need_g else placeholder, du if need_u else placeholder, dr if need_r else placeholder,
-            partial if need_w else placeholder, dy.stride(0), g.stride(0), u.stride(0), r.stride(0),
-            n_rows, n_cols,
-        )  # fmt: skip
-        if cfg.kernel == "fused":
-            k = _tail_bwd_kernel[(programs,)](
-                *args,
-                BLOCK_M=cfg.block_m,
-                BLOCK_N=cfg.block_n,
-                NUM_STAGES=cfg.num_stages,
-                IN_EVICT=_stream_hint(cfg),
-                num_warps=cfg.num_warps,
-                **flags,
-            )
-        elif cfg.kernel == "chunked":
-            k = _tail_bwd_chunked_kernel[(programs,)](
-                *args,
-                ROWS=cfg.block_m,
-                BLOCK_N=cfg.block_n,
-                NUM_STAGES=cfg.num_stages,
-                num_warps=cfg.num_warps,
-                **flags,
-            )
-        elif cfg.kernel == "pipelined":
-            k = _tail_bwd_pipelined_kernel[(programs,)](
-                *args, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, **flags
-            )
-        else:  # split
-            # Each row's columns in `splits` spans of whole chunks (the last may be short).
-            span = triton.cdiv(triton.cdiv(n_cols, cfg.splits), cfg.block_n) * cfg.block_n
-            n_splits = triton.cdiv(n_cols, span)
-            c = torch.empty((n_rows, n_splits), dtype=torch.float32, device=dev)
-            if need_g or need_u or need_r:
-                _tail_bwd_rowdot_kernel[(n_rows, n_splits)](
-                    dy, g, u, r, w, rstd.reshape(-1), c,
-                    dy.stride(0), g.stride(0), u.stride(0), r.stride(0), n_cols, span,
-                    BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
-                )  # fmt: skip
-            grid = (programs, triton.cdiv(n_cols, cfg.block_n))
-            k = _tail_bwd_slab_kernel[grid](
-                *args[:6], c, *args[6:], n_splits, SPLITS=triton.next_power_of_2(n_splits),
-                BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps, **flags,
-            )  # fmt: skip
-        _log_launch("bwd", cfg, k)
-        # One reduction over the programs' partials, in a fixed order: the same bits every run.
-        return _sum_partials(partial, weight.dtype) if need_w else None
 
-    if config is None:
-        key = ("bwd", _pow2_rows(n_rows), n_cols, gate.dtype, needs)
-        cands = backward_candidates(n_rows, n_cols, gate.dtype, sm_count(dev))
-        config = _pick(key, cands, launch, dev)
-    dw = launch(config)
-    return tuple(t if t is None else t.view(gate.shape) for t in (dg, du, dr)) + (dw,)
+def _backward_plan(dy, g, u, r, w, rstd, shape, needs) -> _BackwardPlan:
+    """The backward's plan for a new signature: the tuned config (timed now if its tuning key
+    is new; each candidate's run includes its dw column sum), for this shape and `needs`."""
+    device = g.device
+    _check_runnable(device)
+    n_rows, n_cols = g.shape
+    candidates = C.backward_candidates(n_rows, n_cols, g.dtype, sm_count(device))
+    key = ("bwd", C.pow2_rows(n_rows), n_cols, g.dtype, needs)
+    run = lambda c: _BackwardPlan(c, n_rows, n_cols, needs)(dy, g, u, r, w, rstd, shape)
+    return _BackwardPlan(TUNER.pick(key, candidates, run, device), n_rows, n_cols, needs)
+
+
+ALL_GRADS = (True, True, True, True)
+
+
+def chosen_configs(n_rows: int, n_cols: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The configs that ran (or would run) for this shape: the autotuner's pick, else the
+    heuristic's favourite. The backward's is the one for all four gradients."""
+    fwd_key = ("fwd", C.pow2_rows(n_rows), n_cols, dtype)
+    bwd_key = ("bwd", C.pow2_rows(n_rows), n_cols, dtype, ALL_GRADS)
+    sms = sm_count(device)
+    fwd = TUNER.chosen.get(fwd_key) or C.forward_config(n_rows, n_cols, dtype, sms)
+    bwd = TUNER.chosen.get(bwd_key) or C.backward_config(n_rows, n_cols, dtype, sms)
+    return {
+        "forward": {**fwd.to_dict(), "autotuned": fwd_key in TUNER.chosen},
+        "backward": {**bwd.to_dict(), "autotuned": bwd_key in TUNER.chosen},
+    }
 
 
 # --------------------------------------------------------------------------------------------
-# Custom ops (opaque to torch.compile: no graph break) and the autograd.Function
+# Custom ops (opaque to torch.compile: no graph break), the autograd.Function, the entry point
 # --------------------------------------------------------------------------------------------
 
 
@@ -1151,7 +964,6 @@ def tail_backward(
 def tail_fwd_op(
     gate: torch.Tensor, up: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_runnable(gate)
     return tail_forward(gate, up, residual, weight, eps)
 
 
@@ -1173,7 +985,6 @@ def tail_bwd_op(
     need_residual: bool,
     need_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_runnable(gate)
     grads = tail_backward(
         grad_out, gate, up, residual, weight, rstd, (need_gate, need_up, need_residual, need_weight)
     )
@@ -1190,14 +1001,17 @@ def _(grad_out, gate, up, residual, weight, rstd, need_gate, need_up, need_resid
 
 
 class TailFunction(torch.autograd.Function):
-    """Saves the inputs and one fp32 rstd per row; the backward recomputes everything else."""
+    """Saves the inputs and one fp32 rstd per row; the backward recomputes everything else.
+
+    Eager calls go to the launchers directly; only a traced call (torch.compile) goes through
+    the custom ops, whose dispatch costs ~10-20 us of host time a call.
+    """
 
     @staticmethod
     def forward(ctx, gate, up, residual, weight, eps):
-        if torch.compiler.is_compiling():  # traced: the opaque op goes into the graph
+        if torch.compiler.is_compiling():
             y, rstd = torch.ops.profuse.tail_fwd(gate, up, residual, weight, eps)
-        else:  # eager: the launcher directly, skipping ~20 us of custom-op dispatch per call
-            _check_runnable(gate)
+        else:
             y, rstd = tail_forward(gate, up, residual, weight, eps)
         ctx.save_for_backward(gate, up, residual, weight, rstd)
         return y
@@ -1205,8 +1019,20 @@ class TailFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         gate, up, residual, weight, rstd = ctx.saved_tensors
-        needs = tuple(bool(n) for n in ctx.needs_input_grad[:4])
+        needs = ctx.needs_input_grad[:4]
         if torch.compiler.is_compiling():
             grads = torch.ops.profuse.tail_bwd(grad_out, gate, up, residual, weight, rstd, *needs)
-            return tuple(g if need else None for g, need in zip(grads, needs)) + (None,)
-        return tail_backward(grad_out, gate, up, residual, weight, rstd, needs) + (None,)
+            return (*(g if need else None for g, need in zip(grads, needs)), None)
+        return (*tail_backward(grad_out, gate, up, residual, weight, rstd, needs), None)
+
+
+def tail_fused(gate, up, residual, weight, eps: float) -> torch.Tensor:
+    """The op on checked inputs: through autograd where a gradient is wanted, else the forward
+    launch alone (no autograd node, no rstd stored)."""
+    if torch.is_grad_enabled() and (
+        gate.requires_grad or up.requires_grad or residual.requires_grad or weight.requires_grad
+    ):
+        return TailFunction.apply(gate, up, residual, weight, eps)
+    if torch.compiler.is_compiling():
+        return torch.ops.profuse.tail_fwd(gate, up, residual, weight, eps)[0]
+    return tail_forward(gate, up, residual, weight, eps, store_rstd=False)[0]

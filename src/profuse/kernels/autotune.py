@@ -1,0 +1,133 @@
+"""Choosing a launch config once per shape, and launching it for the cost of a launch ever after.
+
+Two caches, each with one job:
+
+- `Autotuner`: per tuning key (the op, rows rounded up to a power of two, cols, dtype, ...) the
+  candidate config (kernels/configs.py) that ran fastest on the device. The first call of a key
+  times every candidate that launches; later keys that round to it reuse the choice.
+- `PlanCache`: per exact call signature, a ready plan (each kernel bound to its grid, its
+  compile-time arguments and warps, as `Launch`). After the first call for a signature a call is
+  one dictionary lookup and the launches: no candidate lists, no config objects copied, no
+  device queries. On the H200's host, rebuilding the candidates per call was about 44% of the
+  tail forward's host time (255 us a call against 32 us for a bare launch).
+
+The timer is injected (`Autotuner(make_timer=...)`): by default profuse.timers.CudaTimer, device
+time with the L2 flushed; tests give a fake. Tuning is skipped (the favourite runs, and is not
+remembered as tuned) where it cannot time: autotuning off (PROFUSE_AUTOTUNE=0), not on CUDA (the
+interpreter), or while a CUDA graph is being captured.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from collections.abc import Callable, Sequence
+
+import torch
+
+from profuse.kernels.configs import KernelConfig
+from profuse.timers import CudaTimer
+
+AUTOTUNE_TRIALS = 15
+
+# Set to a list to record (kind, config, registers, spills) of each launch (benchmarks do).
+LAUNCH_LOG: list | None = None
+
+
+def autotune_enabled(device: torch.device) -> bool:
+    return device.type == "cuda" and os.environ.get("PROFUSE_AUTOTUNE", "1") != "0"
+
+
+def capturing(device: torch.device) -> bool:
+    """Is a CUDA graph being captured on the current stream? Nothing may be timed then."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+class Launch:
+    """One kernel bound to its grid and compile-time arguments: calling it with the runtime
+    arguments launches it. `config` and `kind` name what runs, for results and logs."""
+
+    __slots__ = ("run", "meta", "config", "kind")
+
+    def __init__(self, kernel, grid: tuple[int, ...], config: KernelConfig | None, kind: str, **meta):
+        self.run = kernel[grid]  # triton binds the grid once here, not per call
+        self.meta = meta
+        self.config = config
+        self.kind = kind
+
+    def __call__(self, *args) -> None:
+        compiled = self.run(*args, **self.meta)
+        if LAUNCH_LOG is not None:
+            regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
+            LAUNCH_LOG.append((self.kind, self.config, regs, spills))
+
+
+class PlanCache(dict):
+    """Plans by exact call signature. `builds` counts the plans made (a test counts them); past
+    `max_size` signatures (shapes that never repeat) the cache starts again rather than grow."""
+
+    def __init__(self, max_size: int = 4096):
+        super().__init__()
+        self.max_size = max_size
+        self.builds = 0
+
+    def add(self, key, plan):
+        if len(self) >= self.max_size:
+            self.clear()
+        self.builds += 1
+        self[key] = plan
+        return plan
+
+
+class Autotuner:
+    """The fastest candidate per tuning key, timed on the device with an injected timer."""
+
+    def __init__(
+        self, make_timer: Callable[[torch.device], object] = CudaTimer, trials: int = AUTOTUNE_TRIALS
+    ) -> None:
+        self.make_timer = make_timer  # device -> an object with time_calls(list of calls) -> seconds
+        self.trials = trials
+        self.chosen: dict[tuple, KernelConfig] = {}
+
+    def time_configs(self, launch, configs: Sequence[KernelConfig], device: torch.device) -> list[float]:
+        """Median seconds of `launch(cfg)` per config over `trials` trials.
+
+        The configs take turns within each trial, so a drift in clocks or temperature touches
+        them all alike. The default timer keeps the CPU ahead (profuse.timers.CudaTimer), so the
+        time is the device's alone: do_bench would count the host's time to launch wherever that
+        is longer than the kernel, and rank configs by their launch overhead.
+        """
+        timer = self.make_timer(device)
+        calls = [lambda c=cfg: launch(c) for cfg in configs]
+        runs = [timer.time_calls(calls) for _ in range(self.trials)]
+        return [statistics.median(run[i] for run in runs) for i in range(len(configs))]
+
+    def pick(
+        self, key: tuple, candidates: Sequence[KernelConfig], launch, device: torch.device
+    ) -> KernelConfig:
+        """The config for `key`: the one chosen before, else the fastest candidate that launches
+        (each is built before the timing), else the favourite where nothing can be timed."""
+        if key in self.chosen:
+            return self.chosen[key]
+        if len(candidates) == 1 or not autotune_enabled(device) or capturing(device):
+            return candidates[0]
+        runnable = []
+        for cfg in candidates:
+            try:
+                launch(cfg)  # builds the kernel outside the timing
+                runnable.append(cfg)
+            except Exception:  # e.g. out of resources: that shape is not a candidate here
+                continue
+        if not runnable:
+            raise RuntimeError(f"no launch config of the Triton kernel runs for {key}")
+        times = self.time_configs(launch, runnable, device)
+        self.chosen[key] = runnable[times.index(min(times))]
+        return self.chosen[key]
+
+    def chosen_dict(self) -> dict[str, dict]:
+        """Every config chosen so far in this process, for a results file."""
+        return {"/".join(map(str, k)): v.to_dict() for k, v in self.chosen.items()}
+
+
+# The process's tuner: every op's launchers share it.
+TUNER = Autotuner()

@@ -1,0 +1,193 @@
+"""Launch configs of the Triton kernels: what a launch looks like, and which ones are worth trying.
+
+Policy apart from mechanism: the kernels and their launchers (kernels/tail.py) run whatever
+config they are given; this module proposes the candidates for a shape and dtype, the
+heuristic's favourite first, each choice with the measurement behind it. The autotuner
+(kernels/autotune.py) times the candidates on the device and keeps the fastest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import triton
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """How one launch is shaped. Recorded with every result, so a timing names its config."""
+
+    # "fused" (whole rows in registers), "chunked" (rows in chunks, two passes each),
+    # "pipelined" (chunked, with pass 1 of a program's next row overlapping pass 2 of its
+    # current one) or "split" (backward: a row-dot pass, then the gradients in column slabs)
+    kernel: str
+    block_m: int  # rows per tile (fused; chunked backward: 1 or 2); 1 for the others
+    block_n: int  # whole row (fused), chunk (chunked, pipelined) or slab (split): a power of two
+    num_warps: int
+    num_stages: int = 1  # pipelining depth of the tile loop of a persistent program
+    programs: int = 0  # persistent grid size; 0 = one program per tile (forward only)
+    splits: int = 1  # split backward: programs per row in its row-dot pass (when rows are few)
+    # The fused kernels' hint on their read-once inputs: "stream" marks them evict_first in L2,
+    # "plain" gives none (the chunked and split kernels take no choice).
+    l2: str = "stream"
+    # Chunked forward: h kept in y between the passes (STASH_H) instead of re-reading g, u, r.
+    stash_h: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Widest row (elements) held whole in registers; wider rows take the chunked kernels.
+FWD_MAX_FUSED = 32768
+BWD_MAX_FUSED = 16384
+
+
+def pow2_rows(n_rows: int) -> int:
+    return triton.next_power_of_2(max(n_rows, 1))
+
+
+def forward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int = 132) -> list[KernelConfig]:
+    """Launch shapes worth trying for the forward, the heuristic's favourite first."""
+    bn = triton.next_power_of_2(n_cols)
+    out = []
+    if bn <= FWD_MAX_FUSED:
+        # Narrow rows: several rows per tile, so a program moves at least ~4K elements.
+        for bm in (1, 2, 4, 8, 16):
+            tile = bm * bn
+            if bm > pow2_rows(n_rows) or tile > max(bn, 8192) or (bm > 1 and tile < 2048):
+                continue
+            # 8 to 32 elements per thread: one or more 16-byte loads per input, no spills.
+            for w in (1, 2, 4, 8, 16, 32):
+                if 8 <= tile // (32 * w) <= 32:
+                    out.append(KernelConfig("fused", bm, bn, w))
+        if not out:  # few, narrow rows: whatever fits, a warp or more
+            bm = min(pow2_rows(n_rows), max(1, 4096 // bn))
+            out.append(KernelConfig("fused", bm, bn, max(1, min(32, bm * bn // 512))))
+        # favourite: ~16 elements per thread, the smallest tile that has >= 4K elements
+        out.sort(key=lambda c: (abs(c.block_m * c.block_n // (32 * c.num_warps) - 16),
+                                abs(c.block_m * c.block_n - max(bn, 4096))))  # fmt: skip
+        # Persistent versions of the two favourites: fewer, longer programs that load the next
+        # tile while they reduce this one.
+        for c in out[:2]:
+            per_sm = max(1, 2048 // (32 * c.num_warps) // 2)
+            programs = n_sms * per_sm
+            if programs < triton.cdiv(n_rows, c.block_m):
+                out += [replace(c, num_stages=st, programs=programs) for st in (2, 3)]
+    # The same launches without the evict_first hint on the inputs: at 131072 x 1024 (bf16) the
+    # hint cost 4% (262 against 250 us, 97% against 101% of copy).
+    out += [replace(c, l2="plain") for c in out]
+    if bn >= 16384:
+        # One program per row, or a persistent grid of 1-2 per SM whose rows stay in L2
+        # between the two passes; at 64K columns 132 rows in flight (52 MB) crowd the L2, so
+        # also fewer programs. A persistent program must keep enough bytes in flight by itself:
+        # big chunks at 32 warps, or 2-3 stages (the next chunks' loads issued early, through
+        # shared memory).
+        for chunk, w, per_sm, st in (
+            (16384, 32, 1, 1), (16384, 32, 0.75, 1), (8192, 32, 1, 1), (4096, 16, 1, 2),
+            (4096, 16, 1, 3), (4096, 8, 2, 2), (4096, 8, 0, 1),
+        ):  # fmt: skip
+            if chunk <= bn:
+                out.append(KernelConfig("chunked", 1, chunk, w, st, int(n_sms * per_sm)))
+        if dtype != torch.float16:
+            # h kept in y between the passes: pass 2 re-reads one tensor from L2 instead of
+            # three (512 x 65536 bf16: 108.6 -> 90.4 us). Not in fp16: an h beyond 65504 would
+            # be stored as inf where y is finite (bf16 has fp32's range).
+            out += [replace(c, stash_h=True) for c in out if c.kernel == "chunked"]
+            # The same, with pass 2 of each row overlapped with pass 1 of the next (87.0 us).
+            for chunk, w, per_sm in ((16384, 32, 1), (8192, 32, 1), (8192, 16, 2)):
+                out.append(KernelConfig("pipelined", 1, chunk, w, 1, n_sms * per_sm, l2="plain"))
+    if FWD_MAX_FUSED < bn <= 2 * FWD_MAX_FUSED and torch.finfo(dtype).bits <= 16:
+        # 16-bit rows up to 64K: 32 warps hold h (64 fp32 values per thread) once g, u, r are
+        # folded into it; worth a try against the two-pass chunked kernel.
+        out.append(KernelConfig("fused", 1, bn, 32))
+    return out
+
+
+def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int) -> list[KernelConfig]:
+    """Launch shapes worth trying for the backward, the heuristic's favourite first."""
+    bn = triton.next_power_of_2(n_cols)
+    out = []
+    if bn <= BWD_MAX_FUSED:
+        shapes = []  # (rows per tile, warps)
+        for bm in (1, 2, 4, 8):
+            tile = bm * bn
+            if bm > pow2_rows(n_rows) or tile > max(bn, 2048) or (bm > 1 and tile < 1024):
+                continue
+            # ~8 live fp32 values per element: 4 to 16 elements per thread keep them in registers.
+            shapes += [(bm, w) for w in (4, 8, 16, 32) if 4 <= tile // (32 * w) <= 16]
+        # favourites: ~8 elements per thread, tiles of ~2K elements
+        shapes.sort(key=lambda s: (abs(s[0] * bn // (32 * s[1]) - 8), abs(s[0] * bn - max(bn, 2048))))
+        for bm, w in shapes[:3]:
+            n_tiles = triton.cdiv(n_rows, bm)
+            # Persistent grid: about 1024 resident threads per SM (at ~64 registers each, what
+            # the register file holds), the row loop pipelined (the next tile's loads issued
+            # early) or not; or half the programs with 2-3 tiles in flight each, which gives
+            # each thread twice the registers for the prefetched tiles.
+            base = max(1, 1024 // (32 * w))
+            half = max(1, base // 2)
+            for stages, per_sm in ((2, base), (1, base), (2, half), (3, half)):
+                programs = max(1, min(n_tiles, n_sms * per_sm))
+                cfg = KernelConfig("fused", bm, bn, w, stages, programs, l2="plain")
+                if cfg not in out:
+                    out.append(cfg)
+        if not out:  # few, narrow rows
+            bm = min(pow2_rows(n_rows), max(1, 2048 // bn))
+            warps = max(1, min(32, bm * bn // 256))
+            out.append(KernelConfig("fused", bm, bn, warps, 1, triton.cdiv(n_rows, bm), l2="plain"))
+    if bn >= 8192:
+        # Persistent, one row in flight per program: pass 2 re-reads the row from L2. Fewer
+        # programs keep wide rows (4 inputs x 128 KB each at 64K bf16) inside the L2.
+        # 2-3 stages keep the next chunks' loads in flight (through shared memory); 1024-column
+        # chunks waste no lanes on widths such as 5120.
+        # A persistent program must keep enough bytes in flight by itself: big chunks at 32
+        # warps, or 2-3 stages (the next chunks' loads issued early, through shared memory).
+        for chunk, w, per_sm, st in (
+            (8192, 32, 1, 1), (16384, 32, 1, 1), (16384, 32, 0.5, 1), (8192, 32, 0.75, 1),
+            (4096, 16, 1, 1), (2048, 8, 2, 1), (4096, 16, 1, 2), (1024, 4, 4, 2), (8192, 32, 0.5, 2),
+        ):  # fmt: skip
+            if chunk <= bn:
+                programs = max(1, min(n_rows, int(n_sms * per_sm)))
+                out.append(KernelConfig("chunked", 1, chunk, w, st, programs))
+        # Two rows per program share each chunk of w and of the dw partial: ~8 instead of 14
+        # bytes of L2 traffic per element for those two (the L2 was 74% busy, ncu), at the
+        # same 8 elements per thread.
+        for chunk, w, per_sm in ((2048, 16, 1), (1024, 8, 2), (4096, 32, 1)):
+            programs = max(1, min(triton.cdiv(n_rows, 2), n_sms * per_sm))
+            out.append(KernelConfig("chunked", 2, chunk, w, 1, programs))
+        # Pass 1 of each program's next row overlapped with pass 2 of its current one.
+        for chunk, w, per_sm in ((4096, 32, 1), (2048, 8, 2)):
+            programs = max(1, min(n_rows, n_sms * per_sm))
+            out.append(KernelConfig("pipelined", 1, chunk, w, 1, programs, l2="plain"))
+        # Split: a row-dot pass, then (row programs x column slabs) with dw in registers.
+        for slab, w, per_sm in ((2048, 8, 2), (4096, 16, 1)):
+            n_slabs = triton.cdiv(n_cols, slab)
+            programs = max(1, min(n_rows, triton.cdiv(n_sms * per_sm, n_slabs)))
+            out.append(KernelConfig("split", 1, slab, w, 2, programs, l2="plain"))
+        if n_rows < 4 * n_sms:
+            # Few rows: one row-dot program per row would leave most SMs idle while each walks
+            # a whole wide row; split every row's dot into column ranges (~4 programs per SM).
+            splits = min(triton.next_power_of_2(triton.cdiv(4 * n_sms, n_rows)), triton.cdiv(n_cols, 2048))
+            if splits > 1:
+                # The slab pass with ~2 or ~8 programs per SM: more programs walk fewer rows each
+                # but leave more dw partial rows to sum.
+                n_slabs = triton.cdiv(n_cols, 2048)
+                for per_sm in (2, 8):
+                    programs = max(1, min(n_rows, triton.cdiv(per_sm * n_sms, n_slabs)))
+                    cfg = KernelConfig("split", 1, 2048, 8, 2, programs, splits, l2="plain")
+                    if cfg not in out:
+                        out.append(cfg)
+    if BWD_MAX_FUSED < bn <= 2 * BWD_MAX_FUSED and torch.finfo(dtype).bits <= 16:
+        # 32K 16-bit columns: 32 elements per thread at 32 warps, if the compiler keeps the live
+        # values (x_hat, w * dy, g, u) in registers.
+        out.append(KernelConfig("fused", 1, bn, 32, 1, max(1, min(n_rows, n_sms)), l2="plain"))
+    return out
+
+
+def forward_config(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int = 132) -> KernelConfig:
+    """The heuristic's choice (what runs when autotuning is off, and in the interpreter)."""
+    return forward_candidates(n_rows, n_cols, dtype, n_sms)[0]
+
+
+def backward_config(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int) -> KernelConfig:
+    return backward_candidates(n_rows, n_cols, dtype, n_sms)[0]
