@@ -128,6 +128,8 @@ BAD = {
     "too big for memory": ["--rows", "10000000", "--cols", "10000000"],
     "unknown variant": ["--variants", "nope"],
     "unknown flag": ["--frobnicate"],
+    "unknown timing": ["--timing", "wall"],
+    "graph timing on a cpu": ["--timing", "graph", "--device", "cpu"],
 }
 
 
@@ -189,3 +191,40 @@ def test_without_triton_profuse_imports_and_skips_the_triton_row(tmp_path):
     assert "pip install triton" in proc.stdout
     saved = json.loads((tmp_path / "results.json").read_text())
     assert "triton is not installed" in saved["skipped"]["triton"]
+
+
+def test_graph_timing_on_a_cpu_fails_before_part_a(capsys, tmp_path):
+    """The main job checks Part B's settings before it profiles: no trace is written first."""
+    code, _out, err = run(["--timing", "graph", "--device", "cpu", "--out", str(tmp_path)], capsys)
+    assert_one_clear_line(code, err)
+    assert "CUDA GPU" in err
+    assert not list(tmp_path.iterdir())
+
+
+def test_results_record_the_timing_and_host_time(tmp_path, capsys):
+    argv = ["--skip-profile", "--device", "cpu", "--rows", "16", "--cols", "32", "--trials", "2"]
+    argv += ["--variants", "eager", "--timing", "loop", "--out", str(tmp_path)]
+    code, _out, err = run(argv, capsys)
+    assert code == 0, err
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["config"]["timing"] == "loop" and data["timing"] == "loop"
+    row = data["results"]["eager"]
+    # On a CPU a call is all host time: none is measured apart, and nothing is host-bound.
+    assert "host_s" in row and row["host_s"] is None and row["host_bound"] is False
+    assert data["comparison"]["timings"]["eager"]["host_times_s"] == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter path is for machines without a GPU")
+def test_triton_runs_on_a_cpu_through_the_interpreter(tmp_path, capsys, monkeypatch):
+    argv = ["--skip-profile", "--device", "cpu", "--rows", "6", "--cols", "40", "--trials", "2"]
+    argv += ["--variants", "triton", "--out", str(tmp_path)]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert data["checks"]["triton"]["passed"] and "triton" in data["results"]
+    monkeypatch.delenv("TRITON_INTERPRET")
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert "TRITON_INTERPRET=1" in data["skipped"]["triton"]

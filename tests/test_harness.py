@@ -16,10 +16,12 @@ from collections import Counter
 
 import numpy as np
 import pytest
+import torch
 
 import profuse
 from profuse.bench.stats import FASTER, NO_GAIN, SLOWER, STATISTIC, Speedup, speedup_ci
-from profuse.bench.timing import Comparison, CpuTimer, compare
+from profuse.bench.timing import Comparison, compare
+from profuse.timers import CpuTimer
 
 NOISE = 0.2
 
@@ -348,3 +350,100 @@ def test_real_clock_busy_wait_ratio():
     assert abs(sp.median - 2.0) <= 0.3, f"ratio {sp.median:.2f}"
     assert sp.verdict == FASTER
     assert res.timer == "time.perf_counter"
+
+
+# --------------------------------------------------------------------------------------------
+# Host time per call and timing modes
+# --------------------------------------------------------------------------------------------
+
+
+def test_host_rounds_time_every_call_interleaved():
+    """Host rounds call each variant once per round in a shuffled order, and each variant's
+    host time is the median of its rounds (here: the fake clock's duration of its calls)."""
+    clock = FakeClock()
+    rng = random.Random(4)
+    log: list[str] = []
+    variants = {n: synthetic(clock, d, rng, log, n) for n, d in (("a", 2e-3), ("b", 1e-3), ("c", 4e-3))}
+    trials = 9
+    res = compare(
+        variants, "a", trials=trials, device="cpu", warmup=0, n_resamples=200, timer=CpuTimer(clock),
+        host_rounds=True,
+    )  # fmt: skip
+    host_log = log[3 : 3 + 3 * trials]  # after the first calls, before the trials
+    rounds = [host_log[i : i + 3] for i in range(0, len(host_log), 3)]
+    assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
+    assert len({tuple(r) for r in rounds}) > 1, "every round ran in the same order"
+    for name, d in (("a", 2e-3), ("b", 1e-3), ("c", 4e-3)):
+        t = res.timings[name]
+        assert len(t.host_times_s) == trials
+        assert d <= t.host_s <= d * (1 + NOISE)
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["timings"]["b"]["host_s"] == res.timings["b"].host_s
+    assert d["timings"]["b"]["host_times_s"] == res.timings["b"].host_times_s
+
+
+def test_a_cpu_run_has_no_separate_host_time():
+    res = fake_compare({"a": 1e-3, "b": 1e-3}, "a", trials=3)
+    assert res.timings["a"].host_s is None and res.timings["a"].host_times_s == []
+    assert res.timing == "device" and not res.host_bound("a")
+
+
+@pytest.mark.parametrize(
+    ("timing", "host", "time", "bound"),
+    [
+        ("device", 300e-6, 100e-6, True),  # the host takes 3x what the GPU needs
+        ("device", 50e-6, 100e-6, False),
+        ("graph", 120e-6, 100e-6, True),
+        ("loop", 300e-6, 310e-6, True),  # the loop time is the host's plus a little
+        ("loop", 50e-6, 100e-6, False),  # the loop time is the device's
+        ("device", None, 100e-6, False),
+    ],
+)
+def test_host_bound_says_which_cost_bounds_a_call(timing, host, time, bound):
+    from profuse.bench.timing import host_bound
+
+    assert host_bound(host, time, timing) is bound
+
+
+def test_make_timer_picks_by_mode_and_refuses_graphs_on_a_cpu():
+    from profuse.timers import TIMINGS, make_timer
+
+    cpu = torch.device("cpu")
+    assert TIMINGS == ("device", "loop", "graph")
+    assert isinstance(make_timer("device", cpu), CpuTimer)
+    assert isinstance(make_timer("loop", cpu), CpuTimer)  # on a CPU every call is synchronous
+    with pytest.raises(ValueError, match="CUDA GPU"):
+        make_timer("graph", cpu)
+    with pytest.raises(ValueError, match="unknown timing"):
+        make_timer("wall", cpu)
+
+
+def test_uncapturable_variants_are_named_not_timed():
+    """Graph timing: a variant whose capture fails is left out with the reason; the others are
+    timed from their replays."""
+    from profuse.timers import GraphError
+
+    clock = FakeClock()
+    rng = random.Random(5)
+
+    class FakeGraphTimer(CpuTimer):
+        timing = "graph"
+
+        def capture(self, fn):
+            if fn is variants["syncs"]:
+                raise GraphError("cannot be captured in a CUDA graph (RuntimeError: sync)")
+            return fn
+
+    import profuse.bench.timing as timing_mod
+
+    variants = {n: synthetic(clock, 1e-3, rng) for n in ("base", "fine", "syncs")}
+    orig = timing_mod.GraphTimer
+    timing_mod.GraphTimer = FakeGraphTimer
+    try:
+        res = compare(variants, "base", trials=4, device="cpu", warmup=0, n_resamples=200,
+                      timer=FakeGraphTimer(clock))  # fmt: skip
+    finally:
+        timing_mod.GraphTimer = orig
+    assert set(res.timings) == {"base", "fine"} and res.timing == "graph"
+    assert "CUDA graph" in res.not_timed["syncs"]
+    assert set(res.speedups) == {"fine"}

@@ -115,6 +115,13 @@ def _add_bench_args(p: argparse.ArgumentParser, sizes_are_lists: bool = False) -
     )  # fmt: skip
     g.add_argument("--warm-cache", action="store_true",
                    help="do not flush the L2 cache before each timed call (CUDA)")  # fmt: skip
+    g.add_argument(
+        "--timing", default="device", choices=("device", "loop", "graph"),
+        help="how calls are timed on CUDA: device = device time, the CPU kept ahead (default); "
+        "loop = calls back to back with nothing queued ahead, as a CPU-bound training loop and "
+        "do_bench see them (about the larger of host and device time); graph = CUDA-graph replay, "
+        "device time with no launch cost. Host time per call is measured in every mode",
+    )  # fmt: skip
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -224,6 +231,7 @@ def _bench_config(args, device, rows: int, cols: int):
         backward=args.backward,
         variants=names,
         flush_l2=not args.warm_cache,
+        timing=args.timing,
     )
 
 
@@ -267,12 +275,11 @@ def run_part_a(args, device) -> None:
     print()
 
 
-def run_part_b(args, device) -> None:
+def run_part_b(args, cfg) -> None:
     from profuse.bench.tail import run_tail_bench
     from profuse.files import write_json
     from profuse.report.bench import format_tail_bench
 
-    cfg = _bench_config(args, device, args.rows, args.cols)
     progress = Progress()
     try:
         res = run_tail_bench(cfg, progress=progress)
@@ -290,10 +297,12 @@ def cmd_main(argv: list[str]) -> int:
     if args.skip_profile and args.profile_only:
         raise UsageError("--skip-profile and --profile-only leave nothing to run: pick one")
     device = resolve_device(args.device)
+    # Part B's settings are checked before Part A runs: a bad one fails at once, not minutes in.
+    bench = None if args.profile_only else _bench_config(args, device, args.rows, args.cols)
     if not args.skip_profile:
         run_part_a(args, device)
-    if not args.profile_only:
-        run_part_b(args, device)
+    if bench is not None:
+        run_part_b(args, bench)
     return 0
 
 

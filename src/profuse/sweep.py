@@ -29,7 +29,7 @@ from profuse.tail import DEFAULT_EPS
 # Progress units per size, split by phase. The trials get most of the bar because they are most
 # of the time once compilation is done (30 trials x every variant, against one checked call each).
 STEPS_PER_SIZE = 100
-_PHASES = {"checking": (0, 10), "warm-up": (10, 20), "trials": (20, 100)}
+_PHASES = {"checking": (0, 10), "warm-up": (10, 20), "host time": (20, 25), "trials": (25, 100)}
 
 
 def _settings(cfg) -> dict:
@@ -50,6 +50,7 @@ class SweepConfig:
     variants: Sequence[str] = DEFAULT_VARIANTS
     flush_l2: bool = True
     eps: float = DEFAULT_EPS
+    timing: str = "device"  # how calls are timed: device, loop or graph (profuse/timers.py)
 
     # Elements per tensor: with these, each cols value gets rows = elements // cols (the --rows
     # list is not used), so a grid over hidden sizes holds the same amounts of data.

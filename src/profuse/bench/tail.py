@@ -7,6 +7,7 @@ the lab prints). A variant outside its tolerance is reported as failed and never
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
@@ -19,6 +20,7 @@ from profuse.bench.timing import Comparison, compare, timed_call
 from profuse.env import check_fits, dtype_name, environment
 from profuse.errors import UsageError
 from profuse.kernels import HAS_TRITON, TRITON_MISSING
+from profuse.timers import TIMINGS
 
 try:
     from liger_kernel.transformers.functional import liger_fused_add_rms_norm, liger_swiglu
@@ -43,7 +45,9 @@ def variants() -> dict[str, T.Variant]:
             T.Variant("rms_norm", "eager F.rms_norm", T.tail_rms_norm),
             T.Variant("compile", "torch.compile", lambda *a: T.compiled_tail("default")(*a)),
             T.Variant("compile-max", "compile max-autotune", lambda *a: T.compiled_tail("max-autotune")(*a)),
-            T.Variant("triton", "triton", T.tail_triton, True, HAS_TRITON, TRITON_MISSING),
+            T.Variant(
+                "triton", "triton", T.tail_triton, True, HAS_TRITON, TRITON_MISSING, interpretable=True
+            ),
             T.Variant(
                 "liger", "liger-kernel", tail_liger, True, HAS_LIGER,
                 "liger-kernel is not installed (pip install liger-kernel)",
@@ -78,6 +82,7 @@ class TailBenchConfig:
     variants: Sequence[str] = DEFAULT_VARIANTS
     flush_l2: bool = True
     eps: float = T.DEFAULT_EPS
+    timing: str = "device"  # how calls are timed: device, loop or graph (profuse/timers.py)
 
     def __post_init__(self):
         if self.rows <= 0 or self.cols <= 0:
@@ -90,6 +95,12 @@ class TailBenchConfig:
         unknown = [v for v in self.variants if v not in known]
         if unknown:
             raise UsageError(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(known)}")
+        if self.timing not in TIMINGS:
+            raise UsageError(f"unknown --timing {self.timing!r}: choose from {', '.join(TIMINGS)}")
+        if self.timing == "graph" and self.device.type != "cuda":
+            raise UsageError(
+                f"--timing graph replays CUDA graphs: it needs a CUDA GPU (this run is on {self.device})"
+            )
         if BASELINE not in self.variants:
             self.variants = (BASELINE, *self.variants)
         if self.warmup is None:
@@ -148,6 +159,8 @@ class TailBenchResult:
                 rows[key] = {
                     "label": self.labels[key],
                     "median_s": self.comparison.median_s(key),
+                    "host_s": self.comparison.timings[key].host_s,
+                    "host_bound": self.comparison.host_bound(key),
                     "speedup": sp.to_dict() if sp else None,
                     "achieved_Bps": bw,
                     "fraction_of_copy": bw / self.copy_ceiling_Bps if self.copy_ceiling_Bps else None,
@@ -164,6 +177,7 @@ class TailBenchResult:
             "copy_ceiling_Bps": self.copy_ceiling_Bps,
             "checks": {k: v.to_dict() for k, v in self.checks.items()},
             "skipped": self.skipped,
+            "timing": self.config.timing,
             "results": rows,
             "comparison": self.comparison.to_dict() if self.comparison else None,
             "kernel_configs": self.kernel_configs,
@@ -183,14 +197,16 @@ def make_inputs(cfg: TailBenchConfig) -> dict[str, torch.Tensor]:
 
 
 def estimated_bytes(cfg: TailBenchConfig) -> int:
-    """A generous estimate of the peak memory of one run (inputs, reference, eager's temporaries)."""
+    """A generous estimate of the peak memory of one run (inputs, reference, eager's temporaries;
+    with graph timing, every variant's captured outputs and temporaries kept in its graph's pool)."""
     elems = cfg.rows * cfg.cols
     s = torch.empty(0, dtype=cfg.dtype).element_size()
+    graphs = len(cfg.variants) if cfg.timing == "graph" else 0
     if cfg.backward:
         # inputs + dy + saved activations and grads of eager (~14) + each variant's y and grads;
         # float64 reference: inputs, output, grads and autograd's saved tensors (~14).
-        return elems * (s * 22 + 8 * 14)
-    return elems * (s * 10 + 8 * 6)
+        return elems * (s * 22 + 8 * 14 + s * 18 * graphs)
+    return elems * (s * 10 + 8 * 6 + s * 8 * graphs)
 
 
 def _label(key: str) -> str:
@@ -257,8 +273,12 @@ def run_tail_bench(
         v = known[key]
         if not v.available:
             skipped[key] = v.why_unavailable
-        elif v.needs_cuda and dev.type != "cuda":
-            skipped[key] = "needs a CUDA GPU"
+        elif v.needs_cuda and dev.type != "cuda" and not (v.interpretable and interpreting()):
+            skipped[key] = "needs a CUDA GPU" + (
+                "; TRITON_INTERPRET=1 runs it on the CPU through Triton's interpreter (slow)"
+                if v.interpretable
+                else ""
+            )
         else:
             keys.append(key)
     check_fits(estimated_bytes(cfg), dev, f"{cfg.rows} x {cfg.cols} {dtype_name(cfg.dtype)}")
@@ -299,8 +319,11 @@ def run_tail_bench(
                 flush_l2=cfg.flush_l2,
                 seed=cfg.seed,
                 progress=progress,
+                timing=cfg.timing,
                 first_calls={k: checks[k].first_call_s for k in passed},
             )
+        for key, why in comparison.not_timed.items():
+            skipped[key] = why
     if dev.type == "cuda" and copy_ceiling_Bps is None:
         copy_ceiling_Bps = B.copy_ceiling(dev)
     itemsize = torch.empty(0, dtype=cfg.dtype).element_size()
@@ -316,6 +339,11 @@ def run_tail_bench(
         comparison=comparison,
         kernel_configs=_kernel_configs(cfg) if "triton" in keys else {},
     )
+
+
+def interpreting() -> bool:
+    """Does Triton run its kernels through the interpreter (on CPU tensors)?"""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _kernel_configs(cfg: TailBenchConfig) -> dict:

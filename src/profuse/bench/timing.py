@@ -1,10 +1,13 @@
 """Timing any callables against each other, the way single timings cannot lie.
 
-- Warm-up first: the first call (where torch.compile compiles and Triton builds its kernels) is
-  timed apart and reported as `first_call_s`; more warm-up calls follow, untimed.
-- On CUDA each call is timed with CUDA events; before it, a buffer larger than the L2 cache is
-  zeroed so every call starts with a cold cache (a warm L2 overstates bandwidth). On CPU,
-  time.perf_counter around the call.
+- Warm-up first: the first call (where torch.compile compiles and Triton builds and tunes its
+  kernels) is timed apart and reported as `first_call_s`; more warm-up calls follow, untimed.
+- Host time per call (CUDA): rounds of every variant once, in shuffled orders, the wall time of
+  each call (it returns once its work is queued: the CPU's cost to issue it). A call whose host
+  time exceeds its device time is host-bound: a loop that cannot run ahead pays the host's.
+- Then the trials, timed by the mode's timer (profuse/timers.py): `device` (CUDA events, the CPU
+  kept ahead, the L2 flushed before each call), `loop` (back to back from an idle queue, as
+  do_bench and a CPU-bound loop), `graph` (CUDA-graph replay). On CPU, time.perf_counter.
 - Trials interleave the variants, in an order shuffled per trial with a seed, so drift (clocks,
   temperature, other work on the machine) falls on all variants alike.
 - Speedups: the ratio of medians over the baseline, with a paired bootstrap CI (bench/stats.py).
@@ -21,7 +24,12 @@ import numpy as np
 import torch
 
 from profuse.bench.stats import STATISTIC, Speedup, speedup_ci
-from profuse.env import l2_cache_bytes, resolve_device
+from profuse.env import resolve_device
+from profuse.timers import GraphError, GraphTimer, host_times, make_timer
+
+# Loop timing counts the host's time in: a call whose loop time is within this factor of its
+# host time is bound by the host (the GPU waited for it).
+LOOP_HOST_MARGIN = 1.1
 
 
 @dataclass
@@ -29,20 +37,34 @@ class VariantTiming:
     name: str
     times_s: list[float]  # one per trial, in trial order
     first_call_s: float  # the first call alone: compilation, autotuning, kernel builds
-    dispatch_s: float | None = None  # CUDA: CPU time to issue one call (median of the warm-up)
+    host_times_s: list[float] = field(default_factory=list)  # CUDA: CPU time to issue one call, per round
 
     @property
     def median_s(self) -> float:
         return float(np.median(self.times_s))
 
+    @property
+    def host_s(self) -> float | None:
+        return float(np.median(self.host_times_s)) if self.host_times_s else None
+
     def to_dict(self) -> dict:
         return {
             "name": self.name,
             "median_s": self.median_s,
+            "host_s": self.host_s,
             "first_call_s": self.first_call_s,
-            "dispatch_s": self.dispatch_s,
             "times_s": list(self.times_s),
+            "host_times_s": list(self.host_times_s),
         }
+
+
+def host_bound(host_s: float | None, time_s: float, timing: str) -> bool:
+    """Does the host's time to issue a call bound it? Device and graph times leave the host out,
+    so the host bounds where it is the larger; a loop time holds it, so there the host bounds
+    where the loop time is no more than LOOP_HOST_MARGIN over it."""
+    if host_s is None:
+        return False
+    return host_s * (LOOP_HOST_MARGIN if timing == "loop" else 1.0) >= time_s
 
 
 @dataclass
@@ -60,9 +82,15 @@ class Comparison:
     orders: list[list[str]] = field(default_factory=list)  # the shuffled order of each trial
     statistic: str = STATISTIC
     timer: str = ""
+    timing: str = "device"  # the mode: device, loop or graph (profuse/timers.py)
+    not_timed: dict[str, str] = field(default_factory=dict)  # variant -> why (graph capture failed)
 
     def median_s(self, name: str) -> float:
         return self.timings[name].median_s
+
+    def host_bound(self, name: str) -> bool:
+        t = self.timings[name]
+        return host_bound(t.host_s, t.median_s, self.timing)
 
     def to_dict(self) -> dict:
         return {
@@ -73,84 +101,13 @@ class Comparison:
             "flush_l2": self.flush_l2,
             "seed": self.seed,
             "timer": self.timer,
+            "timing": self.timing,
             "statistic": self.statistic,
             "timings": {k: v.to_dict() for k, v in self.timings.items()},
             "speedups": {k: v.to_dict() for k, v in self.speedups.items()},
             "orders": self.orders,
+            "not_timed": self.not_timed,
         }
-
-
-class CpuTimer:
-    """Wall-clock time of a call; CPU ops in torch return only when they are done."""
-
-    name = "time.perf_counter"
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self.clock = clock
-
-    def time_calls(self, fns: list[Callable[[], object]]) -> list[float]:
-        out = []
-        for fn in fns:
-            t0 = self.clock()
-            fn()
-            out.append(self.clock() - t0)
-        return out
-
-
-class CudaTimer:
-    """CUDA events around each call, with the L2 cache flushed before it unless `flush_l2=False`.
-
-    A trial's calls are all queued behind a short GPU sleep, so the CPU's dispatch (Python,
-    autograd, kernel launches) runs ahead of the GPU and the events measure device time alone,
-    as in a training step where the CPU keeps ahead, and as triton.testing.do_bench measures.
-    Without the sleep, the first call after each synchronisation would also count the time the
-    GPU sat waiting for the CPU to launch it.
-    """
-
-    name = "cuda events"
-
-    def __init__(self, device: torch.device, flush_l2: bool = True):
-        self.device = device
-        self.flush_buffer = None
-        if flush_l2:
-            # Twice the L2, so nothing of the last call survives the zeroing.
-            nbytes = 2 * l2_cache_bytes(device)
-            self.flush_buffer = torch.empty(nbytes, dtype=torch.int8, device=device)
-        self._cycles_per_s = self._calibrate_sleep()
-        self._lead_s = 1e-3  # the CPU's time to queue one trial, learnt from the last trial
-
-    def _calibrate_sleep(self) -> float | None:
-        sleep = getattr(torch.cuda, "_sleep", None)
-        if sleep is None:
-            return None
-        cycles = 1_000_000
-        sleep(cycles)  # the first call can be slower (clocks ramping up)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        sleep(cycles)
-        end.record()
-        torch.cuda.synchronize(self.device)
-        return cycles / max(start.elapsed_time(end) / 1e3, 1e-6)
-
-    def time_calls(self, fns: list[Callable[[], object]]) -> list[float]:
-        if self._cycles_per_s:
-            # Twice the CPU time the last trial took to queue, at least 1 ms, at most 50 ms.
-            lead = min(max(2 * self._lead_s, 1e-3), 50e-3)
-            torch.cuda._sleep(int(lead * self._cycles_per_s))
-        t0 = time.perf_counter()
-        events = []
-        for fn in fns:
-            if self.flush_buffer is not None:
-                self.flush_buffer.zero_()
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            events.append((start, end))
-        self._lead_s = time.perf_counter() - t0
-        torch.cuda.synchronize(self.device)
-        return [s.elapsed_time(e) / 1e3 for s, e in events]
 
 
 def _sync(device: torch.device) -> None:
@@ -180,16 +137,21 @@ def compare(
     confidence: float = 0.95,
     n_resamples: int = 5000,
     progress: Callable[[str, int, int], None] | None = None,
-    timer: CpuTimer | CudaTimer | None = None,
+    timing: str = "device",
+    timer=None,
     first_calls: Mapping[str, float] | None = None,
+    host_rounds: bool | None = None,
 ) -> Comparison:
     """Time `variants` (name -> zero-argument callable) against `baseline` in interleaved trials.
 
-    `device` is where the callables run ('auto': cuda if there is a GPU); it picks the timer.
-    `progress(stage, done, total)` is called as work advances (stage "warm-up" or "trials").
+    `device` is where the callables run ('auto': cuda if there is a GPU); with `timing` it picks
+    the timer (profuse.timers.make_timer), unless `timer` is given. With graph timing, a variant
+    that cannot be captured is left out and named in `not_timed` (the baseline must capture).
+    `progress(stage, done, total)` is called as work advances ("warm-up", "host time", "trials").
     `first_calls` gives first-call times measured elsewhere (e.g. while checking correctness),
-    for variants that were already called once.
-    Returns a `Comparison`; `speedups` holds every variant but the baseline.
+    for variants that were already called once. `host_rounds` (default: on CUDA) measures each
+    call's host time in `trials` interleaved rounds; on a CPU a call's time is all host time.
+    Returns a `Comparison`; `speedups` holds every timed variant but the baseline.
     """
     if baseline not in variants:
         raise ValueError(f"baseline {baseline!r} is not one of the variants {list(variants)}")
@@ -199,38 +161,58 @@ def compare(
         raise ValueError(f"warmup must be 0 or more, got {warmup}")
     dev = resolve_device(device)
     if timer is None:
-        timer = CudaTimer(dev, flush_l2) if dev.type == "cuda" else CpuTimer()
+        timer = make_timer(timing, dev, flush_l2)
+    timing = getattr(timer, "timing", timing)
     names = list(variants)
     first: dict[str, float] = dict(first_calls or {})
 
-    dispatch: dict[str, float | None] = {}
+    calls: dict[str, Callable[[], object]] = {}
+    not_timed: dict[str, str] = {}
     for i, name in enumerate(names):
         if name not in first:
             first[name] = timed_call(variants[name], dev)[0]
-        issue = []
         for _ in range(warmup):
-            t0 = time.perf_counter()
             variants[name]()
-            issue.append(time.perf_counter() - t0)
         _sync(dev)
-        # On CUDA a call returns once its work is queued: its wall time is the CPU's share.
-        dispatch[name] = float(np.median(issue)) if issue and dev.type == "cuda" else None
+        calls[name] = variants[name]
+        if isinstance(timer, GraphTimer):
+            try:
+                calls[name] = timer.capture(variants[name])
+            except GraphError as err:
+                if name == baseline:
+                    raise
+                not_timed[name] = str(err)
+                del calls[name]
         if progress:
             progress("warm-up", i + 1, len(names))
+    names = [n for n in names if n in calls]
 
     rng = random.Random(seed)
+    host: dict[str, list[float]] = {n: [] for n in names}
+    if dev.type == "cuda" if host_rounds is None else host_rounds:
+        # The calls as a loop makes them (not the graph replays), each round in its own order.
+        host_rng = random.Random(seed + 1)
+        clock = getattr(timer, "clock", time.perf_counter)
+        for r in range(trials):
+            order = names[:]
+            host_rng.shuffle(order)
+            for name, sec in zip(order, host_times([variants[n] for n in order], dev, clock)):
+                host[name].append(sec)
+            if progress:
+                progress("host time", r + 1, trials)
+
     times: dict[str, list[float]] = {n: [] for n in names}
     orders = []
     for t in range(trials):
         order = names[:]
         rng.shuffle(order)
         orders.append(order)
-        for name, sec in zip(order, timer.time_calls([variants[n] for n in order])):
+        for name, sec in zip(order, timer.time_calls([calls[n] for n in order])):
             times[name].append(sec)
         if progress:
             progress("trials", t + 1, trials)
 
-    timings = {n: VariantTiming(n, times[n], first[n], dispatch[n]) for n in names}
+    timings = {n: VariantTiming(n, times[n], first[n], host[n]) for n in names}
     speedups = {
         n: speedup_ci(times[baseline], times[n], confidence, n_resamples, seed)
         for n in names
@@ -247,4 +229,6 @@ def compare(
         speedups=speedups,
         orders=orders,
         timer=timer.name,
+        timing=timing,
+        not_timed=not_timed,
     )

@@ -36,12 +36,28 @@ def format_checks(res) -> str:
     return "\n".join(lines)
 
 
+def host_note(timing: str, rounds: int) -> str:
+    """What the host column and the host-bound mark mean, for the timing mode of a table."""
+    what = {
+        "device": "the median is device time, the CPU kept ahead",
+        "graph": "the median is CUDA-graph replay, device time with no launch cost",
+        "loop": "the median is calls back to back (about the larger of host and device time)",
+    }.get(timing, f"timing {timing}")
+    bound = (
+        "host-bound: the median is within 10% of the host time, so the GPU waited for the CPU"
+        if timing == "loop"
+        else "host-bound: host > median, so a loop that cannot run ahead of the GPU pays the host time"
+    )
+    return f"{what}; host = CPU time to issue one call (median of {rounds} interleaved rounds); {bound}"
+
+
 def format_tail_bench(res) -> str:
     cfg = res.config
     what = "forward + backward" if cfg.backward else "fused tail"
+    timing = f", {cfg.timing} timing" if cfg.device.type == "cuda" else ""
     head = (
         f"=== Part B: {what}, {cfg.rows} x {cfg.cols} {dtype_name(cfg.dtype)} on {cfg.device.type}, "
-        f"{cfg.trials} trials ==="
+        f"{cfg.trials} trials{timing} ==="
     )
     tr = res.traffic
     lines = [format_checks(res), "", head]
@@ -75,17 +91,23 @@ def format_tail_bench(res) -> str:
     for key, timing in comp.timings.items():
         label = res.labels[key]
         row = f"{label:>{W}}: median {fmt_time(timing.median_s, unit)}"
+        if timing.host_s is not None:
+            row += f"  host {fmt_time(timing.host_s, unit)}"
         sp = comp.speedups.get(key)
         row += f"   {fmt_speedup(sp, base_label) if sp else '':<45}"
         bw = res.achieved_Bps(key)
         row += f"  {fmt_bandwidth(bw):>10}"
         if ceiling:
             row += f" ({bw / ceiling:.0%} of copy)"
+        if comp.host_bound(key):
+            row += "  host-bound"
         lines.append(row.rstrip())
     lines.append(
         f"statistic: {STATISTIC}; bandwidth = minimum fused traffic / median time; "
         f"timer: {comp.timer}{', L2 flushed before each call' if comp.flush_l2 else ''}"
     )
+    if any(t.host_s is not None for t in comp.timings.values()):
+        lines.append(host_note(comp.timing, comp.trials))
     firsts = ", ".join(f"{res.labels[k]} {t.first_call_s:.2f} s" for k, t in comp.timings.items())
     lines.append(f"first call (compilation, kernel builds): {firsts}")
     lines.append(f"card: {card_name(res.env)}, torch {res.env.get('torch')}, triton {res.env.get('triton')}")

@@ -19,11 +19,12 @@ from profuse.bench.stats import bootstrap_ratio_ci, check_timings
 from profuse.env import card_name
 from profuse.errors import UsageError
 from profuse.files import atomic_path
+from profuse.report.bench import host_note
 from profuse.report.units import fmt_bandwidth, fmt_time
 
 CSV_FIELDS = (
     "rows", "cols", "dtype", "backward", "variant", "median_s", "speedup", "ci_low", "ci_high",
-    "verdict", "achieved_GBps", "fraction_of_copy", "passed",
+    "verdict", "achieved_GBps", "fraction_of_copy", "passed", "host_s", "host_bound", "timing",
 )  # fmt: skip
 
 BASELINE_VERDICT = "baseline"
@@ -53,6 +54,8 @@ class VariantRow:
     fraction_of_copy: float | None = None
     times_s: list[float] = field(default_factory=list)  # per trial, for `diff`'s bootstrap
     why_not_timed: str = ""
+    host_s: float | None = None  # CUDA: CPU time to issue one call (median of interleaved rounds)
+    host_bound: bool = False  # the host's time bounds the call (bench.timing.host_bound)
 
     @property
     def size(self) -> tuple[int, int]:
@@ -87,6 +90,7 @@ class SavedRun:
     timer: str = ""
     flush_l2: bool = False
     elements: list[int] = field(default_factory=list)  # a grid's --elements (rows = elements // cols)
+    timing: str = "device"  # how calls were timed: device, loop or graph (files before it: device)
 
     @property
     def sizes(self) -> list[tuple[int, int]]:
@@ -205,6 +209,10 @@ def _parse(data: dict) -> SavedRun:
                 row.achieved_Bps = res.get("achieved_Bps")
                 row.fraction_of_copy = res.get("fraction_of_copy")
                 row.times_s = [float(t) for t in timing.get("times_s", [])]
+                # Files from before host times were measured apart kept the warm-up's dispatch time.
+                host = res.get("host_s", timing.get("dispatch_s"))
+                row.host_s = None if host is None else float(host)
+                row.host_bound = bool(res.get("host_bound", False))
             elif chk.get("error"):
                 row.why_not_timed = f"FAILED to run: {chk['error']}"
             elif not chk["passed"]:
@@ -232,6 +240,7 @@ def _parse(data: dict) -> SavedRun:
         timer=comp0.get("timer", ""),
         flush_l2=bool(comp0.get("flush_l2", False)),
         elements=[int(e) for e in cfg.get("elements") or []],  # files saved before --elements: none
+        timing=str(comp0.get("timing", "device")),
     )
 
 
@@ -269,6 +278,13 @@ def _render(header: list[str], body: list[list[str]], right: set[int], markdown:
 
 def _size(rows: int, cols: int) -> str:
     return f"{rows} x {cols}"
+
+
+def host_cell(row: VariantRow) -> str:
+    """'12.3 us', '250.1 us host-bound', or '-' where no host time was measured."""
+    if row.host_s is None or row.median_s is None:
+        return "-"
+    return fmt_time(row.host_s).strip() + (" host-bound" if row.host_bound else "")
 
 
 def speedup_cell(row: VariantRow) -> str:
@@ -330,6 +346,8 @@ def _notes(run: SavedRun) -> list[str]:
         notes.append("no copy ceiling: it is measured on CUDA only")
     if run.timer:
         notes.append(f"timer: {run.timer}{', L2 flushed before each call' if run.flush_l2 else ''}")
+    if any(r.host_s is not None for r in run.variant_rows):
+        notes.append(host_note(run.timing, run.trials))
     for label, why in run.skipped_variants.items():
         notes.append(f"{label}: skipped ({why})")
     for rows, cols, why in run.skipped_sizes:
@@ -352,7 +370,10 @@ def format_run(run: SavedRun, markdown: bool = False) -> str:
         size = _size(*run.sizes[0]) if run.sizes else ""
         title = f"Part B: fused tail {run.what}, {size} {run.dtype} on {run.device}, {run.trials} trials"
     ceiling = bool(run.copy_ceiling_Bps)
-    header = ["size", "variant", "median", f"speedup vs {run.baseline} (95% CI)", "bandwidth"]
+    host = any(r.host_s is not None for r in run.variant_rows)
+    header = ["size", "variant", f"median ({run.timing})" if host else "median"]
+    header += ["host/call"] if host else []
+    header += [f"speedup vs {run.baseline} (95% CI)", "bandwidth"]
     header += ["% of copy"] if ceiling else []
     body = []
     last = None
@@ -364,13 +385,18 @@ def format_run(run: SavedRun, markdown: bool = False) -> str:
             size,
             r.label,
             fmt_time(r.median_s).strip() if r.median_s is not None else "-",
+        ]
+        if host:
+            cells.append(host_cell(r))
+        cells += [
             speedup_cell(r),
             fmt_bandwidth(r.achieved_Bps) if r.achieved_Bps else "-",
         ]
         if ceiling:
             cells.append(f"{r.fraction_of_copy:.0%}" if r.fraction_of_copy is not None else "-")
         body.append(cells)
-    table = _render(header, body, right={2, 4, 5}, markdown=markdown) if body else "nothing was measured"
+    right = {2, 3, 5, 6} if host else {2, 4, 5}
+    table = _render(header, body, right=right, markdown=markdown) if body else "nothing was measured"
     notes = _notes(run)
     if markdown:
         return "\n".join([f"**{title}**", "", table, "", *[f"- {note}" for note in notes]])
@@ -393,7 +419,9 @@ def format_report(data: dict, markdown: bool = False) -> str:
 
 def csv_rows(data: dict) -> list[dict]:
     out = []
-    for r in parse(data).variant_rows:
+    run = parse(data)
+    timing = run.timing
+    for r in run.variant_rows:
         sp = r.speedup or {}
         timed = r.median_s is not None
         out.append(
@@ -412,6 +440,9 @@ def csv_rows(data: dict) -> list[dict]:
                 "achieved_GBps": r.achieved_Bps / 1e9 if r.achieved_Bps else "",
                 "fraction_of_copy": "" if r.fraction_of_copy is None else r.fraction_of_copy,
                 "passed": r.passed,
+                "host_s": "" if r.host_s is None else r.host_s,
+                "host_bound": r.host_bound,
+                "timing": timing,
             }
         )
     return out
@@ -496,6 +527,7 @@ def format_diff(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
             ("dtype", ra.dtype, rb.dtype),
             ("pass", ra.what, rb.what),
             ("device", ra.device, rb.device),
+            ("timing", ra.timing, rb.timing),
         ]
         if x != y
     ]

@@ -1,0 +1,157 @@
+"""The transformer block's own memory-bound ops, fused: SiLU-and-multiply, and add-then-RMSNorm.
+
+The lab's tail rms_norm(silu(gate) * up + residual) * w never occurs literally in a block: the
+down projection sits between silu(gate) * up and the residual add. Its two real pieces do, in
+every block:
+
+    silu_mul(gate, up)                  a = silu(gate) * up            (the SwiGLU activation)
+    add_rms_norm(x, residual, w, eps)   h = x + residual,  y = h * rstd * w,
+                                        rstd = 1 / sqrt(mean(h^2) + eps)   -> (y, h)
+
+add_rms_norm is the residual add followed by the next norm (twice per block): h is the new
+residual stream, y what the next matmul reads.
+
+Dtypes, as a bf16-autocast model has them: the residual stream is fp32 and a branch's output
+bf16. So x and residual may differ: h comes out in the dtype `x + residual` would have (bf16 +
+fp32 -> fp32), and y in x's dtype, the dtype the next matmul reads under autocast (eager makes
+an fp32 y and autocast casts it to bf16 in the matmul: the same values, one pass more). All
+arithmetic is fp32 inside the kernels.
+
+silu_mul reads gate and up in place when they are the two halves of one matmul output (strided
+rows). Given the packed (..., 2F) tensor alone, `silu_mul(gate_up)` uses its halves and returns
+the gradient as one (..., 2F) tensor, so the backward writes the matmul output's gradient
+directly instead of concatenating two halves.
+
+Each op here: the eager math (the baseline), the float64 reference (the oracle), the argument
+check (one-line ValueError naming the argument), and the public entry point, which runs the
+Triton kernels (profuse.kernels.swiglu, profuse.kernels.add_rms_norm).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from profuse.kernels import HAS_TRITON, TRITON_MISSING
+from profuse.tail import DEFAULT_EPS, SUPPORTED_DTYPES
+
+# --------------------------------------------------------------------------------------------
+# silu_mul
+# --------------------------------------------------------------------------------------------
+
+
+def _halves(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of a packed (..., 2F) tensor, as views (no copy)."""
+    return gate_up.chunk(2, dim=-1)
+
+
+def silu_mul_eager(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up one op at a time, in the input dtype (two kernels forward)."""
+    if up is None:
+        gate, up = _halves(gate)
+    return F.silu(gate) * up
+
+
+def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle: the same math in float64."""
+    if up is None:
+        gate, up = _halves(gate)
+    return silu_mul_eager(gate.double(), up.double())
+
+
+def check_silu_mul_args(gate, up) -> None:
+    """Raise ValueError naming the argument whose type, shape, dtype or device is off."""
+    named = {"gate": gate} if up is None else {"gate": gate, "up": up}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if gate.dim() < 1 or gate.shape[-1] == 0:
+        raise ValueError(f"gate must have a non-empty last dimension, got shape {tuple(gate.shape)}")
+    if gate.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(f"gate has dtype {gate.dtype}; supported: bfloat16, float16, float32")
+    if up is None:
+        if gate.shape[-1] % 2:
+            raise ValueError(
+                f"a packed gate_up needs an even last dimension (gate and up halves), got {gate.shape[-1]}"
+            )
+        return
+    if up.shape != gate.shape:
+        raise ValueError(f"up has shape {tuple(up.shape)}, gate has {tuple(gate.shape)}")
+    if up.dtype != gate.dtype:
+        raise ValueError(f"up has dtype {up.dtype}, gate has {gate.dtype}")
+    if up.device != gate.device:
+        raise ValueError(f"up is on {up.device}, gate is on {gate.device}")
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(gate) * up in one Triton kernel forward and one backward, fp32 inside.
+
+    `silu_mul(gate, up)`: two (..., F) tensors (strided rows are read in place), their own
+    gradients. `silu_mul(gate_up)`: the packed (..., 2F) matmul output; its gradient is one
+    (..., 2F) tensor. Differentiable; custom ops under torch.compile (no graph break).
+    """
+    if not HAS_TRITON:
+        raise RuntimeError(TRITON_MISSING)
+    check_silu_mul_args(gate, up)
+    from profuse.kernels import swiglu
+
+    if up is None:
+        return swiglu.silu_mul_packed(gate)
+    return swiglu.silu_mul_pair(gate, up)
+
+
+# --------------------------------------------------------------------------------------------
+# add_rms_norm
+# --------------------------------------------------------------------------------------------
+
+
+def add_rms_norm_eager(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """h = x + residual, then F.rms_norm(h) * weight, in torch ops; y in x's dtype. -> (y, h)"""
+    h = x + residual
+    y = F.rms_norm(h, (h.shape[-1],), weight, eps)
+    return y.to(x.dtype), h
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle: h and y in float64, written out (no fused norm kernel)."""
+    h = x.double() + residual.double()
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    return y, h
+
+
+def check_add_rms_norm_args(x, residual, weight) -> None:
+    """Raise ValueError naming the argument whose type, shape, dtype or device is off."""
+    named = {"x": x, "residual": residual, "weight": weight}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    if residual.shape != x.shape:
+        raise ValueError(f"residual has shape {tuple(residual.shape)}, x has {tuple(x.shape)}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
+    for name in ("residual", "weight"):
+        if named[name].device != x.device:
+            raise ValueError(f"{name} is on {named[name].device}, x is on {x.device}")
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h): h = x + residual, y = rms_norm(h) * weight, in one Triton kernel forward and one
+    backward, fp32 inside. Gradients flow through both outputs; dweight is bitwise repeatable.
+    x and residual may differ in dtype (see the module's docstring). Custom ops under
+    torch.compile (no graph break)."""
+    if not HAS_TRITON:
+        raise RuntimeError(TRITON_MISSING)
+    check_add_rms_norm_args(x, residual, weight)
+    from profuse.kernels import add_rms_norm as kernel
+
+    return kernel.add_rms_norm_fused(x, residual, weight, float(eps))
