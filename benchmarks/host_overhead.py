@@ -136,7 +136,8 @@ def host_table(rows: int, cols: int, rounds: int, per_round: int, dev: torch.dev
         for name in names:  # first calls: compilation, tuning, kernel builds
             for _ in range(3):
                 fns[name]()
-        torch.cuda.synchronize()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         samples: dict[str, list[float]] = {n: [] for n in names}
         for _ in range(rounds):
             order = names[:]
@@ -234,6 +235,8 @@ def main() -> int:
         for name, h in rows.items():
             print(f"    {name:>18}: {h['median_s'] * 1e6:7.1f} us  (p10-p90 {h['p10_s'] * 1e6:.1f}-"
                   f"{h['p90_s'] * 1e6:.1f})")  # fmt: skip
+    if args.out:  # what is measured is kept, whatever happens next
+        write_json(args.out, res)
     print(f"timing modes and do_bench, {args.rows} x {args.cols} bf16 ({args.trials} trials)", flush=True)
     res["modes"] = modes_table(args.rows, args.cols, args.trials, dev)
     for what, entry in res["modes"].items():
@@ -250,6 +253,8 @@ def main() -> int:
                     f"{timing} {row['median_s'] * 1e6:7.1f} ({(row['host_s'] or 0) * 1e6:6.1f}){flag}"
                 )
             print(f"    {k:>9}: " + " | ".join(cells) + f" | do_bench {entry['do_bench_s'][k] * 1e6:7.1f}")
+    if args.out:
+        write_json(args.out, res)
     res["targets"] = [
         dict(what=w, measured=v, limit=lim, met=ok) for w, v, lim, ok in targets(res["host"], res["modes"])
     ]
