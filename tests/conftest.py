@@ -22,8 +22,8 @@ def device():
 
 
 class PoisonedTorch:
-    """Stands in for `torch` inside profuse.kernels.tail: torch.empty comes back full of NaN (or
-    -1 for integers), so an element a kernel forgets to write (an output, a gradient, a dw
+    """Stands in for `torch` inside profuse.kernels.tail: torch.empty and torch.empty_like come back
+    full of NaN (or -1 for integers), so an element a kernel forgets to write (an output, a gradient, a dw
     partial row) cannot pass for a right answer."""
 
     def __getattr__(self, name):
@@ -31,7 +31,14 @@ class PoisonedTorch:
 
     @staticmethod
     def empty(*args, **kwargs):
-        t = torch.empty(*args, **kwargs)
+        return PoisonedTorch._poison(torch.empty(*args, **kwargs))
+
+    @staticmethod
+    def empty_like(*args, **kwargs):
+        return PoisonedTorch._poison(torch.empty_like(*args, **kwargs))
+
+    @staticmethod
+    def _poison(t):
         return t.fill_(math.nan if t.is_floating_point() else -1)
 
 

@@ -75,6 +75,7 @@ def test_poisoned_allocation_is_poisoned(poisoned):
 
     assert torch.isnan(ktail.torch.empty((2, 3), dtype=torch.bfloat16)).all()
     assert (ktail.torch.empty(4, dtype=torch.int32) == -1).all()
+    assert torch.isnan(ktail.torch.empty_like(torch.ones(2, 3))).all()
 
 
 # --------------------------------------------------------------------------------------------

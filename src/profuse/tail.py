@@ -106,12 +106,23 @@ def tail_triton(gate, up, residual, weight, eps: float = DEFAULT_EPS):
     Differentiable in gate, up, residual and weight; a custom op, so torch.compile calls it
     without a graph break. Inputs may be strided (columns are copied contiguous if they are not).
     """
+    check_tail_args(gate, up, residual, weight)
+    return (_FUSED or _load_fused())(gate, up, residual, weight, float(eps))
+
+
+# The kernels' entry point, imported on the first call: importing the kernels builds their
+# Triton wrappers (and must follow TRITON_INTERPRET's setting), so `import profuse` stays light.
+_FUSED = None
+
+
+def _load_fused():
+    global _FUSED
     if not HAS_TRITON:
         raise RuntimeError(TRITON_MISSING)
-    check_tail_args(gate, up, residual, weight)
     from profuse.kernels.tail import tail_fused
 
-    return tail_fused(gate, up, residual, weight, float(eps))
+    _FUSED = tail_fused
+    return _FUSED
 
 
 class FusedTail(torch.nn.Module):

@@ -223,7 +223,10 @@ def _runner(fn: Callable, x: dict, cfg: TailBenchConfig) -> Callable[[], object]
     def fwd_bwd():
         y = fn(*leaves, cfg.eps)
         # autograd.grad returns fresh gradients: nothing accumulates into .grad between calls.
-        return (y, *torch.autograd.grad(y, leaves, dy))
+        # y goes back detached: a result kept (the checks keep eager's) must not keep its graph
+        # alive, whose leaf nodes would hold the stream of their first call and break a later
+        # CUDA-graph capture ("operation would make the legacy stream depend on a capturing ...").
+        return (y.detach(), *torch.autograd.grad(y, leaves, dy))
 
     return fwd_bwd
 
