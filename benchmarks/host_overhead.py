@@ -86,6 +86,21 @@ def minimal_function(rows: int, cols: int, dtype: torch.dtype, dev: torch.device
     return Minimal.apply, bare
 
 
+def empty_function():
+    """An autograd.Function whose forward and backward launch nothing: the engine's cost."""
+
+    class Empty(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, g, u, r, w):
+            return torch.empty_like(g)
+
+        @staticmethod
+        def backward(ctx, dy):
+            return dy, dy, dy, None
+
+    return Empty.apply
+
+
 def host_table(rows: int, cols: int, rounds: int, per_round: int, dev: torch.device) -> dict:
     """Median host seconds per call of each variant, forward (no grad), forward (grad) and
     forward + backward, over interleaved rounds."""
@@ -96,12 +111,16 @@ def host_table(rows: int, cols: int, rounds: int, per_round: int, dev: torch.dev
     leaves = [t.clone().requires_grad_() for t in (g, u, r, w)]
     y_out = torch.empty_like(g)
     minimal, bare = minimal_function(rows, cols, dtype, dev)
+    empty = empty_function()
     compiled = T.compiled_tail("default")
 
-    def fb(fn):
+    def fb(fn, threads: bool = True):
         def call():
-            y = fn(*leaves, EPS) if fn is not minimal else fn(*leaves)
-            return torch.autograd.grad(y, leaves, dy)
+            # threads=False: the backward on the calling thread, not autograd's device thread,
+            # to show what the hand-off between the two threads costs.
+            with torch.autograd.set_multithreading_enabled(threads):
+                y = fn(*leaves, EPS) if fn is not minimal else fn(*leaves)
+                return torch.autograd.grad(y, leaves, dy)
 
         return call
 
@@ -123,6 +142,15 @@ def host_table(rows: int, cols: int, rounds: int, per_round: int, dev: torch.dev
             "eager F.rms_norm": fb(T.tail_rms_norm),
             "torch.compile": fb(compiled),
             "profuse triton": fb(T.tail_triton),
+        },
+        "forward + backward, backward on the calling thread": {
+            "minimal Function": fb(minimal, threads=False),
+            "eager F.rms_norm": fb(T.tail_rms_norm, threads=False),
+            "torch.compile": fb(compiled, threads=False),
+            "profuse triton": fb(T.tail_triton, threads=False),
+        },
+        "the autograd engine alone": {
+            "Function launching nothing": lambda: torch.autograd.grad(empty(*leaves), leaves[:3], dy),
         },
     }
     if HAS_LIGER:
