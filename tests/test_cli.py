@@ -109,6 +109,56 @@ def test_python_m_profuse_help():
     assert "usage: profuse" in proc.stdout and "--skip-profile" in proc.stdout
 
 
+# The modules that make up most of a command's start-up time (about 3.5 s on 2 cores).
+HEAVY_MODULES = ("torch", "numpy", "scipy", "triton", "matplotlib")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["sweep", "--help"], ["profile", "--help"], ["report", "--help"], ["--rows", "0"],
+     ["sweep", "--elements", "4X"], ["--version"]],
+    ids=" ".join,
+)  # fmt: skip
+def test_help_and_argument_errors_import_nothing_heavy(argv):
+    """`profuse --help` and a mistyped flag answer without loading torch: the package's public
+    names load on first use, and each command imports what it runs after parsing its flags."""
+    script = (
+        "import sys\n"
+        "from profuse.cli import main\n"
+        f"code = main({argv!r})\n"
+        f"heavy = [m for m in {HEAVY_MODULES!r} if m in sys.modules]\n"
+        "print('HEAVY', heavy, 'CODE', code)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    expected = 2 if "0" in argv or "4X" in argv else 0
+    assert last == f"HEAVY [] CODE {expected}", (last, proc.stderr)
+
+
+def test_public_names_load_on_first_use():
+    script = (
+        "import sys\n"
+        "import profuse\n"
+        "assert 'torch' not in sys.modules, 'import profuse loaded torch'\n"
+        "from profuse import compare, FusedTail\n"
+        "assert callable(profuse.tail_triton) and callable(compare) and 'torch' in sys.modules\n"
+        "assert set(profuse.__all__) <= set(dir(profuse))\n"
+        "from profuse import compile as c, tail as t\n"  # submodules, not public names
+        "assert c.__name__ == 'profuse.compile' and t.__name__ == 'profuse.tail'\n"
+        "try:\n"
+        "    profuse.no_such_name\n"
+        "except AttributeError as err:\n"
+        "    assert 'no_such_name' in str(err)\n"
+        "else:\n"
+        "    raise SystemExit('an unknown name must raise AttributeError')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+
+
 # --------------------------------------------------------------------------------------------
 # Bad input: exit 2, one line on stderr, no traceback
 # --------------------------------------------------------------------------------------------

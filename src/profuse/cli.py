@@ -284,11 +284,11 @@ def run_part_b(args, device) -> None:
 
 
 def cmd_main(argv: list[str]) -> int:
-    from profuse.env import resolve_device
-
     args = build_parser().parse_args(argv)
     if args.skip_profile and args.profile_only:
         raise UsageError("--skip-profile and --profile-only leave nothing to run: pick one")
+    from profuse.env import resolve_device
+
     device = resolve_device(args.device)
     if not args.skip_profile:
         run_part_a(args, device)
@@ -298,10 +298,10 @@ def cmd_main(argv: list[str]) -> int:
 
 
 def cmd_profile(argv: list[str]) -> int:
+    args = build_profile_parser().parse_args(argv)
     from profuse.distributed import launch_profile, started_by_launcher
     from profuse.env import resolve_device
 
-    args = build_profile_parser().parse_args(argv)
     # --nproc N launches N ranks; a process that torchrun started is one of them already
     # (torchrun would read a --nproc after the module name as its own flag, so none is given).
     if args.nproc is not None or started_by_launcher():
@@ -363,13 +363,13 @@ def build_diff_parser() -> argparse.ArgumentParser:
 
 
 def cmd_sweep(argv: list[str]) -> int:
+    args = build_sweep_parser().parse_args(argv)
     from profuse.env import resolve_device
     from profuse.files import write_json
     from profuse.report import plots
     from profuse.report.sweep import format_sweep, write_csv
     from profuse.sweep import SweepConfig, run_sweep
 
-    args = build_sweep_parser().parse_args(argv)
     device = resolve_device(args.device)
     # The one-size config maps the shared flags (dtype, variants, --warm-cache) as Part B does.
     first = _bench_config(args, device, args.rows[0], args.cols[0])
@@ -407,9 +407,9 @@ def cmd_sweep(argv: list[str]) -> int:
 
 
 def cmd_report(argv: list[str]) -> int:
+    args = build_report_parser().parse_args(argv)
     from profuse.report.sweep import format_run, load_results, parse, rebase, select_variants
 
-    args = build_report_parser().parse_args(argv)
     if args.plots is not None:
         from profuse.report import plots
 
@@ -436,9 +436,9 @@ def cmd_report(argv: list[str]) -> int:
 
 
 def cmd_diff(argv: list[str]) -> int:
+    args = build_diff_parser().parse_args(argv)
     from profuse.report.sweep import format_diff, load_results
 
-    args = build_diff_parser().parse_args(argv)
     print(format_diff(load_results(args.a), load_results(args.b), names=(str(args.a), str(args.b))))
     return 0
 
