@@ -347,6 +347,80 @@ def test_report_prints_a_single_run(tmp_path):
     assert "eager F.rms_norm" in text
 
 
+@pytest.fixture(scope="module")
+def every_kind(tmp_path_factory, saved):
+    """A results file of each kind profuse writes, made through the CLI: a single run with a
+    variant skipped (liger-kernel: not installed, or no GPU), a sweep, a sweep with a size that
+    did not fit, and the partial file of a sweep stopped after its first size."""
+    root = tmp_path_factory.mktemp("kinds")
+    single = root / "single"
+    code, _, err = run_cli(
+        "--skip-profile", "--rows", "16", "--cols", "40", "--trials", "3",
+        "--variants", "eager,rms_norm,liger", "--device", "cpu", "--out", str(single),
+    )  # fmt: skip
+    assert code == 0, err
+    skipped = root / "skipped"
+    code, _, err = run_cli(
+        "sweep", "--rows", f"64,{HUGE_ROWS}", "--cols", "96", "--trials", "3",
+        "--variants", "eager,rms_norm", "--device", "cpu", "--out", str(skipped),
+    )  # fmt: skip
+    assert code == 0, err
+    partial = root / "partial"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cli, "Progress", _InterruptAtSecondSize)
+        code, _, _ = run_cli("sweep", *TINY, "--out", str(partial))
+    assert code == 130
+    return {
+        "single run, a variant skipped": single / "results.json",
+        "sweep": saved["a"][0] / "results.json",
+        "sweep, a size skipped": skipped / "results.json",
+        "partial sweep": partial / "results.partial.json",
+    }
+
+
+KINDS = ["single run, a variant skipped", "sweep", "sweep, a size skipped", "partial sweep"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_of_results_file_reads_back_in_report(every_kind, kind):
+    path = every_kind[kind]
+    data = json.loads(path.read_text())
+    if kind.startswith("single"):  # what the file holds: a dict of skipped variants
+        assert data["kind"] == "tail" and "liger" in data["skipped"]
+    code, text, err = run_cli("report", str(path))
+    assert code == 0, err
+    assert err == ""
+    rows = [line for line in text.splitlines() if "eager F.rms_norm" in line and "GB/s" in line]
+    assert rows and all("x (" in line or "no measurable gain" in line for line in rows), text
+    if kind.startswith("single"):
+        assert any(line.startswith("liger") and ": skipped (" in line for line in text.splitlines()), text
+    if kind == "sweep, a size skipped":
+        assert f"{HUGE_ROWS} x 96: skipped" in text
+    if kind == "partial sweep":
+        assert "partial sweep" in text
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_of_results_file_diffs_against_itself(every_kind, kind):
+    """A run compared with itself: every size and variant it timed is in the table, and none
+    shows a measurable difference (each point ratio is 1)."""
+    path = str(every_kind[kind])
+    run = R.parse(json.loads(every_kind[kind].read_text()))
+    timed = [r for r in run.variant_rows if r.median_s is not None]
+    code, text, err = run_cli("diff", path, path)
+    assert code == 0, err
+    rows = [line for line in text.splitlines() if " 1.00x (" in line]
+    assert len(rows) == len(timed) > 0, text
+    assert all("no measurable difference" in line for line in rows)
+
+
+def test_a_single_run_and_a_sweep_diff_where_their_sizes_meet(every_kind):
+    single, sweep = every_kind["single run, a variant skipped"], every_kind["sweep"]
+    code, text, err = run_cli("diff", str(single), str(sweep))
+    assert code == 0, err
+    assert "only in A: 16 x 40" in text and "only in B: 64 x 96" in text
+
+
 def test_report_and_plot_show_the_copy_ceiling(tmp_path, saved):
     # A CUDA run saves the copy ceiling; here it is written into a CPU file to check the rendering.
     data = json.loads((saved["a"][0] / "results.json").read_text())

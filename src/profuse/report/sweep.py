@@ -169,9 +169,10 @@ def parse(data: dict, source: str = "results") -> SavedRun:
 def _parse(data: dict) -> SavedRun:
     entries = [data] if data["kind"] == "tail" else list(data["runs"])
     cfg = data["config"]
-    skipped_sizes = [(int(s["rows"]), int(s["cols"]), str(s["reason"])) for s in data.get("skipped", [])]
-    if data["kind"] == "tail":
-        skipped_sizes = []  # a single run's "skipped" holds variants, read below
+    # A sweep's "skipped" lists sizes; a single run's maps variants to reasons (read below, per entry).
+    skipped_sizes = []
+    if data["kind"] == "sweep":
+        skipped_sizes = [(int(s["rows"]), int(s["cols"]), str(s["reason"])) for s in data.get("skipped", [])]
     rows: list[VariantRow] = []
     skipped_variants: dict[str, str] = {}
     comp0: dict = {}
