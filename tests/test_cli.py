@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from profuse import cli
 from profuse.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -186,6 +187,120 @@ def test_bad_input_exits_2_with_one_line(case, capsys, tmp_path):
     code, _out, err = run([*SMALL, *BAD[case], "--out", str(tmp_path)], capsys)
     assert_one_clear_line(code, err)
     assert not (tmp_path / "results.json").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# An output folder that cannot be written fails before any work: one line, exit 2
+# --------------------------------------------------------------------------------------------
+
+COMMANDS = {
+    "main": SMALL,
+    "main, Part A": ["--profile-only"],
+    "profile": ["profile"],
+    "profile --nproc": ["profile", "--nproc", "2"],
+    "sweep": ["sweep", "--rows", "8", "--cols", "8", "--trials", "2", "--variants", "eager"],
+}
+
+
+def _a_file(tmp_path, monkeypatch=None):
+    path = tmp_path / "results.json"
+    path.write_text("an earlier run\n")
+    return path
+
+
+def _under_a_file(tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("a file\n")
+    return tmp_path / "notes.txt" / "out"
+
+
+def _name_too_long(tmp_path, monkeypatch):
+    return tmp_path / "new" / ("x" * 300)  # past the 255 bytes a file name may have
+
+
+def _read_only(tmp_path, monkeypatch):
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.geteuid() == 0:  # root writes into read-only folders: the file system refuses instead
+        import profuse.files
+
+        def refused(*args, **kwargs):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(profuse.files.tempfile, "mkstemp", refused)
+    return folder
+
+
+BAD_OUT = {"a file": _a_file, "a folder under a file": _under_a_file, "a name too long": _name_too_long,
+           "a read-only folder": _read_only}  # fmt: skip
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Any measuring fails the test: a bad output folder must be found before it starts."""
+    import profuse.bench.tail
+    import profuse.distributed
+    import profuse.profiling
+    import profuse.sweep
+
+    def started(*args, **kwargs):
+        raise AssertionError("the work started before the output folder was checked")
+
+    work = [(profuse.bench.tail, "run_tail_bench"), (profuse.sweep, "run_sweep"),
+            (profuse.profiling, "run_profile"), (profuse.distributed, "launch_profile")]  # fmt: skip
+    for module, name in work:
+        monkeypatch.setattr(module, name, started)
+
+
+@pytest.mark.parametrize("bad", BAD_OUT)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_out_that_cannot_be_written_fails_before_any_work(
+    command, bad, tmp_path, capsys, monkeypatch, no_work
+):
+    out = BAD_OUT[bad](tmp_path, monkeypatch)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    code, stdout, err = run([*COMMANDS[command], "--out", str(out)], capsys)
+    assert_one_clear_line(code, err)
+    assert "--out" in err and str(out) in err, err
+    assert stdout == ""
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing made, nothing left
+
+
+def test_report_plots_that_cannot_be_written_fail_before_the_table(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    results = tmp_path / "results.json"
+    results.write_text("{}")  # never read: the folder for the plots is checked first
+    plots = tmp_path / "speedup.png"
+    plots.write_bytes(b"an earlier plot")
+    code, stdout, err = run(["report", str(results), "--plots", str(plots)], capsys)
+    assert_one_clear_line(code, err)
+    assert "--plots" in err and stdout == ""
+
+
+def test_a_results_json_that_is_a_folder_fails_before_any_work(tmp_path, capsys, no_work):
+    (tmp_path / "results.json").mkdir()
+    code, _, err = run([*SMALL, "--out", str(tmp_path)], capsys)
+    assert_one_clear_line(code, err)
+    assert "results.json" in err
+
+
+def test_a_missing_out_is_made_when_the_run_writes(tmp_path, capsys):
+    out = tmp_path / "a" / "b"
+    code, _, err = run([*SMALL, "--out", str(out)], capsys)
+    assert code == 0, err
+    assert (out / "results.json").is_file()
+    assert [p.name for p in out.iterdir()] == ["results.json"]  # no probe file left
+
+
+def test_output_names_checked_by_the_cli_are_the_ones_written():
+    from profuse import distributed
+    from profuse.profiling import ProfileConfig, compiled_config
+
+    assert cli.TRACE_JSON == ProfileConfig().trace_name
+    assert cli.part_a_files(True)[1] == compiled_config(ProfileConfig()).trace_name
+    assert cli.DDP_FILES[1:] == (distributed.SUMMARY_NAME, distributed.LOG_DIR_NAME)
+    plots = pytest.importorskip("profuse.report.plots")
+    assert cli.PLOTS == (plots.SPEEDUP_PNG, plots.BANDWIDTH_PNG)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")

@@ -10,6 +10,7 @@ profuse diff A.json B.json   compare two saved runs variant by variant
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -169,6 +170,31 @@ def build_profile_parser() -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------------------------
+# What each command writes, checked before any work (files.check_folder)
+# --------------------------------------------------------------------------------------------
+
+# The modules that write these files import torch or matplotlib; the names are here so --out can
+# be checked before those load (tests/test_cli.py checks that they agree).
+TRACE_JSON = "trace.json"  # profiling.ProfileConfig.trace_name
+PROFILE_JSON = "profile.json"
+RESULTS_JSON = "results.json"
+PARTIAL_JSON = "results.partial.json"
+RESULTS_CSV = "results.csv"
+PLOTS = ("speedup.png", "bandwidth.png")  # report.plots.SPEEDUP_PNG, BANDWIDTH_PNG
+DDP_FILES = ("trace_rank0.json", "profile_ddp.json", "logs")  # distributed.SUMMARY_NAME, LOG_DIR_NAME
+
+
+def part_a_files(compile_step: bool) -> tuple[str, ...]:
+    return (TRACE_JSON, "trace-compiled.json", PROFILE_JSON) if compile_step else (TRACE_JSON, PROFILE_JSON)
+
+
+def check_out(args, names: tuple[str, ...]) -> None:
+    from profuse.files import check_folder
+
+    check_folder(args.out, names)
+
+
+# --------------------------------------------------------------------------------------------
 # Progress: a bar on an interactive terminal, nothing in logs and pipes
 # --------------------------------------------------------------------------------------------
 
@@ -263,7 +289,7 @@ def run_part_a(args, device) -> None:
         print()
         print(format_profile_comparison(eager, compiled))
         summary["compiled"] = compiled.to_dict()
-    write_json(Path(args.out) / "profile.json", summary)
+    write_json(Path(args.out) / PROFILE_JSON, summary)
     print()
 
 
@@ -279,7 +305,7 @@ def run_part_b(args, device) -> None:
     finally:
         progress.close()
     print(format_tail_bench(res))
-    path = write_json(Path(args.out) / "results.json", res.to_dict())
+    path = write_json(Path(args.out) / RESULTS_JSON, res.to_dict())
     print(f"results: {path}")
 
 
@@ -287,6 +313,8 @@ def cmd_main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.skip_profile and args.profile_only:
         raise UsageError("--skip-profile and --profile-only leave nothing to run: pick one")
+    names = () if args.skip_profile else part_a_files(args.compile_step)
+    check_out(args, names + (() if args.profile_only else (RESULTS_JSON,)))
     from profuse.env import resolve_device
 
     device = resolve_device(args.device)
@@ -302,6 +330,12 @@ def cmd_profile(argv: list[str]) -> int:
     from profuse.distributed import launch_profile, started_by_launcher
     from profuse.env import resolve_device
 
+    if started_by_launcher():
+        # A rank: the others check the same folder at the same moment, so it is made for good
+        # first (a folder the check made and removed could vanish under another rank's probe).
+        with contextlib.suppress(OSError):
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+    check_out(args, DDP_FILES if args.nproc is not None else part_a_files(args.compile_step))
     # --nproc N launches N ranks; a process that torchrun started is one of them already
     # (torchrun would read a --nproc after the module name as its own flag, so none is given).
     if args.nproc is not None or started_by_launcher():
@@ -364,6 +398,7 @@ def build_diff_parser() -> argparse.ArgumentParser:
 
 def cmd_sweep(argv: list[str]) -> int:
     args = build_sweep_parser().parse_args(argv)
+    check_out(args, (RESULTS_JSON, RESULTS_CSV, PARTIAL_JSON, *PLOTS))
     from profuse.env import resolve_device
     from profuse.files import write_json
     from profuse.report import plots
@@ -375,7 +410,7 @@ def cmd_sweep(argv: list[str]) -> int:
     first = _bench_config(args, device, args.rows[0], args.cols[0])
     cfg = SweepConfig.from_bench(first, args.rows, args.cols, args.elements)
     out = Path(args.out)
-    partial = out / "results.partial.json"
+    partial = out / PARTIAL_JSON
 
     def save_partial(res) -> None:
         # The sizes done so far, rewritten whole after each size: a sweep stopped part-way (a
@@ -394,7 +429,7 @@ def cmd_sweep(argv: list[str]) -> int:
     if not res.runs:
         raise UsageError("no size fitted in memory, so nothing was written: choose smaller sizes")
     # JSON first: it holds every timing, and the CSV and plots can be made again from it.
-    written = [write_json(out / "results.json", data), write_csv(out / "results.csv", data)]
+    written = [write_json(out / RESULTS_JSON, data), write_csv(out / RESULTS_CSV, data)]
     if plots.HAS_MATPLOTLIB:
         written += plots.write_plots(data, out)
     partial.unlink(missing_ok=True)
@@ -411,10 +446,12 @@ def cmd_report(argv: list[str]) -> int:
     from profuse.report.sweep import format_run, load_results, parse, rebase, select_variants
 
     if args.plots is not None:
+        from profuse.files import check_folder
         from profuse.report import plots
 
         if not plots.HAS_MATPLOTLIB:
             raise UsageError(plots.MATPLOTLIB_MISSING)  # before the table, not after it
+        check_folder(args.plots, PLOTS, flag="--plots")
     data = load_results(args.results)
     if args.vs:
         data = rebase(data, args.vs, only=args.variants)
