@@ -91,6 +91,27 @@ def test_part_b_end_to_end(tmp_path, capsys):
     assert data["checks"]["eager"]["passed"] and data["checks"]["rms_norm"]["passed"]
 
 
+def test_part_b_warns_where_report_would():
+    """The main job prints the warnings `profuse report` gives for its file: too few trials for
+    the CI, and a variant whose trials were disturbed, with the command to time it again."""
+    from profuse.bench.tail import TailBenchConfig, run_tail_bench
+    from profuse.report.bench import format_tail_bench
+
+    cfg = TailBenchConfig(rows=16, cols=40, trials=30, warmup=0, variants=("eager", "rms_norm"))
+    res = run_tail_bench(cfg)
+    for timing in res.comparison.timings.values():  # steady: within 10% of the fastest
+        timing.times_s = [1e-3 * (1 + 0.1 * (i % 2)) for i in range(30)]
+    assert "WARNING" not in format_tail_bench(res)
+    res.comparison.timings["eager"].times_s = [1e-3] * 10 + [2e-3] * 20
+    lines = format_tail_bench(res).splitlines()
+    [warning] = [line for line in lines if line.startswith("WARNING")]
+    assert "16 x 40" in warning and "eager 20/30" in warning
+    assert "profuse --skip-profile --rows 16 --cols 40" in warning
+    assert lines.index(warning) > max(i for i, line in enumerate(lines) if ": median " in line)
+    cfg.trials = res.config.trials = 3
+    assert any(line.startswith("WARNING only 3 trials") for line in format_tail_bench(res).splitlines())
+
+
 def test_profile_and_fuse_help():
     proc = subprocess.run(
         [sys.executable, "profile_and_fuse.py", "--help"],
@@ -298,7 +319,7 @@ def test_output_names_checked_by_the_cli_are_the_ones_written():
 
     assert cli.TRACE_JSON == ProfileConfig().trace_name
     assert cli.part_a_files(True)[1] == compiled_config(ProfileConfig()).trace_name
-    assert cli.DDP_FILES[1:] == (distributed.SUMMARY_NAME, distributed.LOG_DIR_NAME)
+    assert cli.DDP_FILES[1] == distributed.SUMMARY_NAME
     plots = pytest.importorskip("profuse.report.plots")
     assert cli.PLOTS == (plots.SPEEDUP_PNG, plots.BANDWIDTH_PNG)
 

@@ -659,3 +659,41 @@ def test_report_warns_of_unsteady_timings(saved):
     # At one disturbed trial in 30 the median holds: no warning.
     times[:] = [1e-3] * 29 + [3e-3]
     assert "unsteady" not in R.format_report(data)
+
+
+def test_unsteady_warning_gives_a_command_that_times_the_size_again(saved):
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    for run in data["runs"]:  # steady: every trial within 10% of the fastest
+        for timing in run["comparison"]["timings"].values():
+            timing["times_s"] = [1e-3 * (1 + 0.1 * (i % 2)) for i in range(3)]
+    data["runs"][1]["comparison"]["timings"]["eager"]["times_s"] = [1e-3, 3e-3, 3e-3]
+    [warning] = [line for line in R.format_report(data).splitlines() if "unsteady" in line]
+    command = warning.split("again: ", 1)[1]
+    assert command.startswith("profuse ")
+    args = cli.build_parser().parse_args(command.split()[1:])
+    assert (args.rows, args.cols, args.dtype, args.device) == (128, 96, "float32", "cpu")
+    assert args.skip_profile and not args.backward
+    assert args.variants.split(",") == ["eager", "rms_norm"]
+    assert args.trials >= 10  # the saved run had 3: the command asks for enough to trust a CI
+    assert str(args.out) not in (".", str(saved["a"][0]))  # it does not replace the file it came from
+
+
+@pytest.mark.parametrize("trials, warned", [(2, True), (3, True), (9, True), (10, False), (30, False)])
+def test_few_trials_carry_a_caveat_on_their_ci(saved, trials, warned):
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    data["config"]["trials"] = trials
+    text = R.format_report(data)
+    caveats = [line for line in text.splitlines() if f"only {trials} trials" in line]
+    assert len(caveats) == (1 if warned else 0), text
+    if warned:
+        assert "--trials 10" in caveats[0] and "CI" in caveats[0]
+
+
+def test_sweep_and_diff_show_the_warnings_too(saved):
+    """The sweep's own table, report and diff all carry the few-trials caveat of a 3-trial run."""
+    out, stdout = saved["a"]
+    assert "WARNING only 3 trials" in stdout
+    path = str(out / "results.json")
+    code, text, _ = run_cli("diff", path, path)
+    assert code == 0
+    assert "A: WARNING only 3 trials" in text and "B: WARNING only 3 trials" in text

@@ -181,7 +181,7 @@ RESULTS_JSON = "results.json"
 PARTIAL_JSON = "results.partial.json"
 RESULTS_CSV = "results.csv"
 PLOTS = ("speedup.png", "bandwidth.png")  # report.plots.SPEEDUP_PNG, BANDWIDTH_PNG
-DDP_FILES = ("trace_rank0.json", "profile_ddp.json", "logs")  # distributed.SUMMARY_NAME, LOG_DIR_NAME
+DDP_FILES = ("trace_rank0.json", "profile_ddp.json")  # distributed.SUMMARY_NAME (and a folder, logs/)
 
 
 def part_a_files(compile_step: bool) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ import math
 from profuse.bench.stats import STATISTIC
 from profuse.bench.traffic import EAGER_FORWARD_TENSORS
 from profuse.env import card_name, dtype_name
+from profuse.report.sweep import parse, timing_warnings
 from profuse.report.units import fmt_bandwidth, fmt_bytes, fmt_speedup, fmt_time, time_unit
 
 W = 22  # label column, right-aligned as in the lab's output
@@ -89,4 +90,6 @@ def format_tail_bench(res) -> str:
     firsts = ", ".join(f"{res.labels[k]} {t.first_call_s:.2f} s" for k, t in comp.timings.items())
     lines.append(f"first call (compilation, kernel builds): {firsts}")
     lines.append(f"card: {card_name(res.env)}, torch {res.env.get('torch')}, triton {res.env.get('triton')}")
+    # The warnings `profuse report` gives for this run's file, read the same way from its data.
+    lines += timing_warnings(parse(res.to_dict(), "this run"))
     return "\n".join(lines)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from profuse.bench.stats import bootstrap_ratio_ci, check_timings
+from profuse.bench.stats import FEW_TRIALS, bootstrap_ratio_ci, check_timings
 from profuse.env import card_name
 from profuse.errors import UsageError
 from profuse.files import atomic_path
@@ -303,7 +303,8 @@ def unsteady_trials(row: VariantRow) -> int:
 
 
 def unsteady_notes(run: SavedRun) -> list[str]:
-    """One warning per size where some variant's timings were disturbed."""
+    """One warning per size where some variant's timings were disturbed, with the command that
+    times that size again."""
     notes = []
     for size in run.sizes:
         rows = [(r, unsteady_trials(r)) for r in run.variant_rows if r.size == size and r.times_s]
@@ -311,9 +312,39 @@ def unsteady_notes(run: SavedRun) -> list[str]:
             counts = ", ".join(f"{r.label} {n}/{len(r.times_s)}" for r, n in rows)
             notes.append(
                 f"WARNING {_size(*size)}: unsteady timings (trials over {UNSTEADY_RATIO}x their "
-                f"fastest: {counts}); its medians are not to be trusted: time that size again"
+                f"fastest: {counts}); its medians are not to be trusted. On a quiet machine, time it "
+                f"again: {again_command(run, size)}"
             )
     return notes
+
+
+def again_command(run: SavedRun, size: tuple[int, int]) -> str:
+    """The command that times one size of `run` again with the same settings (at least FEW_TRIALS
+    trials), into a folder of its own so the results it came from are not replaced."""
+    rows, cols = size
+    keys = list(dict.fromkeys(r.variant for r in run.variant_rows if r.size == size))
+    argv = ["profuse", "--skip-profile", "--rows", str(rows), "--cols", str(cols), "--dtype", run.dtype]
+    argv += ["--backward"] if run.backward else []
+    argv += ["--variants", ",".join(keys), "--trials", str(max(run.trials, FEW_TRIALS))]
+    device = run.device.split(":", 1)[0]
+    argv += ["--device", device]
+    argv += ["--warm-cache"] if device == "cuda" and not run.flush_l2 else []
+    return " ".join([*argv, "--out", "again"])
+
+
+def few_trials_note(trials: int) -> list[str]:
+    """The caveat on every CI of a run with fewer than FEW_TRIALS trials (none otherwise)."""
+    if trials >= FEW_TRIALS:
+        return []
+    return [
+        f"WARNING only {trials} trials: a bootstrap over so few cannot see the spread of the timings, "
+        f"so each 95% CI is rough; use --trials {FEW_TRIALS} or more (the default is 30)"
+    ]
+
+
+def timing_warnings(run: SavedRun) -> list[str]:
+    """What makes this run's numbers less than they look: too few trials, disturbed sizes."""
+    return few_trials_note(run.trials) + unsteady_notes(run)
 
 
 def _notes(run: SavedRun) -> list[str]:
@@ -337,7 +368,7 @@ def _notes(run: SavedRun) -> list[str]:
         notes.append(f"{_size(rows, cols)}: skipped ({why})")
     env = run.env
     notes.append(f"card: {run.card}, torch {env.get('torch')}, triton {env.get('triton')}")
-    return notes + unsteady_notes(run)
+    return notes + timing_warnings(run)
 
 
 def format_run(run: SavedRun, markdown: bool = False) -> str:
@@ -545,4 +576,6 @@ def format_diff(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
         "the two runs were not interleaved, so drift between them (clocks, heat, other work) is not in "
         "the CI: treat a small measurable difference with care"
     )
+    for side, run in (("A", ra), ("B", rb)):
+        lines += [f"{side}: {warning}" for warning in timing_warnings(run)]
     return "\n".join(lines)
