@@ -112,6 +112,25 @@ def test_part_b_warns_where_report_would():
     assert any(line.startswith("WARNING only 3 trials") for line in format_tail_bench(res).splitlines())
 
 
+# A model small enough that Part A takes a second or two on the CPU.
+TINY_MODEL = ["--layers", "1", "--d-model", "32", "--heads", "2", "--vocab-size", "64", "--seq-len", "16",
+              "--batch-size", "2", "--profile-steps", "1"]  # fmt: skip
+
+
+def test_ctrl_c_in_part_b_says_that_part_a_is_kept(tmp_path, capsys, monkeypatch):
+    import profuse.bench.tail
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(profuse.bench.tail, "run_tail_bench", interrupted)
+    code, _out, err = run([*TINY_MODEL, "--device", "cpu", "--out", str(tmp_path)], capsys)
+    assert code == 130
+    summary = tmp_path / "profile.json"
+    assert summary.is_file() and (tmp_path / "trace.json").is_file()
+    assert err.startswith("profuse: interrupted") and f"profuse report {summary}" in err
+
+
 def test_profile_and_fuse_help():
     proc = subprocess.run(
         [sys.executable, "profile_and_fuse.py", "--help"],

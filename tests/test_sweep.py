@@ -158,6 +158,58 @@ def test_interrupted_sweep_keeps_only_the_sizes_done_in_a_partial_file(tmp_path,
     assert code == 0 and "partial sweep: it stopped after 1 sizes" in report
 
 
+def test_interrupted_sweep_says_what_it_kept_and_how_to_go_on(tmp_path, monkeypatch):
+    """Ctrl-C names the partial file, the command that reads it, and a command that times the
+    sizes left (which the sweep's parser reads back as exactly those sizes)."""
+    monkeypatch.setattr(cli, "Progress", _InterruptAtSecondSize)
+    out = tmp_path / "killed"
+    argv = ["--rows", "64,128,160", "--cols", "96", "--trials", "3", "--variants", "eager", "--seed", "7"]
+    code, stdout, stderr = run_cli("sweep", *argv, "--device", "cpu", "--out", str(out))
+    assert code == 130
+    partial = out / "results.partial.json"
+    lines = stderr.strip().splitlines()
+    assert lines[0].startswith("profuse: interrupted") and f"(1 of 3) are saved in {partial}" in lines[0]
+    assert f"profuse report {partial}" in stderr
+    [rest] = [line.split("2 sizes left: ", 1)[1] for line in lines if "sizes left: " in line]
+    args = cli.build_sweep_parser().parse_args(rest.split()[2:])
+    assert (args.rows, args.cols, args.trials, args.variants, args.seed) == ([128, 160], [96], 3, "eager", 7)
+    assert args.out not in (out, tmp_path) and args.out.parent == out  # the partial file stays as it is
+    assert stdout == ""
+
+
+def test_sizes_left_of_a_grid_are_given_as_elements():
+    parser = cli.build_sweep_parser()
+    args = parser.parse_args("--cols 64,96 --elements 6144,12288 --trials 3 --variants eager".split())
+    cfg = S.SweepConfig(rows=args.rows, cols=args.cols, elements=args.elements, trials=3, variants=("eager",))
+    sizes = cfg.sizes()  # 96x64, 192x64, 64x96, 128x96: cols by cols
+    for n_done in range(1, len(sizes)):
+        commands = cli.sizes_left_commands(args, cfg, set(sizes[:n_done]))
+        covered = []
+        for command in commands:
+            again = parser.parse_args(command.split()[2:])
+            assert again.elements and again.trials == 3 and again.variants == "eager"
+            covered += S.SweepConfig(rows=again.rows, cols=again.cols, elements=again.elements).sizes()
+        assert sorted(covered) == sorted(sizes[n_done:])
+        assert len({parser.parse_args(c.split()[2:]).out for c in commands}) == len(commands)
+
+
+def test_a_sweep_that_crashes_later_says_what_it_kept(tmp_path, monkeypatch, capsys):
+    real = S.run_tail_bench
+
+    def crash_at_128(cfg, **kwargs):
+        if cfg.rows == 128:
+            raise RuntimeError("a real bug")
+        return real(cfg, **kwargs)
+
+    monkeypatch.setattr(S, "run_tail_bench", crash_at_128)
+    out = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="a real bug"):
+        cli.main(["sweep", *TINY, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert f"saved in {out / 'results.partial.json'}" in err
+    assert len(json.loads((out / "results.partial.json").read_text())["runs"]) == 1
+
+
 def test_finished_sweep_leaves_no_partial_file(saved):
     out, _ = saved["a"]
     assert not (out / "results.partial.json").exists()

@@ -321,7 +321,16 @@ def cmd_main(argv: list[str]) -> int:
     if not args.skip_profile:
         run_part_a(args, device)
     if not args.profile_only:
-        run_part_b(args, device)
+        try:
+            run_part_b(args, device)
+        except KeyboardInterrupt:
+            if args.skip_profile:
+                raise
+            summary = Path(args.out) / PROFILE_JSON
+            raise KeyboardInterrupt(
+                f"Part A had finished: its files are kept ({summary} and the trace beside it; "
+                f"profuse report {summary} prints it again)"
+            ) from None
     return 0
 
 
@@ -412,16 +421,26 @@ def cmd_sweep(argv: list[str]) -> int:
     out = Path(args.out)
     partial = out / PARTIAL_JSON
 
+    done: list = []  # the sweep so far, as last saved
+
     def save_partial(res) -> None:
         # The sizes done so far, rewritten whole after each size: a sweep stopped part-way (a
         # time limit, Ctrl-C) keeps them in a file `profuse report` reads, and leaves any
         # earlier complete results.json alone. A finished sweep removes it.
         if res.runs:
             write_json(partial, {**res.to_dict(), "partial": True})
+            done[:] = [res]
 
     progress = Progress()
     try:
         res = run_sweep(cfg, progress=progress, on_size=save_partial)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(_stopped_sweep(args, cfg, done[0] if done else None, partial)) from None
+    except Exception:
+        if done:  # a crash in a later size: say what is kept before the traceback
+            progress.close()
+            print(f"profuse: {_stopped_sweep(args, cfg, done[0], partial)}", file=sys.stderr)
+        raise
     finally:
         progress.close()
     data = res.to_dict()
@@ -439,6 +458,56 @@ def cmd_sweep(argv: list[str]) -> int:
     if not plots.HAS_MATPLOTLIB:
         print(f"no plots: {plots.MATPLOTLIB_MISSING}")
     return 0
+
+
+def _stopped_sweep(args, cfg, res, partial: Path) -> str:
+    """What a sweep stopped part-way kept: the file, the command that reads it, and the
+    commands that time the sizes it did not reach."""
+    if res is None:
+        return "no size had finished, so nothing was saved"
+    finished = {(r.config.rows, r.config.cols) for r in res.runs} | {(s.rows, s.cols) for s in res.skipped}
+    n_done, n_all = len(finished), len(cfg.sizes())
+    lines = [
+        f"the sizes that had finished ({n_done} of {n_all}) are saved in {partial}",
+        f"read them: profuse report {partial}",
+    ]
+    rest = sizes_left_commands(args, cfg, finished)
+    if rest:
+        n_left = n_all - n_done
+        lines.append(f"time the {n_left} size{'s' if n_left != 1 else ''} left: {'; '.join(rest)}")
+    return "\n  ".join(lines)
+
+
+def sizes_left_commands(args, cfg, finished: set[tuple[int, int]]) -> list[str]:
+    """`profuse sweep` commands, with the user's settings, over the sizes of `cfg` not in `finished`.
+
+    The sizes left are grouped into lists that --rows (or --elements) and --cols can give: one
+    command where they form one such grid, else one per group. Each writes into a folder of its
+    own under --out, so the partial file stays as it is.
+    """
+    left = [size for size in cfg.sizes() if size not in finished]
+    axis, values = ("--elements", cfg.elements) if cfg.elements else ("--rows", cfg.rows)
+    per_cols: dict[int, tuple[int, ...]] = {}
+    for c in cfg.cols:
+        sizes = [v for v in values if ((max(1, v // c) if cfg.elements else v), c) in left]
+        if sizes:
+            per_cols[c] = tuple(sizes)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for c, sizes in per_cols.items():
+        groups.setdefault(sizes, []).append(c)
+    settings = ["--trials", str(args.trials), "--device", args.device]
+    settings += [] if args.dtype == "auto" else ["--dtype", args.dtype]
+    settings += [] if args.variants is None else ["--variants", args.variants]
+    settings += ["--backward"] if args.backward else []
+    settings += ["--warm-cache"] if args.warm_cache else []
+    settings += ["--seed", str(args.seed)] if args.seed else []
+    out = Path(args.out)
+    commands = []
+    for i, (sizes, cols) in enumerate(groups.items()):
+        folder = out / ("rest" if i == 0 else f"rest-{i + 1}")
+        size_flags = [axis, ",".join(map(str, sizes)), "--cols", ",".join(map(str, cols))]
+        commands.append(" ".join(["profuse", "sweep", *size_flags, *settings, "--out", str(folder)]))
+    return commands
 
 
 def cmd_report(argv: list[str]) -> int:
@@ -493,8 +562,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"profuse: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("profuse: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:  # a command may say what it kept (KeyboardInterrupt(text))
+        print(f"profuse: interrupted{f'; {err}' if str(err) else ''}", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `profuse ... | head`: the reader left; nothing more to say
         # Point stdout at /dev/null so the interpreter's final flush does not fail again.
