@@ -131,6 +131,70 @@ def test_ctrl_c_in_part_b_says_that_part_a_is_kept(tmp_path, capsys, monkeypatch
     assert err.startswith("profuse: interrupted") and f"profuse report {summary}" in err
 
 
+@pytest.fixture(scope="module")
+def part_a(tmp_path_factory):
+    """Part A of a tiny model through the main job: (its folder, what it printed)."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("part_a")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["--profile-only", *TINY_MODEL, "--device", "cpu", "--out", str(out)])
+    assert code == 0
+    return out, stdout.getvalue()
+
+
+def test_part_a_names_its_summary_and_report_prints_it_again(part_a, capsys):
+    out, printed = part_a
+    summary = out / "profile.json"
+    assert json.loads(summary.read_text())["kind"] == "part_a"
+    [line] = [ln for ln in printed.splitlines() if ln.startswith("summary: ")]
+    assert str(summary) in line and f"profuse report {summary}" in line
+    code, text, err = run(["report", str(summary)], capsys)
+    assert code == 0, err
+    assert text.strip() == printed.split("\nsummary: ")[0].strip()  # the block the run printed
+
+
+def test_report_reads_a_part_a_summary_saved_before_it_had_a_kind(part_a, tmp_path, capsys):
+    data = json.loads((part_a[0] / "profile.json").read_text())
+    del data["kind"]
+    data["compiled"] = data["eager"] | {"compiled": True, "step_ms": data["eager"]["step_ms"] / 2}
+    old = tmp_path / "profile.json"
+    old.write_text(json.dumps(data))
+    code, text, err = run(["report", str(old)], capsys)
+    assert code == 0, err
+    assert "=== Part A: eager vs torch.compile" in text and "eager / compiled = 2.00x" in text
+
+
+PART_B_ONLY = {
+    "report --vs": ["report", "{p}", "--vs", "compile"],
+    "report --markdown": ["report", "{p}", "--markdown"],
+    "diff": ["diff", "{p}", "{p}"],
+}
+
+
+@pytest.mark.parametrize("argv", PART_B_ONLY.values(), ids=PART_B_ONLY)
+def test_part_a_summary_where_part_b_results_are_wanted_is_one_line(part_a, argv, capsys):
+    summary = str(part_a[0] / "profile.json")
+    code, _, err = run([a.replace("{p}", summary) for a in argv], capsys)
+    assert_one_clear_line(code, err)
+    assert "Part A's summary" in err
+    if argv[0] == "diff":
+        assert f"profuse report {summary}" in err
+
+
+def test_a_second_run_says_it_replaced_the_first(tmp_path, capsys):
+    argv = [*SMALL, "--out", str(tmp_path)]
+    code, first, err = run(argv, capsys)
+    assert code == 0, err
+    assert "replaced" not in first
+    code, second, err = run(argv, capsys)
+    assert code == 0, err
+    [line] = [ln for ln in second.splitlines() if ln.startswith("results: ")]
+    assert "replaced the results.json of an earlier run, written 20" in line
+
+
 def test_profile_and_fuse_help():
     proc = subprocess.run(
         [sys.executable, "profile_and_fuse.py", "--help"],

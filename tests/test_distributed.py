@@ -124,6 +124,40 @@ def test_a_run_that_worked_keeps_no_logs(ddp_run):
     assert sorted(p.name for p in out.iterdir()) == [SUMMARY_NAME, "trace_rank0.json", "trace_rank1.json"]
 
 
+def test_report_prints_the_saved_job_again(ddp_run, capsys):
+    proc, out = ddp_run
+    assert main(["report", str(out / SUMMARY_NAME)]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0] == next(
+        ln for ln in proc.stdout.splitlines() if ln.startswith("=== Part A on 2")
+    )
+    assert "rank 1's collectives in its trace: gloo:all_reduce x2" in text
+
+
+def test_ctrl_c_leaves_no_logs_of_the_run(no_rank_env, tmp_path, monkeypatch, capsys):
+    """The launcher's logs/ under --out is kept for a rank that failed (its message names the
+    log); a run stopped with Ctrl-C has nothing to look into there, so it leaves none."""
+    import profuse.distributed as D
+
+    earlier = tmp_path / D.LOG_DIR_NAME / "profuse-earlier_x" / "attempt_0" / "0"
+    earlier.mkdir(parents=True)  # another run's logs, which stay
+
+    def interrupted(config, argv, launcher_log):
+        ranks = launcher_log.parent / f"{config.run_id}_abc" / "attempt_0" / "0"
+        ranks.mkdir(parents=True)
+        (ranks / "stderr.log").write_text("a rank's output\n")
+        launcher_log.write_text("the agent's lines\n")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(D, "_run_agent", interrupted)
+    assert main(["profile", "--nproc", "2", "--device", "cpu", "--out", str(tmp_path)]) == 130
+    assert [p.name for p in (tmp_path / D.LOG_DIR_NAME).iterdir()] == ["profuse-earlier_x"]
+    earlier.parents[1].rename(tmp_path / "kept")
+    assert main(["profile", "--nproc", "2", "--device", "cpu", "--out", str(tmp_path)]) == 130
+    assert not (tmp_path / D.LOG_DIR_NAME).exists()  # no logs at all: no logs/ folder either
+    assert "interrupted" in capsys.readouterr().err
+
+
 def test_under_torchrun_the_ranks_run_as_workers_and_rank_0_prints(tmp_path):
     # torchrun's own parser takes --nproc for an abbreviation of its --nproc-per-node, so a script
     # hands it to profuse; `torchrun -m profuse profile` needs the CLI to route started ranks here.

@@ -210,6 +210,28 @@ def test_a_sweep_that_crashes_later_says_what_it_kept(tmp_path, monkeypatch, cap
     assert len(json.loads((out / "results.partial.json").read_text())["runs"]) == 1
 
 
+def test_a_sweep_into_a_used_folder_says_which_files_it_replaced(tmp_path):
+    argv = [
+        "sweep",
+        "--rows",
+        "64",
+        "--cols",
+        "96",
+        "--trials",
+        "2",
+        "--variants",
+        "eager",
+        "--device",
+        "cpu",
+    ]
+    code, first, _ = run_cli(*argv, "--out", str(tmp_path))
+    assert code == 0 and "replaced" not in first
+    code, second, _ = run_cli(*argv, "--out", str(tmp_path))
+    assert code == 0
+    wrote = [line for line in second.splitlines() if line.startswith("wrote ")]
+    assert wrote and all("(replaced the " in line and "of an earlier run" in line for line in wrote)
+
+
 def test_finished_sweep_leaves_no_partial_file(saved):
     out, _ = saved["a"]
     assert not (out / "results.partial.json").exists()

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import os
 import sys
+import time
 from pathlib import Path
 
 from profuse import __version__
@@ -153,7 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_args(p)
     _add_bench_args(p)
     _add_model_args(p)
-    _add_out_arg(p, ".", "trace.json and results.json")
+    _add_out_arg(
+        p,
+        ".",
+        "Part A's trace.json and profile.json, and Part B's results.json; files of "
+        "an earlier run there are replaced, and the output says so",
+    )
     return p
 
 
@@ -161,7 +167,12 @@ def build_profile_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="profuse profile", description="Part A: profile a few training steps of a small GPT.")
     _add_device_args(p)
     _add_model_args(p)
-    _add_out_arg(p, ".", "trace.json and profile.json")
+    _add_out_arg(
+        p,
+        ".",
+        "trace.json and profile.json (with --nproc: trace_rank{R}.json, profile_ddp.json, "
+        "and logs/ when a rank fails); files of an earlier run there are replaced",
+    )
     p.add_argument(
         "--nproc", type=positive_int, default=None,
         help="profile data-parallel training on N processes (DDP; NCCL on GPUs, gloo on CPU)",
@@ -186,6 +197,16 @@ DDP_FILES = ("trace_rank0.json", "profile_ddp.json")  # distributed.SUMMARY_NAME
 
 def part_a_files(compile_step: bool) -> tuple[str, ...]:
     return (TRACE_JSON, "trace-compiled.json", PROFILE_JSON) if compile_step else (TRACE_JSON, PROFILE_JSON)
+
+
+def replaced_note(path: Path) -> str:
+    """' (replaced the results.json of an earlier run, written 2026-12-02 18:41)' where `path`
+    exists, to print once the new file is written; '' where it does not."""
+    try:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
+    except OSError:
+        return ""
+    return f" (replaced the {path.name} of an earlier run, written {when})"
 
 
 def check_out(args, names: tuple[str, ...]) -> None:
@@ -273,7 +294,7 @@ def _profile_config(args, device):
 
 def run_part_a(args, device) -> None:
     from profuse.files import write_json
-    from profuse.profiling import compiled_config, run_profile
+    from profuse.profiling import SUMMARY_KIND, compiled_config, run_profile
     from profuse.report.profile import format_profile, format_profile_comparison
 
     cfg = _profile_config(args, device)
@@ -282,14 +303,17 @@ def run_part_a(args, device) -> None:
     eager = run_profile(cfg, progress=say)
     progress.close()
     print(format_profile(eager))
-    summary = {"eager": eager.to_dict()}
+    summary = {"kind": SUMMARY_KIND, "eager": eager.to_dict()}
     if args.compile_step:
         compiled = run_profile(compiled_config(cfg), progress=say)
         progress.close()
         print()
         print(format_profile_comparison(eager, compiled))
         summary["compiled"] = compiled.to_dict()
-    write_json(Path(args.out) / PROFILE_JSON, summary)
+    path = Path(args.out) / PROFILE_JSON
+    earlier = replaced_note(path)
+    write_json(path, summary)
+    print(f"summary: {path}{earlier}; profuse report {path} prints it again")
     print()
 
 
@@ -305,8 +329,10 @@ def run_part_b(args, device) -> None:
     finally:
         progress.close()
     print(format_tail_bench(res))
-    path = write_json(Path(args.out) / RESULTS_JSON, res.to_dict())
-    print(f"results: {path}")
+    path = Path(args.out) / RESULTS_JSON
+    earlier = replaced_note(path)
+    write_json(path, res.to_dict())
+    print(f"results: {path}{earlier}")
 
 
 def cmd_main(argv: list[str]) -> int:
@@ -374,7 +400,12 @@ def build_sweep_parser() -> argparse.ArgumentParser:
         help="comma-separated elements per tensor, e.g. 4M,32M,128M: each --cols value then gets "
         "rows = elements / cols (instead of --rows), for a grid over hidden sizes",
     )  # fmt: skip
-    _add_out_arg(p, "profuse-sweep", "results.json, results.csv, speedup.png and bandwidth.png")
+    _add_out_arg(
+        p,
+        "profuse-sweep",
+        "results.json, results.csv, speedup.png and bandwidth.png, and "
+        "results.partial.json while it runs; files of an earlier sweep there are replaced",
+    )
     return p
 
 
@@ -447,6 +478,7 @@ def cmd_sweep(argv: list[str]) -> int:
     print(format_sweep(data))
     if not res.runs:
         raise UsageError("no size fitted in memory, so nothing was written: choose smaller sizes")
+    earlier = {out / name: replaced_note(out / name) for name in (RESULTS_JSON, RESULTS_CSV, *PLOTS)}
     # JSON first: it holds every timing, and the CSV and plots can be made again from it.
     written = [write_json(out / RESULTS_JSON, data), write_csv(out / RESULTS_CSV, data)]
     if plots.HAS_MATPLOTLIB:
@@ -454,7 +486,7 @@ def cmd_sweep(argv: list[str]) -> int:
     partial.unlink(missing_ok=True)
     print()
     for path in written:
-        print(f"wrote {path}")
+        print(f"wrote {path}{earlier.get(path, '')}")
     if not plots.HAS_MATPLOTLIB:
         print(f"no plots: {plots.MATPLOTLIB_MISSING}")
     return 0
@@ -512,7 +544,7 @@ def sizes_left_commands(args, cfg, finished: set[tuple[int, int]]) -> list[str]:
 
 def cmd_report(argv: list[str]) -> int:
     args = build_report_parser().parse_args(argv)
-    from profuse.report.sweep import format_run, load_results, parse, rebase, select_variants
+    from profuse.report.sweep import format_run, parse, read_json, rebase, select_variants
 
     if args.plots is not None:
         from profuse.files import check_folder
@@ -521,7 +553,10 @@ def cmd_report(argv: list[str]) -> int:
         if not plots.HAS_MATPLOTLIB:
             raise UsageError(plots.MATPLOTLIB_MISSING)  # before the table, not after it
         check_folder(args.plots, PLOTS, flag="--plots")
-    data = load_results(args.results)
+    data = read_json(args.results)
+    if _print_part_a(data, args):
+        return 0
+    parse(data, str(args.results))  # one line for a file that is not a results file, before any work
     if args.vs:
         data = rebase(data, args.vs, only=args.variants)
     run = parse(data, str(args.results))
@@ -539,6 +574,21 @@ def cmd_report(argv: list[str]) -> int:
         if not written:
             print("no plots: nothing was timed")
     return 0
+
+
+def _print_part_a(data, args) -> bool:
+    """Print a saved Part A summary (profile.json, profile_ddp.json); False for anything else."""
+    from profuse.report.profile import format_saved_profile, part_a_file
+
+    name = part_a_file(data)
+    if name is None:
+        return False
+    flags = {"--vs": args.vs, "--variants": args.variants, "--plots": args.plots, "--markdown": args.markdown}
+    given = ", ".join(flag for flag, value in flags.items() if value)
+    if given:
+        raise UsageError(f"{args.results} is Part A's summary ({name}): {given} apply to Part B's results")
+    print(format_saved_profile(data, str(args.results)))
+    return True
 
 
 def cmd_diff(argv: list[str]) -> int:

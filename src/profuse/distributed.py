@@ -637,6 +637,13 @@ def _run_agent(config, argv: list[str], launcher_log: Path) -> str | None:
     return None
 
 
+def _remove_logs(log_dir: Path, run_id: str, launcher_log: Path) -> None:
+    """This run's logs: its ranks' folder and the launcher's file (another run's stay)."""
+    for folder in log_dir.glob(f"{run_id}_*"):
+        shutil.rmtree(folder, ignore_errors=True)
+    launcher_log.unlink(missing_ok=True)
+
+
 def launch_profile(args) -> int:
     """`profuse profile --nproc N`: run as a rank when torch's launcher started us, else launch N."""
     if _rank_env() is not None:
@@ -699,8 +706,10 @@ def launch_profile(args) -> int:
         if error is not None:
             print(f"profuse: error: {error}", file=sys.stderr)
             return 1
-        shutil.rmtree(next(log_dir.glob(f"{run_id}_*"), log_dir / run_id), ignore_errors=True)
-        launcher_log.unlink(missing_ok=True)  # a run that worked keeps no logs
+        _remove_logs(log_dir, run_id, launcher_log)  # a run that worked keeps no logs
+    except KeyboardInterrupt:
+        _remove_logs(log_dir, run_id, launcher_log)  # nor does one stopped with Ctrl-C
+        raise
     finally:
         with contextlib.suppress(OSError):
             log_dir.rmdir()  # when empty: no run, this one or another, left its logs there

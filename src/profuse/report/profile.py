@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from profuse.profiling import CATEGORIES, CATEGORY_LABELS, ProfileResult
+from profuse.errors import UsageError
+from profuse.profiling import CATEGORIES, CATEGORY_LABELS, SUMMARY_KIND, ProfileResult
 
 PERFETTO = "https://ui.perfetto.dev"
 W = 34  # label column: fits "elementwise + norm (memory-bound)"
@@ -96,3 +97,40 @@ def format_profile_comparison(eager: ProfileResult, compiled: ProfileResult) -> 
     traces = f"{_shown_path(eager.trace_path)}, {_shown_path(compiled.trace_path)}"
     lines.append(f"traces: {traces} - open them at {PERFETTO}")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# A saved summary, printed again by `profuse report`
+# --------------------------------------------------------------------------------------------
+
+
+def part_a_file(data) -> str | None:
+    """'profile.json' or 'profile_ddp.json' when `data` is a saved Part A summary, else None.
+
+    By shape as well as by kind: files written before profile.json had a kind are read too.
+    """
+    if not isinstance(data, dict):
+        return None
+    eager = data.get("eager")
+    if data.get("kind") == SUMMARY_KIND or (isinstance(eager, dict) and "table" in eager):
+        return "profile.json"
+    if "ranks" in data and "world_size" in data:
+        return "profile_ddp.json"
+    return None
+
+
+def format_saved_profile(data: dict, source: str) -> str:
+    """A saved profile.json (or profile_ddp.json) as its run printed it; UsageError if malformed."""
+    try:
+        if part_a_file(data) == "profile_ddp.json":
+            from profuse.distributed import DDPProfile
+            from profuse.report.distributed import format_ddp_profile
+
+            return format_ddp_profile(DDPProfile.from_dict(data), summary_path=source)
+        eager = ProfileResult.from_dict(data["eager"])
+        text = format_profile(eager)
+        if data.get("compiled"):
+            text += "\n\n" + format_profile_comparison(eager, ProfileResult.from_dict(data["compiled"]))
+        return text
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+        raise UsageError(f"{source} is a malformed Part A summary ({type(err).__name__}: {err})") from None

@@ -103,6 +103,13 @@ class SavedRun:
 
 def load_results(path: str | Path) -> dict:
     """A results.json written by `profuse` or `profuse sweep`; UsageError (one line) otherwise."""
+    data = read_json(path)
+    parse(data, str(path))  # fail here, in one line, rather than halfway through a table
+    return data
+
+
+def read_json(path: str | Path):
+    """The JSON in `path`; UsageError (one line) for a missing, unreadable or cut-short file."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -116,7 +123,6 @@ def load_results(path: str | Path) -> dict:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise UsageError(f"{p} is not valid JSON (line {err.lineno}: {err.msg}); was it cut short?") from None
-    parse(data, str(p))  # fail here, in one line, rather than halfway through a table
     return data
 
 
@@ -154,6 +160,15 @@ def parse(data: dict, source: str = "results") -> SavedRun:
     """The rows of a saved run; UsageError when `data` is not a profuse results file."""
     kind = data.get("kind") if isinstance(data, dict) else None
     if kind not in ("tail", "sweep"):
+        from profuse.report.profile import part_a_file
+
+        name = part_a_file(data)
+        if name is not None:
+            raise UsageError(
+                f"{source} is Part A's summary ({name}, from profuse or profuse profile): "
+                f"`profuse report {source}` prints it again; diff, --vs and --variants read the "
+                "results.json of Part B or a sweep"
+            )
         raise UsageError(
             f"{source} is not a profuse results file (kind {kind!r}; expected a results.json "
             "written by profuse or profuse sweep)"
