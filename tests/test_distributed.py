@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -156,6 +157,18 @@ def test_ctrl_c_leaves_no_logs_of_the_run(no_rank_env, tmp_path, monkeypatch, ca
     assert main(["profile", "--nproc", "2", "--device", "cpu", "--out", str(tmp_path)]) == 130
     assert not (tmp_path / D.LOG_DIR_NAME).exists()  # no logs at all: no logs/ folder either
     assert "interrupted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("exitcode, oom", [(-signal.SIGKILL, True), (-signal.SIGTERM, False), (1, False)])
+def test_a_rank_killed_by_sigkill_is_said_to_be_likely_out_of_memory(exitcode, oom):
+    from profuse.report.distributed import format_rank_failure
+
+    error = f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else "RuntimeError: boom"
+    line = format_rank_failure(14, 64, exitcode, error, "/tmp/logs/14/stderr.log", log_empty=True)
+    assert "\n" not in line and line.startswith("rank 14 of 64 ")
+    assert ("out-of-memory" in line) == oom
+    assert ("--nproc" in line and "smaller model" in line) == oom
+    assert "Its log (empty): " in line
 
 
 def test_under_torchrun_the_ranks_run_as_workers_and_rank_0_prints(tmp_path):

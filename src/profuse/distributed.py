@@ -621,8 +621,12 @@ def _run_agent(config, argv: list[str], launcher_log: Path) -> str | None:
     except ChildFailedError as err:
         rank, failure = root_failure(err.failures)
         log = _rank_log(launcher_log.parent, config.run_id, failure.local_rank) or launcher_log
+        try:
+            log_empty = log.stat().st_size == 0
+        except OSError:
+            log_empty = False
         return format_rank_failure(
-            rank, config.nproc_per_node, failure.exitcode, _failure_text(failure), str(log)
+            rank, config.nproc_per_node, failure.exitcode, _failure_text(failure), str(log), log_empty
         )
     except RendezvousError as err:
         return (
