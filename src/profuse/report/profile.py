@@ -95,8 +95,31 @@ def format_profile_comparison(eager: ProfileResult, compiled: ProfileResult) -> 
     for cat in CATEGORIES:
         row(CATEGORY_LABELS[cat], f"{eager.shares[cat]:.1f}%", f"{compiled.shares[cat]:.1f}%")
     traces = f"{_shown_path(eager.trace_path)}, {_shown_path(compiled.trace_path)}"
+    lines.append(why_compiled_differs(eager, compiled, ratio))
     lines.append(f"traces: {traces} - open them at {PERFETTO}")
     return "\n".join(lines)
+
+
+def why_compiled_differs(eager: ProfileResult, compiled: ProfileResult, ratio: float) -> str:
+    """One line on what the eager / compiled ratio comes from, read off the two profiles."""
+    unit = eager.summary.launch_unit
+    fewer = f"{eager.summary.launches_per_step:.0f} -> {compiled.summary.launches_per_step:.0f} {unit} a step"
+    memory = eager.shares["memory_bound"]
+    if ratio >= 1.0:
+        return (
+            f"why: torch.compile fuses the memory-bound elementwise and norm work ({memory:.1f}% of "
+            f"the eager step) into fewer, larger kernels ({fewer})"
+        )
+    # Slower compiled: what fusion saves is part of the memory-bound work, and the compiled step
+    # pays for guard checks, runtime wrappers and graph breaks around each compiled graph.
+    where = "on a CPU" if eager.device.startswith("cpu") else "on this GPU"
+    return (
+        f"why slower: torch.compile fuses the memory-bound elementwise and norm work ({memory:.1f}% of "
+        f"the eager step; {fewer}), but the compiled step adds costs of its own (guard checks and "
+        "runtime wrappers around each compiled graph, forward and backward, and any graph breaks); "
+        f"{where} at this model size they can outweigh what fusion saves, and a larger model "
+        "(--d-model, --seq-len, --batch-size) gives fusion more to save"
+    )
 
 
 # --------------------------------------------------------------------------------------------
