@@ -195,6 +195,41 @@ def test_a_second_run_says_it_replaced_the_first(tmp_path, capsys):
     assert "replaced the results.json of an earlier run, written 20" in line
 
 
+def test_part_b_prints_its_header_first_and_names_the_cpu(tmp_path, capsys):
+    code, out, err = run(
+        [*SMALL, "--variants", "eager,rms_norm", "--device", "cpu", "--out", str(tmp_path)], capsys
+    )
+    assert code == 0, err
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("=== Part B:"))
+    checks = [i for i, line in enumerate(lines) if "max |diff| vs eager" in line]
+    assert header == 0 and checks and min(checks) > header
+    [hardware] = [line for line in lines if line.startswith(("card:", "CPU:"))]
+    assert hardware.startswith("CPU: ") and f"({os.cpu_count()} cores)" in hardware
+    assert "cpu (" not in hardware  # the CPU's name, not the device type
+    assert "None" not in out
+
+
+def test_the_versions_line_says_when_triton_is_missing():
+    from profuse.env import describe
+
+    cpu = {"cpu_model": "AMD EPYC 7B13", "cpu_count": 2, "torch": "2.13.0", "triton": None}
+    assert describe(cpu) == "CPU: AMD EPYC 7B13 (2 cores), torch 2.13.0, triton not installed"
+    gpu = {"gpu": "NVIDIA H200", "cpu_count": 96, "torch": "2.11.0", "triton": "3.6.0"}
+    assert describe(gpu) == "card: NVIDIA H200, torch 2.11.0, triton 3.6.0"
+    old = {"processor": "x86_64", "cpu_count": 2, "torch": "2.13.0", "triton": "3.9.0"}  # no cpu_model yet
+    assert describe(old).startswith("CPU: x86_64 (2 cores)")
+
+
+def test_progress_bars_show_no_rate(capsys):
+    progress = cli.Progress(enabled=True)
+    for done in (0, 50, 100):  # 100 steps of work at once: the rate that read '19972876.19it/s'
+        progress("trials", done, 100)
+    progress.close()
+    err = capsys.readouterr().err
+    assert "trials" in err and "it/s" not in err and "/s" not in err
+
+
 def test_profile_and_fuse_help():
     proc = subprocess.run(
         [sys.executable, "profile_and_fuse.py", "--help"],

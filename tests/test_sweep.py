@@ -596,7 +596,7 @@ def test_report_vs_recomputes_speedups_from_the_saved_trials(saved):
         assert run["results"]["rms_norm"]["speedup"] is None  # the new baseline
         assert old["results"]["eager"]["speedup"] is None  # the original is left alone
     code, stdout, _ = run_cli("report", str(out / "results.json"), "--vs", "rms_norm")
-    assert code == 0 and "speedup vs rms_norm" in stdout
+    assert code == 0 and "speedup vs eager F.rms_norm (95% CI)" in stdout  # the label, as its rows say it
 
 
 def test_report_vs_an_untimed_variant_is_a_one_line_error(saved):
@@ -771,3 +771,45 @@ def test_sweep_and_diff_show_the_warnings_too(saved):
     code, text, _ = run_cli("diff", path, path)
     assert code == 0
     assert "A: WARNING only 3 trials" in text and "B: WARNING only 3 trials" in text
+
+
+@pytest.mark.parametrize(
+    "sp, cell, line",
+    [
+        ((2.14, 2.11, 2.16, "faster"), "2.14x (2.11-2.16)", "speedup vs eager 2.14x  (95% CI 2.11-2.16)"),
+        ((0.46, 0.44, 0.5, "slower"), "2.17x slower (2.00-2.27)",
+         "2.17x slower than eager  (95% CI 2.00-2.27)"),
+        ((0.99, 0.97, 1.02, "no measurable gain"), "no measurable gain (0.97-1.02)",
+         "no measurable gain vs eager  (95% CI 0.97-1.02)"),
+    ],
+)  # fmt: skip
+def test_a_slowdown_reads_as_how_many_times_slower(sp, cell, line):
+    """The report's cell, the main job's line and diff's column say a slowdown the same way: the
+    factor the variant takes longer, never '0.46x slower'."""
+    from profuse.bench.stats import Speedup
+    from profuse.report.units import fmt_speedup
+
+    median, low, high, verdict = sp
+    row = R.VariantRow(64, 96, "float32", False, "x", "x", True, False, median_s=1e-3,
+                       speedup={"median": median, "low": low, "high": high, "verdict": verdict})  # fmt: skip
+    assert R.speedup_cell(row) == cell
+    assert fmt_speedup(Speedup(median, low, high, 0.95, "BCa"), "eager") == line
+    assert R._short_speedup(row) == ("no gain" if verdict.startswith("no") else cell.split(" (")[0])
+
+
+def test_diff_names_the_versions_and_what_changed_between_the_runs(saved):
+    a = json.loads((saved["a"][0] / "results.json").read_text())
+    b = json.loads((saved["b"][0] / "results.json").read_text())
+    b["env"] = {**b["env"], "torch": "9.9.9", "triton": None}
+    text = R.format_diff(a, b)
+    lines = text.splitlines()
+    assert f"torch {a['env']['torch']}, triton {a['env']['triton']}" in lines[1]
+    assert "torch 9.9.9, triton not installed" in lines[2]
+    assert f"from A to B: torch {a['env']['torch']}, triton {a['env']['triton']} -> torch 9.9.9" in text
+    assert "from A to B" not in R.format_diff(a, a)
+
+
+def test_a_sweep_where_nothing_fitted_names_no_byte_model():
+    cfg = S.SweepConfig(rows=[HUGE_ROWS], cols=[96], trials=2, warmup=0, variants=("eager",))
+    text = R.format_sweep(S.run_sweep(cfg).to_dict())
+    assert "skipped" in text and "None" not in text

@@ -220,6 +220,9 @@ def check_out(args, names: tuple[str, ...]) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}"
+
+
 class Progress:
     """Feeds `progress(stage, done, total)` callbacks into tqdm bars on stderr (TTY only)."""
 
@@ -236,7 +239,10 @@ class Progress:
         if stage != self._stage:
             self.close()
             self._stage = stage
-            self._bar = tqdm(total=total, desc=stage, leave=False, file=sys.stderr, dynamic_ncols=True)
+            # No rate: the counts are steps of work (per size, per trial), not items, and a jump
+            # of many at once read as '19972876.19it/s'.
+            self._bar = tqdm(total=total, desc=stage, leave=False, file=sys.stderr, dynamic_ncols=True,
+                             bar_format=BAR_FORMAT)  # fmt: skip
         self._bar.n = done
         self._bar.refresh()
 

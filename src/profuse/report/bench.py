@@ -6,7 +6,7 @@ import math
 
 from profuse.bench.stats import STATISTIC
 from profuse.bench.traffic import EAGER_FORWARD_TENSORS
-from profuse.env import card_name, dtype_name
+from profuse.env import describe, dtype_name
 from profuse.report.sweep import parse, timing_warnings
 from profuse.report.units import fmt_bandwidth, fmt_bytes, fmt_speedup, fmt_time, time_unit
 
@@ -45,7 +45,7 @@ def format_tail_bench(res) -> str:
         f"{cfg.trials} trials ==="
     )
     tr = res.traffic
-    lines = [format_checks(res), "", head]
+    lines = [head, format_checks(res), ""]
     if cfg.backward:
         lines.append(
             f"minimum traffic if fused: forward 3 inputs + 1 output, backward 4 inputs + 3 outputs "
@@ -89,7 +89,7 @@ def format_tail_bench(res) -> str:
     )
     firsts = ", ".join(f"{res.labels[k]} {t.first_call_s:.2f} s" for k, t in comp.timings.items())
     lines.append(f"first call (compilation, kernel builds): {firsts}")
-    lines.append(f"card: {card_name(res.env)}, torch {res.env.get('torch')}, triton {res.env.get('triton')}")
+    lines.append(describe(res.env))
     # The warnings `profuse report` gives for this run's file, read the same way from its data.
     lines += timing_warnings(parse(res.to_dict(), "this run"))
     return "\n".join(lines)

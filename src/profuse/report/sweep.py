@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from profuse.bench.stats import FEW_TRIALS, bootstrap_ratio_ci, check_timings
-from profuse.env import card_name
+from profuse.env import card_name, describe
 from profuse.errors import UsageError
 from profuse.files import atomic_path
-from profuse.report.units import fmt_bandwidth, fmt_time
+from profuse.report.units import fmt_bandwidth, fmt_time, speedup_terms
 
 CSV_FIELDS = (
     "rows", "cols", "dtype", "backward", "variant", "median_s", "speedup", "ci_low", "ci_high",
@@ -95,6 +95,11 @@ class SavedRun:
     @property
     def card(self) -> str:
         return card_name(self.env)
+
+    @property
+    def baseline_label(self) -> str:
+        """The baseline as its rows name it ('torch.compile', not the key 'compile')."""
+        return next((r.label for r in self.variant_rows if r.variant == self.baseline), self.baseline)
 
     @property
     def what(self) -> str:
@@ -288,18 +293,16 @@ def _size(rows: int, cols: int) -> str:
 
 
 def speedup_cell(row: VariantRow) -> str:
-    """'2.14x (2.11-2.16)', '0.85x slower (0.80-0.90)', or 'no measurable gain (0.98-1.03)'."""
+    """'2.14x (2.11-2.16)', '2.17x slower (2.10-2.25)', or 'no measurable gain (0.98-1.03)'."""
     if row.median_s is None:
         return row.why_not_timed
     sp = row.speedup
     if sp is None:
         return BASELINE_VERDICT
-    ci = f"({sp['low']:.2f}-{sp['high']:.2f})"
-    if sp["verdict"] == "faster":
-        return f"{sp['median']:.2f}x {ci}"
-    if sp["verdict"] == "slower":
-        return f"{sp['median']:.2f}x slower {ci}"
-    return f"no measurable gain {ci}"
+    ratio, ci = speedup_terms(sp["median"], sp["low"], sp["high"], sp["verdict"])
+    if sp["verdict"] == "no measurable gain":
+        return f"no measurable gain ({ci})"
+    return f"{ratio} ({ci})"
 
 
 # A trial more than UNSTEADY_RATIO x its variant's fastest was disturbed (another process, a
@@ -364,12 +367,13 @@ def timing_warnings(run: SavedRun) -> list[str]:
 
 def _notes(run: SavedRun) -> list[str]:
     bytes_model = {4: "3 inputs read + 1 output written", 11: "forward 4 tensors + backward 7 tensors"}
-    model = bytes_model.get(run.model_tensors, f"{run.model_tensors} tensors")
     notes = [
-        f"speedup: median({run.baseline}) / median(variant) with a 95% CI from a paired bootstrap over "
-        f"{run.trials} interleaved trials; 'no measurable gain' where the CI holds 1.0",
-        f"bandwidth: minimum fused traffic ({model}) / median time",
+        f"speedup: median({run.baseline_label}) / median(variant) with a 95% CI from a paired bootstrap "
+        f"over {run.trials} interleaved trials; 'no measurable gain' where the CI holds 1.0",
     ]
+    if run.model_tensors is not None:  # None: no size ran, so there is no byte model to name
+        model = bytes_model.get(run.model_tensors, f"{run.model_tensors} tensors")
+        notes.append(f"bandwidth: minimum fused traffic ({model}) / median time")
     if run.copy_ceiling_Bps:
         ceiling = fmt_bandwidth(run.copy_ceiling_Bps)
         notes.append(f"copy ceiling (device-to-device copy, measured in this run): {ceiling}")
@@ -381,8 +385,7 @@ def _notes(run: SavedRun) -> list[str]:
         notes.append(f"{label}: skipped ({why})")
     for rows, cols, why in run.skipped_sizes:
         notes.append(f"{_size(rows, cols)}: skipped ({why})")
-    env = run.env
-    notes.append(f"card: {run.card}, torch {env.get('torch')}, triton {env.get('triton')}")
+    notes.append(describe(run.env))
     return notes + timing_warnings(run)
 
 
@@ -399,7 +402,7 @@ def format_run(run: SavedRun, markdown: bool = False) -> str:
         size = _size(*run.sizes[0]) if run.sizes else ""
         title = f"Part B: fused tail {run.what}, {size} {run.dtype} on {run.device}, {run.trials} trials"
     ceiling = bool(run.copy_ceiling_Bps)
-    header = ["size", "variant", "median", f"speedup vs {run.baseline} (95% CI)", "bandwidth"]
+    header = ["size", "variant", "median", f"speedup vs {run.baseline_label} (95% CI)", "bandwidth"]
     header += ["% of copy"] if ceiling else []
     body = []
     last = None
@@ -521,11 +524,19 @@ def _short_speedup(r: VariantRow | None) -> str:
         return "-"
     if r.speedup is None:
         return BASELINE_VERDICT
-    return f"{r.speedup['median']:.2f}x" if r.speedup["verdict"] != "no measurable gain" else "no gain"
+    sp = r.speedup
+    if sp["verdict"] == "no measurable gain":
+        return "no gain"
+    return speedup_terms(sp["median"], sp["low"], sp["high"], sp["verdict"])[0]
+
+
+def _versions(run: SavedRun) -> str:
+    triton = run.env.get("triton")
+    return f"torch {run.env.get('torch')}, triton {triton if triton else 'not installed'}"
 
 
 def _describe(run: SavedRun) -> str:
-    return f"{run.card}, {run.dtype}, {run.what}, {run.device}, {run.trials} trials"
+    return f"{run.card}, {_versions(run)}, {run.dtype}, {run.what}, {run.device}, {run.trials} trials"
 
 
 def format_diff(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
@@ -548,6 +559,9 @@ def format_diff(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
     ]
     if differs:
         lines.append(f"note: A and B differ in {', '.join(differs)}: the times are not like for like")
+    changed = [f"{x} -> {y}" for x, y in [(ra.card, rb.card), (_versions(ra), _versions(rb))] if x != y]
+    if changed:
+        lines.append(f"from A to B: {'; '.join(changed)}")
     index_a = {(r.size, r.variant): r for r in ra.variant_rows}
     index_b = {(r.size, r.variant): r for r in rb.variant_rows}
     keys = list(dict.fromkeys([*index_a, *index_b]))
