@@ -230,6 +230,32 @@ def test_progress_bars_show_no_rate(capsys):
     assert "trials" in err and "it/s" not in err and "/s" not in err
 
 
+def test_native_noise_is_kept_off_a_bar_and_other_lines_come_after_it():
+    """While a bar is shown, what native code writes to fd 2 is held: the profiler's USDT lines
+    and a CUDA build's complaints are dropped (with one hint about the CPU build), the rest comes
+    out when the bar closes."""
+    script = (
+        "import os, sys\n"
+        "from profuse.cli import Progress\n"
+        "p = Progress(enabled=True)\n"
+        "p('trials', 0, 4)\n"
+        "os.write(2, b'USDT:2026-12-02 18:41:36 3704:3704 SyncActivityProfilerHandler.cpp:52] start\\n')\n"
+        "os.write(2, b'[W1202 CuptiActivityApi.cpp:100] gpuGetDeviceCount failed with code 35\\n')\n"
+        "print('a line to keep', file=sys.stderr)\n"
+        "p('trials', 4, 4)\n"
+        "p.close()\n"
+        "print('after the bar', file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr
+    assert "USDT" not in err and "gpuGetDeviceCount" not in err
+    assert err.count("download.pytorch.org/whl/cpu") == 1
+    assert "trials" in err.split("a line to keep")[0]  # the bar, then the held line
+    assert err.index("a line to keep") < err.index("after the bar")
+
+
 def test_profile_and_fuse_help():
     proc = subprocess.run(
         [sys.executable, "profile_and_fuse.py", "--help"],

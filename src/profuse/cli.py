@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -222,6 +224,17 @@ def check_out(args, names: tuple[str, ...]) -> None:
 
 BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}"
 
+# Lines that native code writes straight to the process's stderr, each of which would break a bar
+# on screen: torch's profiler (Kineto) at every start and stop, and a CUDA build of torch on a
+# machine without a GPU. While a bar is shown they are held back and dropped; any other line
+# comes out when the bar closes.
+NATIVE_NOISE = re.compile(r"^(USDT|STAGE):|gpuGetDeviceCount failed|No CUDA runtime is found")
+CUDA_BUILD_NOISE = re.compile(r"gpuGetDeviceCount failed|No CUDA runtime is found")
+CPU_BUILD_HINT = (
+    "profuse: note: this torch is a CUDA build on a machine without a usable GPU; the CPU build is "
+    "smaller and quiet: pip install torch --index-url https://download.pytorch.org/whl/cpu"
+)
+
 
 class Progress:
     """Feeds `progress(stage, done, total)` callbacks into tqdm bars on stderr (TTY only)."""
@@ -230,6 +243,8 @@ class Progress:
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self._bar = None
         self._stage = None
+        self._held = None  # (the terminal's fd, a stream on it, the file holding fd 2) while a bar is shown
+        self._hinted = False
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         if not self.enabled:
@@ -241,7 +256,8 @@ class Progress:
             self._stage = stage
             # No rate: the counts are steps of work (per size, per trial), not items, and a jump
             # of many at once read as '19972876.19it/s'.
-            self._bar = tqdm(total=total, desc=stage, leave=False, file=sys.stderr, dynamic_ncols=True,
+            stream = self._hold_stderr()
+            self._bar = tqdm(total=total, desc=stage, leave=False, file=stream, dynamic_ncols=True,
                              bar_format=BAR_FORMAT)  # fmt: skip
         self._bar.n = done
         self._bar.refresh()
@@ -251,6 +267,45 @@ class Progress:
             self._bar.close()
             self._bar = None
             self._stage = None
+        self._release_stderr()
+
+    def _hold_stderr(self):
+        """The stream for the bar: the terminal, with fd 2 itself pointed at a temporary file, so
+        that native code writing there cannot break the bar. Where sys.stderr is not fd 2 (tests,
+        an embedding program), sys.stderr as it is."""
+        try:
+            if sys.stderr.fileno() != 2:
+                return sys.stderr
+        except (AttributeError, OSError, ValueError):
+            return sys.stderr
+        sys.stderr.flush()
+        terminal = os.dup(2)
+        held = tempfile.TemporaryFile()
+        os.dup2(held.fileno(), 2)
+        stream = open(terminal, "w", encoding="utf-8", errors="replace", closefd=False)
+        self._held = (terminal, stream, held)
+        return stream
+
+    def _release_stderr(self) -> None:
+        """fd 2 back to the terminal, and what was written there meanwhile, less the noise."""
+        if self._held is None:
+            return
+        terminal, stream, held = self._held
+        self._held = None
+        sys.stderr.flush()
+        stream.close()  # closefd=False: flushes, and leaves the descriptor to the lines below
+        os.dup2(terminal, 2)
+        os.close(terminal)
+        held.seek(0)
+        lines = held.read().decode("utf-8", errors="replace").splitlines(keepends=True)
+        held.close()
+        kept = [line for line in lines if not NATIVE_NOISE.search(line)]
+        if any(CUDA_BUILD_NOISE.search(line) for line in lines) and not self._hinted:
+            kept.append(CPU_BUILD_HINT + "\n")
+            self._hinted = True
+        if kept:
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
 
 
 # --------------------------------------------------------------------------------------------
