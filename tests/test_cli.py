@@ -275,6 +275,22 @@ def test_python_m_profuse_help():
     assert "usage: profuse" in proc.stdout and "--skip-profile" in proc.stdout
 
 
+def test_the_readmes_cpu_example_runs_on_a_cpu():
+    """The README's library example for a machine without a GPU, run as a user would paste it."""
+    import re
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("**On a CPU.**") :]
+    example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    env = {k: v for k, v in subprocess_env().items() if k not in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # as on a machine without a GPU
+    proc = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Speedup(median=")
+
+
 # The modules that make up most of a command's start-up time (about 3.5 s on 2 cores).
 HEAVY_MODULES = ("torch", "numpy", "scipy", "triton", "matplotlib")
 
