@@ -10,6 +10,7 @@ import contextlib
 import csv
 import io
 import json
+import shlex
 
 import numpy as np
 import pytest
@@ -162,7 +163,7 @@ def test_interrupted_sweep_says_what_it_kept_and_how_to_go_on(tmp_path, monkeypa
     """Ctrl-C names the partial file, the command that reads it, and a command that times the
     sizes left (which the sweep's parser reads back as exactly those sizes)."""
     monkeypatch.setattr(cli, "Progress", _InterruptAtSecondSize)
-    out = tmp_path / "killed"
+    out = tmp_path / "killed run"  # a space: the command must quote it
     argv = ["--rows", "64,128,160", "--cols", "96", "--trials", "3", "--variants", "eager", "--seed", "7"]
     code, stdout, stderr = run_cli("sweep", *argv, "--device", "cpu", "--out", str(out))
     assert code == 130
@@ -171,7 +172,7 @@ def test_interrupted_sweep_says_what_it_kept_and_how_to_go_on(tmp_path, monkeypa
     assert lines[0].startswith("profuse: interrupted") and f"(1 of 3) are saved in {partial}" in lines[0]
     assert f"profuse report {partial}" in stderr
     [rest] = [line.split("2 sizes left: ", 1)[1] for line in lines if "sizes left: " in line]
-    args = cli.build_sweep_parser().parse_args(rest.split()[2:])
+    args = cli.build_sweep_parser().parse_args(shlex.split(rest)[2:])
     assert (args.rows, args.cols, args.trials, args.variants, args.seed) == ([128, 160], [96], 3, "eager", 7)
     assert args.out not in (out, tmp_path) and args.out.parent == out  # the partial file stays as it is
     assert stdout == ""
@@ -186,11 +187,11 @@ def test_sizes_left_of_a_grid_are_given_as_elements():
         commands = cli.sizes_left_commands(args, cfg, set(sizes[:n_done]))
         covered = []
         for command in commands:
-            again = parser.parse_args(command.split()[2:])
+            again = parser.parse_args(shlex.split(command)[2:])
             assert again.elements and again.trials == 3 and again.variants == "eager"
             covered += S.SweepConfig(rows=again.rows, cols=again.cols, elements=again.elements).sizes()
         assert sorted(covered) == sorted(sizes[n_done:])
-        assert len({parser.parse_args(c.split()[2:]).out for c in commands}) == len(commands)
+        assert len({parser.parse_args(shlex.split(c)[2:]).out for c in commands}) == len(commands)
 
 
 def test_a_sweep_that_crashes_later_says_what_it_kept(tmp_path, monkeypatch, capsys):
@@ -744,7 +745,7 @@ def test_unsteady_warning_gives_a_command_that_times_the_size_again(saved):
     [warning] = [line for line in R.format_report(data).splitlines() if "unsteady" in line]
     command = warning.split("again: ", 1)[1]
     assert command.startswith("profuse ")
-    args = cli.build_parser().parse_args(command.split()[1:])
+    args = cli.build_parser().parse_args(shlex.split(command)[1:])
     assert (args.rows, args.cols, args.dtype, args.device) == (128, 96, "float32", "cpu")
     assert args.skip_profile and not args.backward
     assert args.variants.split(",") == ["eager", "rms_norm"]

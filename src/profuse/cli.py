@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import os
 import re
+import shlex
 import sys
 import tempfile
 import time
@@ -590,7 +591,7 @@ def sizes_left_commands(args, cfg, finished: set[tuple[int, int]]) -> list[str]:
         groups.setdefault(sizes, []).append(c)
     settings = ["--trials", str(args.trials), "--device", args.device]
     settings += [] if args.dtype == "auto" else ["--dtype", args.dtype]
-    settings += [] if args.variants is None else ["--variants", args.variants]
+    settings += [] if args.variants is None else ["--variants", args.variants.replace(" ", "")]
     settings += ["--backward"] if args.backward else []
     settings += ["--warm-cache"] if args.warm_cache else []
     settings += ["--seed", str(args.seed)] if args.seed else []
@@ -599,7 +600,7 @@ def sizes_left_commands(args, cfg, finished: set[tuple[int, int]]) -> list[str]:
     for i, (sizes, cols) in enumerate(groups.items()):
         folder = out / ("rest" if i == 0 else f"rest-{i + 1}")
         size_flags = [axis, ",".join(map(str, sizes)), "--cols", ",".join(map(str, cols))]
-        commands.append(" ".join(["profuse", "sweep", *size_flags, *settings, "--out", str(folder)]))
+        commands.append(shlex.join(["profuse", "sweep", *size_flags, *settings, "--out", str(folder)]))
     return commands
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -347,7 +348,7 @@ def again_command(run: SavedRun, size: tuple[int, int]) -> str:
     device = run.device.split(":", 1)[0]
     argv += ["--device", device]
     argv += ["--warm-cache"] if device == "cuda" and not run.flush_l2 else []
-    return " ".join([*argv, "--out", "again"])
+    return shlex.join([*argv, "--out", "again"])
 
 
 def few_trials_note(trials: int) -> list[str]:
