@@ -816,3 +816,17 @@ def test_a_sweep_where_nothing_fitted_names_no_byte_model():
     cfg = S.SweepConfig(rows=[HUGE_ROWS], cols=[96], trials=2, warmup=0, variants=("eager",))
     text = R.format_sweep(S.run_sweep(cfg).to_dict())
     assert "skipped" in text and "None" not in text
+
+
+@needs_matplotlib
+def test_a_ci_beside_its_median_is_still_drawn(saved):
+    """Over 3 trials a BCa interval can miss its own point estimate; the plot draws the bar over
+    both instead of failing (matplotlib refuses negative error lengths)."""
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    sp = data["runs"][0]["results"]["rms_norm"]["speedup"]
+    sp.update(median=0.74, low=0.75, high=0.89, verdict="slower")
+    fig = plots.speedup_figure(data)
+    [bars] = [c for c in fig.axes[0].containers if c.lines[0].get_gid() == "series:rms_norm:0"]
+    segments = bars.lines[2][0].get_segments()  # the vertical bars, one per size
+    low, high = sorted(segments[0][:, 1])
+    assert low == pytest.approx(0.74) and high == pytest.approx(0.89)

@@ -280,9 +280,12 @@ def speedup_figure(data: dict | SavedRun):
         linestyle, marker = _group_style(layout, group)
         x = [layout.x[r.size] * shift for r in rows]
         med = [r.speedup["median"] for r in rows]
+        # Over a few trials a BCa interval need not hold its point estimate (a 3-trial sweep on
+        # the 2-core machine had one beside it, and drawing it raised); matplotlib refuses
+        # negative bar lengths, so the bar spans the CI and the median both.
         err = [
-            [m - r.speedup["low"] for m, r in zip(med, rows)],
-            [r.speedup["high"] - m for m, r in zip(med, rows)],
+            [max(m - r.speedup["low"], 0.0) for m, r in zip(med, rows)],
+            [max(r.speedup["high"] - m, 0.0) for m, r in zip(med, rows)],
         ]
         bars = ax.errorbar(
             x, med, yerr=err, color=colors[key], linestyle=linestyle, marker=marker, capsize=4, markersize=6,
