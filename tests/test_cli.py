@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from profuse import cli
 from profuse.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,6 +91,171 @@ def test_part_b_end_to_end(tmp_path, capsys):
     assert data["checks"]["eager"]["passed"] and data["checks"]["rms_norm"]["passed"]
 
 
+def test_part_b_warns_where_report_would():
+    """The main job prints the warnings `profuse report` gives for its file: too few trials for
+    the CI, and a variant whose trials were disturbed, with the command to time it again."""
+    from profuse.bench.tail import TailBenchConfig, run_tail_bench
+    from profuse.report.bench import format_tail_bench
+
+    cfg = TailBenchConfig(rows=16, cols=40, trials=30, warmup=0, variants=("eager", "rms_norm"))
+    res = run_tail_bench(cfg)
+    for timing in res.comparison.timings.values():  # steady: within 10% of the fastest
+        timing.times_s = [1e-3 * (1 + 0.1 * (i % 2)) for i in range(30)]
+    assert "WARNING" not in format_tail_bench(res)
+    res.comparison.timings["eager"].times_s = [1e-3] * 10 + [2e-3] * 20
+    lines = format_tail_bench(res).splitlines()
+    [warning] = [line for line in lines if line.startswith("WARNING")]
+    assert "16 x 40" in warning and "eager 20/30" in warning
+    assert "profuse --skip-profile --rows 16 --cols 40" in warning
+    assert lines.index(warning) > max(i for i, line in enumerate(lines) if ": median " in line)
+    cfg.trials = res.config.trials = 3
+    assert any(line.startswith("WARNING only 3 trials") for line in format_tail_bench(res).splitlines())
+
+
+# A model small enough that Part A takes a second or two on the CPU.
+TINY_MODEL = ["--layers", "1", "--d-model", "32", "--heads", "2", "--vocab-size", "64", "--seq-len", "16",
+              "--batch-size", "2", "--profile-steps", "1"]  # fmt: skip
+
+
+def test_ctrl_c_in_part_b_says_that_part_a_is_kept(tmp_path, capsys, monkeypatch):
+    import profuse.bench.tail
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(profuse.bench.tail, "run_tail_bench", interrupted)
+    code, _out, err = run([*TINY_MODEL, "--device", "cpu", "--out", str(tmp_path)], capsys)
+    assert code == 130
+    summary = tmp_path / "profile.json"
+    assert summary.is_file() and (tmp_path / "trace.json").is_file()
+    assert err.startswith("profuse: interrupted") and f"profuse report {summary}" in err
+
+
+@pytest.fixture(scope="module")
+def part_a(tmp_path_factory):
+    """Part A of a tiny model through the main job: (its folder, what it printed)."""
+    import contextlib
+    import io
+
+    out = tmp_path_factory.mktemp("part_a")
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["--profile-only", *TINY_MODEL, "--device", "cpu", "--out", str(out)])
+    assert code == 0
+    return out, stdout.getvalue()
+
+
+def test_part_a_names_its_summary_and_report_prints_it_again(part_a, capsys):
+    out, printed = part_a
+    summary = out / "profile.json"
+    assert json.loads(summary.read_text())["kind"] == "part_a"
+    [line] = [ln for ln in printed.splitlines() if ln.startswith("summary: ")]
+    assert str(summary) in line and f"profuse report {summary}" in line
+    code, text, err = run(["report", str(summary)], capsys)
+    assert code == 0, err
+    assert text.strip() == printed.split("\nsummary: ")[0].strip()  # the block the run printed
+
+
+def test_report_reads_a_part_a_summary_saved_before_it_had_a_kind(part_a, tmp_path, capsys):
+    data = json.loads((part_a[0] / "profile.json").read_text())
+    del data["kind"]
+    data["compiled"] = data["eager"] | {"compiled": True, "step_ms": data["eager"]["step_ms"] / 2}
+    old = tmp_path / "profile.json"
+    old.write_text(json.dumps(data))
+    code, text, err = run(["report", str(old)], capsys)
+    assert code == 0, err
+    assert "=== Part A: eager vs torch.compile" in text and "eager / compiled = 2.00x" in text
+
+
+PART_B_ONLY = {
+    "report --vs": ["report", "{p}", "--vs", "compile"],
+    "report --markdown": ["report", "{p}", "--markdown"],
+    "diff": ["diff", "{p}", "{p}"],
+}
+
+
+@pytest.mark.parametrize("argv", PART_B_ONLY.values(), ids=PART_B_ONLY)
+def test_part_a_summary_where_part_b_results_are_wanted_is_one_line(part_a, argv, capsys):
+    summary = str(part_a[0] / "profile.json")
+    code, _, err = run([a.replace("{p}", summary) for a in argv], capsys)
+    assert_one_clear_line(code, err)
+    assert "Part A's summary" in err
+    if argv[0] == "diff":
+        assert f"profuse report {summary}" in err
+
+
+def test_a_second_run_says_it_replaced_the_first(tmp_path, capsys):
+    argv = [*SMALL, "--out", str(tmp_path)]
+    code, first, err = run(argv, capsys)
+    assert code == 0, err
+    assert "replaced" not in first
+    code, second, err = run(argv, capsys)
+    assert code == 0, err
+    [line] = [ln for ln in second.splitlines() if ln.startswith("results: ")]
+    assert "replaced the results.json of an earlier run, written 20" in line
+
+
+def test_part_b_prints_its_header_first_and_names_the_cpu(tmp_path, capsys):
+    code, out, err = run(
+        [*SMALL, "--variants", "eager,rms_norm", "--device", "cpu", "--out", str(tmp_path)], capsys
+    )
+    assert code == 0, err
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("=== Part B:"))
+    checks = [i for i, line in enumerate(lines) if "max |diff| vs eager" in line]
+    assert header == 0 and checks and min(checks) > header
+    [hardware] = [line for line in lines if line.startswith(("card:", "CPU:"))]
+    assert hardware.startswith("CPU: ") and f"({os.cpu_count()} cores)" in hardware
+    assert "cpu (" not in hardware  # the CPU's name, not the device type
+    assert "None" not in out
+
+
+def test_the_versions_line_says_when_triton_is_missing():
+    from profuse.env import describe
+
+    cpu = {"cpu_model": "AMD EPYC 7B13", "cpu_count": 2, "torch": "2.13.0", "triton": None}
+    assert describe(cpu) == "CPU: AMD EPYC 7B13 (2 cores), torch 2.13.0, triton not installed"
+    gpu = {"gpu": "NVIDIA H200", "cpu_count": 96, "torch": "2.11.0", "triton": "3.6.0"}
+    assert describe(gpu) == "card: NVIDIA H200, torch 2.11.0, triton 3.6.0"
+    old = {"processor": "x86_64", "cpu_count": 2, "torch": "2.13.0", "triton": "3.9.0"}  # no cpu_model yet
+    assert describe(old).startswith("CPU: x86_64 (2 cores)")
+
+
+def test_progress_bars_show_no_rate(capsys):
+    progress = cli.Progress(enabled=True)
+    for done in (0, 50, 100):  # 100 steps of work at once: the rate that read '19972876.19it/s'
+        progress("trials", done, 100)
+    progress.close()
+    err = capsys.readouterr().err
+    assert "trials" in err and "it/s" not in err and "/s" not in err
+
+
+def test_native_noise_is_kept_off_a_bar_and_other_lines_come_after_it():
+    """While a bar is shown, what native code writes to fd 2 is held: the profiler's USDT lines
+    and a CUDA build's complaints are dropped (with one hint about the CPU build), the rest comes
+    out when the bar closes."""
+    script = (
+        "import os, sys\n"
+        "from profuse.cli import Progress\n"
+        "p = Progress(enabled=True)\n"
+        "p('trials', 0, 4)\n"
+        "os.write(2, b'USDT:2026-12-02 18:41:36 3704:3704 SyncActivityProfilerHandler.cpp:52] start\\n')\n"
+        "os.write(2, b'[W1202 CuptiActivityApi.cpp:100] gpuGetDeviceCount failed with code 35\\n')\n"
+        "print('a line to keep', file=sys.stderr)\n"
+        "p('trials', 4, 4)\n"
+        "p.close()\n"
+        "print('after the bar', file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    err = proc.stderr
+    assert "USDT" not in err and "gpuGetDeviceCount" not in err
+    assert err.count("download.pytorch.org/whl/cpu") == 1
+    assert "trials" in err.split("a line to keep")[0]  # the bar, then the held line
+    assert err.index("a line to keep") < err.index("after the bar")
+
+
 def test_profile_and_fuse_help():
     proc = subprocess.run(
         [sys.executable, "profile_and_fuse.py", "--help"],
@@ -107,6 +273,72 @@ def test_python_m_profuse_help():
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     assert "usage: profuse" in proc.stdout and "--skip-profile" in proc.stdout
+
+
+def test_the_readmes_cpu_example_runs_on_a_cpu():
+    """The README's library example for a machine without a GPU, run as a user would paste it."""
+    import re
+
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("**On a CPU.**") :]
+    example = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    env = {k: v for k, v in subprocess_env().items() if k not in ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES")}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # as on a machine without a GPU
+    proc = subprocess.run(
+        [sys.executable, "-c", example], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Speedup(median=")
+
+
+# The modules that make up most of a command's start-up time (about 3.5 s on 2 cores).
+HEAVY_MODULES = ("torch", "numpy", "scipy", "triton", "matplotlib")
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--help"], ["sweep", "--help"], ["profile", "--help"], ["report", "--help"], ["--rows", "0"],
+     ["sweep", "--elements", "4X"], ["--version"]],
+    ids=" ".join,
+)  # fmt: skip
+def test_help_and_argument_errors_import_nothing_heavy(argv):
+    """`profuse --help` and a mistyped flag answer without loading torch: the package's public
+    names load on first use, and each command imports what it runs after parsing its flags."""
+    script = (
+        "import sys\n"
+        "from profuse.cli import main\n"
+        f"code = main({argv!r})\n"
+        f"heavy = [m for m in {HEAVY_MODULES!r} if m in sys.modules]\n"
+        "print('HEAVY', heavy, 'CODE', code)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    expected = 2 if "0" in argv or "4X" in argv else 0
+    assert last == f"HEAVY [] CODE {expected}", (last, proc.stderr)
+
+
+def test_public_names_load_on_first_use():
+    script = (
+        "import sys\n"
+        "import profuse\n"
+        "assert 'torch' not in sys.modules, 'import profuse loaded torch'\n"
+        "from profuse import compare, FusedTail\n"
+        "assert callable(profuse.tail_triton) and callable(compare) and 'torch' in sys.modules\n"
+        "assert set(profuse.__all__) <= set(dir(profuse))\n"
+        "from profuse import compile as c, tail as t\n"  # submodules, not public names
+        "assert c.__name__ == 'profuse.compile' and t.__name__ == 'profuse.tail'\n"
+        "try:\n"
+        "    profuse.no_such_name\n"
+        "except AttributeError as err:\n"
+        "    assert 'no_such_name' in str(err)\n"
+        "else:\n"
+        "    raise SystemExit('an unknown name must raise AttributeError')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=subprocess_env(), timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,6 +370,120 @@ def test_bad_input_exits_2_with_one_line(case, capsys, tmp_path):
     code, _out, err = run([*SMALL, *BAD[case], "--out", str(tmp_path)], capsys)
     assert_one_clear_line(code, err)
     assert not (tmp_path / "results.json").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# An output folder that cannot be written fails before any work: one line, exit 2
+# --------------------------------------------------------------------------------------------
+
+COMMANDS = {
+    "main": SMALL,
+    "main, Part A": ["--profile-only"],
+    "profile": ["profile"],
+    "profile --nproc": ["profile", "--nproc", "2"],
+    "sweep": ["sweep", "--rows", "8", "--cols", "8", "--trials", "2", "--variants", "eager"],
+}
+
+
+def _a_file(tmp_path, monkeypatch=None):
+    path = tmp_path / "results.json"
+    path.write_text("an earlier run\n")
+    return path
+
+
+def _under_a_file(tmp_path, monkeypatch):
+    (tmp_path / "notes.txt").write_text("a file\n")
+    return tmp_path / "notes.txt" / "out"
+
+
+def _name_too_long(tmp_path, monkeypatch):
+    return tmp_path / "new" / ("x" * 300)  # past the 255 bytes a file name may have
+
+
+def _read_only(tmp_path, monkeypatch):
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.geteuid() == 0:  # root writes into read-only folders: the file system refuses instead
+        import profuse.files
+
+        def refused(*args, **kwargs):
+            raise PermissionError(13, "Permission denied")
+
+        monkeypatch.setattr(profuse.files.tempfile, "mkstemp", refused)
+    return folder
+
+
+BAD_OUT = {"a file": _a_file, "a folder under a file": _under_a_file, "a name too long": _name_too_long,
+           "a read-only folder": _read_only}  # fmt: skip
+
+
+@pytest.fixture
+def no_work(monkeypatch):
+    """Any measuring fails the test: a bad output folder must be found before it starts."""
+    import profuse.bench.tail
+    import profuse.distributed
+    import profuse.profiling
+    import profuse.sweep
+
+    def started(*args, **kwargs):
+        raise AssertionError("the work started before the output folder was checked")
+
+    work = [(profuse.bench.tail, "run_tail_bench"), (profuse.sweep, "run_sweep"),
+            (profuse.profiling, "run_profile"), (profuse.distributed, "launch_profile")]  # fmt: skip
+    for module, name in work:
+        monkeypatch.setattr(module, name, started)
+
+
+@pytest.mark.parametrize("bad", BAD_OUT)
+@pytest.mark.parametrize("command", COMMANDS)
+def test_an_out_that_cannot_be_written_fails_before_any_work(
+    command, bad, tmp_path, capsys, monkeypatch, no_work
+):
+    out = BAD_OUT[bad](tmp_path, monkeypatch)
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    code, stdout, err = run([*COMMANDS[command], "--out", str(out)], capsys)
+    assert_one_clear_line(code, err)
+    assert "--out" in err and str(out) in err, err
+    assert stdout == ""
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing made, nothing left
+
+
+def test_report_plots_that_cannot_be_written_fail_before_the_table(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    results = tmp_path / "results.json"
+    results.write_text("{}")  # never read: the folder for the plots is checked first
+    plots = tmp_path / "speedup.png"
+    plots.write_bytes(b"an earlier plot")
+    code, stdout, err = run(["report", str(results), "--plots", str(plots)], capsys)
+    assert_one_clear_line(code, err)
+    assert "--plots" in err and stdout == ""
+
+
+def test_a_results_json_that_is_a_folder_fails_before_any_work(tmp_path, capsys, no_work):
+    (tmp_path / "results.json").mkdir()
+    code, _, err = run([*SMALL, "--out", str(tmp_path)], capsys)
+    assert_one_clear_line(code, err)
+    assert "results.json" in err
+
+
+def test_a_missing_out_is_made_when_the_run_writes(tmp_path, capsys):
+    out = tmp_path / "a" / "b"
+    code, _, err = run([*SMALL, "--out", str(out)], capsys)
+    assert code == 0, err
+    assert (out / "results.json").is_file()
+    assert [p.name for p in out.iterdir()] == ["results.json"]  # no probe file left
+
+
+def test_output_names_checked_by_the_cli_are_the_ones_written():
+    from profuse import distributed
+    from profuse.profiling import ProfileConfig, compiled_config
+
+    assert cli.TRACE_JSON == ProfileConfig().trace_name
+    assert cli.part_a_files(True)[1] == compiled_config(ProfileConfig()).trace_name
+    assert cli.DDP_FILES[1] == distributed.SUMMARY_NAME
+    plots = pytest.importorskip("profuse.report.plots")
+    assert cli.PLOTS == (plots.SPEEDUP_PNG, plots.BANDWIDTH_PNG)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without a GPU")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -122,6 +123,52 @@ def test_printed_summary_names_ranks_slowest_communication_and_categories(ddp_ru
 def test_a_run_that_worked_keeps_no_logs(ddp_run):
     _, out = ddp_run
     assert sorted(p.name for p in out.iterdir()) == [SUMMARY_NAME, "trace_rank0.json", "trace_rank1.json"]
+
+
+def test_report_prints_the_saved_job_again(ddp_run, capsys):
+    proc, out = ddp_run
+    assert main(["report", str(out / SUMMARY_NAME)]) == 0
+    text = capsys.readouterr().out
+    assert text.splitlines()[0] == next(
+        ln for ln in proc.stdout.splitlines() if ln.startswith("=== Part A on 2")
+    )
+    assert "rank 1's collectives in its trace: gloo:all_reduce x2" in text
+
+
+def test_ctrl_c_leaves_no_logs_of_the_run(no_rank_env, tmp_path, monkeypatch, capsys):
+    """The launcher's logs/ under --out is kept for a rank that failed (its message names the
+    log); a run stopped with Ctrl-C has nothing to look into there, so it leaves none."""
+    import profuse.distributed as D
+
+    earlier = tmp_path / D.LOG_DIR_NAME / "profuse-earlier_x" / "attempt_0" / "0"
+    earlier.mkdir(parents=True)  # another run's logs, which stay
+
+    def interrupted(config, argv, launcher_log):
+        ranks = launcher_log.parent / f"{config.run_id}_abc" / "attempt_0" / "0"
+        ranks.mkdir(parents=True)
+        (ranks / "stderr.log").write_text("a rank's output\n")
+        launcher_log.write_text("the agent's lines\n")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(D, "_run_agent", interrupted)
+    assert main(["profile", "--nproc", "2", "--device", "cpu", "--out", str(tmp_path)]) == 130
+    assert [p.name for p in (tmp_path / D.LOG_DIR_NAME).iterdir()] == ["profuse-earlier_x"]
+    earlier.parents[1].rename(tmp_path / "kept")
+    assert main(["profile", "--nproc", "2", "--device", "cpu", "--out", str(tmp_path)]) == 130
+    assert not (tmp_path / D.LOG_DIR_NAME).exists()  # no logs at all: no logs/ folder either
+    assert "interrupted" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("exitcode, oom", [(-signal.SIGKILL, True), (-signal.SIGTERM, False), (1, False)])
+def test_a_rank_killed_by_sigkill_is_said_to_be_likely_out_of_memory(exitcode, oom):
+    from profuse.report.distributed import format_rank_failure
+
+    error = f"killed by {signal.Signals(-exitcode).name}" if exitcode < 0 else "RuntimeError: boom"
+    line = format_rank_failure(14, 64, exitcode, error, "/tmp/logs/14/stderr.log", log_empty=True)
+    assert "\n" not in line and line.startswith("rank 14 of 64 ")
+    assert ("out-of-memory" in line) == oom
+    assert ("--nproc" in line and "smaller model" in line) == oom
+    assert "Its log (empty): " in line
 
 
 def test_under_torchrun_the_ranks_run_as_workers_and_rank_0_prints(tmp_path):

@@ -294,3 +294,25 @@ def test_report_of_a_cuda_profile():
     )
     side = format_profile_comparison(result, result)
     assert "kernels per step" in side and "GPU idle" in side
+
+
+@pytest.mark.parametrize("compiled_ms, slower", [(0.5, False), (2.0, True)])
+def test_compile_step_says_why_compiled_is_faster_or_slower(profiled, compiled_ms, slower):
+    """eager / compiled below 1 comes with the reason; above 1 with what fusion did."""
+    from dataclasses import replace
+
+    result, _, _ = profiled
+    compiled = replace(result, compiled=True, step_ms=result.step_ms * compiled_ms)
+    lines = format_profile_comparison(result, compiled).splitlines()
+    [why] = [line for line in lines if line.startswith("why")]
+    assert f"{result.shares['memory_bound']:.1f}%" in why
+    if slower:
+        assert why.startswith("why slower: ") and "on a CPU" in why and "--d-model" in why
+    else:
+        assert why.startswith("why: torch.compile fuses") and "slower" not in why
+
+
+def test_a_result_reads_back_from_its_json(profiled):
+    result, _, _ = profiled
+    again = ProfileResult.from_dict(json.loads(json.dumps(result.to_dict())))
+    assert again == result

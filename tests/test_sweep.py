@@ -10,6 +10,8 @@ import contextlib
 import csv
 import io
 import json
+import re
+import shlex
 
 import numpy as np
 import pytest
@@ -156,6 +158,80 @@ def test_interrupted_sweep_keeps_only_the_sizes_done_in_a_partial_file(tmp_path,
     assert data["partial"] is True and len(data["runs"]) == 1
     code, report, _ = run_cli("report", str(out / "results.partial.json"))
     assert code == 0 and "partial sweep: it stopped after 1 sizes" in report
+
+
+def test_interrupted_sweep_says_what_it_kept_and_how_to_go_on(tmp_path, monkeypatch):
+    """Ctrl-C names the partial file, the command that reads it, and a command that times the
+    sizes left (which the sweep's parser reads back as exactly those sizes)."""
+    monkeypatch.setattr(cli, "Progress", _InterruptAtSecondSize)
+    out = tmp_path / "killed run"  # a space: the command must quote it
+    argv = ["--rows", "64,128,160", "--cols", "96", "--trials", "3", "--variants", "eager", "--seed", "7"]
+    code, stdout, stderr = run_cli("sweep", *argv, "--device", "cpu", "--out", str(out))
+    assert code == 130
+    partial = out / "results.partial.json"
+    lines = stderr.strip().splitlines()
+    assert lines[0].startswith("profuse: interrupted") and f"(1 of 3) are saved in {partial}" in lines[0]
+    assert f"profuse report {partial}" in stderr
+    [rest] = [line.split("2 sizes left: ", 1)[1] for line in lines if "sizes left: " in line]
+    args = cli.build_sweep_parser().parse_args(shlex.split(rest)[2:])
+    assert (args.rows, args.cols, args.trials, args.variants, args.seed) == ([128, 160], [96], 3, "eager", 7)
+    assert args.out not in (out, tmp_path) and args.out.parent == out  # the partial file stays as it is
+    assert stdout == ""
+
+
+def test_sizes_left_of_a_grid_are_given_as_elements():
+    parser = cli.build_sweep_parser()
+    args = parser.parse_args("--cols 64,96 --elements 6144,12288 --trials 3 --variants eager".split())
+    cfg = S.SweepConfig(rows=args.rows, cols=args.cols, elements=args.elements, trials=3, variants=("eager",))
+    sizes = cfg.sizes()  # 96x64, 192x64, 64x96, 128x96: cols by cols
+    for n_done in range(1, len(sizes)):
+        commands = cli.sizes_left_commands(args, cfg, set(sizes[:n_done]))
+        covered = []
+        for command in commands:
+            again = parser.parse_args(shlex.split(command)[2:])
+            assert again.elements and again.trials == 3 and again.variants == "eager"
+            covered += S.SweepConfig(rows=again.rows, cols=again.cols, elements=again.elements).sizes()
+        assert sorted(covered) == sorted(sizes[n_done:])
+        assert len({parser.parse_args(shlex.split(c)[2:]).out for c in commands}) == len(commands)
+
+
+def test_a_sweep_that_crashes_later_says_what_it_kept(tmp_path, monkeypatch, capsys):
+    real = S.run_tail_bench
+
+    def crash_at_128(cfg, **kwargs):
+        if cfg.rows == 128:
+            raise RuntimeError("a real bug")
+        return real(cfg, **kwargs)
+
+    monkeypatch.setattr(S, "run_tail_bench", crash_at_128)
+    out = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="a real bug"):
+        cli.main(["sweep", *TINY, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert f"saved in {out / 'results.partial.json'}" in err
+    assert len(json.loads((out / "results.partial.json").read_text())["runs"]) == 1
+
+
+def test_a_sweep_into_a_used_folder_says_which_files_it_replaced(tmp_path):
+    argv = [
+        "sweep",
+        "--rows",
+        "64",
+        "--cols",
+        "96",
+        "--trials",
+        "2",
+        "--variants",
+        "eager",
+        "--device",
+        "cpu",
+    ]
+    code, first, _ = run_cli(*argv, "--out", str(tmp_path))
+    assert code == 0 and "replaced" not in first
+    code, second, _ = run_cli(*argv, "--out", str(tmp_path))
+    assert code == 0
+    wrote = [line for line in second.splitlines() if line.startswith("wrote ")]
+    assert wrote and all("(replaced the " in line and "of an earlier run" in line for line in wrote)
 
 
 def test_finished_sweep_leaves_no_partial_file(saved):
@@ -347,6 +423,81 @@ def test_report_prints_a_single_run(tmp_path):
     assert "eager F.rms_norm" in text
 
 
+@pytest.fixture(scope="module")
+def every_kind(tmp_path_factory, saved):
+    """A results file of each kind profuse writes, made through the CLI: a single run with a
+    variant skipped (liger-kernel: not installed, or no GPU), a sweep, a sweep with a size that
+    did not fit, and the partial file of a sweep stopped after its first size."""
+    root = tmp_path_factory.mktemp("kinds")
+    single = root / "single"
+    code, _, err = run_cli(
+        "--skip-profile", "--rows", "16", "--cols", "40", "--trials", "3",
+        "--variants", "eager,rms_norm,liger", "--device", "cpu", "--out", str(single),
+    )  # fmt: skip
+    assert code == 0, err
+    skipped = root / "skipped"
+    code, _, err = run_cli(
+        "sweep", "--rows", f"64,{HUGE_ROWS}", "--cols", "96", "--trials", "3",
+        "--variants", "eager,rms_norm", "--device", "cpu", "--out", str(skipped),
+    )  # fmt: skip
+    assert code == 0, err
+    partial = root / "partial"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cli, "Progress", _InterruptAtSecondSize)
+        code, _, _ = run_cli("sweep", *TINY, "--out", str(partial))
+    assert code == 130
+    return {
+        "single run, a variant skipped": single / "results.json",
+        "sweep": saved["a"][0] / "results.json",
+        "sweep, a size skipped": skipped / "results.json",
+        "partial sweep": partial / "results.partial.json",
+    }
+
+
+KINDS = ["single run, a variant skipped", "sweep", "sweep, a size skipped", "partial sweep"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_of_results_file_reads_back_in_report(every_kind, kind):
+    path = every_kind[kind]
+    data = json.loads(path.read_text())
+    if kind.startswith("single"):  # what the file holds: a dict of skipped variants
+        assert data["kind"] == "tail" and "liger" in data["skipped"]
+    code, text, err = run_cli("report", str(path))
+    assert code == 0, err
+    assert err == ""
+    rows = [line for line in text.splitlines() if "eager F.rms_norm" in line and "GB/s" in line]
+    speedup = re.compile(r"\d\.\d\dx( slower)? \(\d|no measurable gain \(")  # a ratio with its CI
+    assert rows and all(speedup.search(line) for line in rows), text
+    if kind.startswith("single"):
+        assert any(line.startswith("liger") and ": skipped (" in line for line in text.splitlines()), text
+    if kind == "sweep, a size skipped":
+        assert f"{HUGE_ROWS} x 96: skipped" in text
+    if kind == "partial sweep":
+        assert "partial sweep" in text
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_of_results_file_diffs_against_itself(every_kind, kind):
+    """A run compared with itself: every size and variant it timed is in the table, and none
+    shows a measurable difference (each point ratio is 1)."""
+    path = str(every_kind[kind])
+    run = R.parse(json.loads(every_kind[kind].read_text()))
+    timed = [r for r in run.variant_rows if r.median_s is not None]
+    code, text, err = run_cli("diff", path, path)
+    assert code == 0, err
+    rows = [line for line in text.splitlines() if " 1.00x (" in line]
+    assert len(rows) == len(timed) > 0, text
+    assert all("no measurable difference" in line for line in rows)
+
+
+def test_a_single_run_and_a_sweep_diff_where_their_sizes_meet(every_kind):
+    single, sweep = every_kind["single run, a variant skipped"], every_kind["sweep"]
+    code, text, err = run_cli("diff", str(single), str(sweep))
+    assert code == 0, err
+    assert "only in A: 16 x 40" in text and "only in B: 64 x 96" in text
+
+
 def test_report_and_plot_show_the_copy_ceiling(tmp_path, saved):
     # A CUDA run saves the copy ceiling; here it is written into a CPU file to check the rendering.
     data = json.loads((saved["a"][0] / "results.json").read_text())
@@ -448,7 +599,7 @@ def test_report_vs_recomputes_speedups_from_the_saved_trials(saved):
         assert run["results"]["rms_norm"]["speedup"] is None  # the new baseline
         assert old["results"]["eager"]["speedup"] is None  # the original is left alone
     code, stdout, _ = run_cli("report", str(out / "results.json"), "--vs", "rms_norm")
-    assert code == 0 and "speedup vs rms_norm" in stdout
+    assert code == 0 and "speedup vs eager F.rms_norm (95% CI)" in stdout  # the label, as its rows say it
 
 
 def test_report_vs_an_untimed_variant_is_a_one_line_error(saved):
@@ -585,3 +736,97 @@ def test_report_warns_of_unsteady_timings(saved):
     # At one disturbed trial in 30 the median holds: no warning.
     times[:] = [1e-3] * 29 + [3e-3]
     assert "unsteady" not in R.format_report(data)
+
+
+def test_unsteady_warning_gives_a_command_that_times_the_size_again(saved):
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    for run in data["runs"]:  # steady: every trial within 10% of the fastest
+        for timing in run["comparison"]["timings"].values():
+            timing["times_s"] = [1e-3 * (1 + 0.1 * (i % 2)) for i in range(3)]
+    data["runs"][1]["comparison"]["timings"]["eager"]["times_s"] = [1e-3, 3e-3, 3e-3]
+    [warning] = [line for line in R.format_report(data).splitlines() if "unsteady" in line]
+    command = warning.split("again: ", 1)[1]
+    assert command.startswith("profuse ")
+    args = cli.build_parser().parse_args(shlex.split(command)[1:])
+    assert (args.rows, args.cols, args.dtype, args.device) == (128, 96, "float32", "cpu")
+    assert args.skip_profile and not args.backward
+    assert args.variants.split(",") == ["eager", "rms_norm"]
+    assert args.trials >= 10  # the saved run had 3: the command asks for enough to trust a CI
+    assert str(args.out) not in (".", str(saved["a"][0]))  # it does not replace the file it came from
+
+
+@pytest.mark.parametrize("trials, warned", [(2, True), (3, True), (9, True), (10, False), (30, False)])
+def test_few_trials_carry_a_caveat_on_their_ci(saved, trials, warned):
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    data["config"]["trials"] = trials
+    text = R.format_report(data)
+    caveats = [line for line in text.splitlines() if f"only {trials} trials" in line]
+    assert len(caveats) == (1 if warned else 0), text
+    if warned:
+        assert "--trials 10" in caveats[0] and "CI" in caveats[0]
+
+
+def test_sweep_and_diff_show_the_warnings_too(saved):
+    """The sweep's own table, report and diff all carry the few-trials caveat of a 3-trial run."""
+    out, stdout = saved["a"]
+    assert "WARNING only 3 trials" in stdout
+    path = str(out / "results.json")
+    code, text, _ = run_cli("diff", path, path)
+    assert code == 0
+    assert "A: WARNING only 3 trials" in text and "B: WARNING only 3 trials" in text
+
+
+@pytest.mark.parametrize(
+    "sp, cell, line",
+    [
+        ((2.14, 2.11, 2.16, "faster"), "2.14x (2.11-2.16)", "speedup vs eager 2.14x  (95% CI 2.11-2.16)"),
+        ((0.46, 0.44, 0.5, "slower"), "2.17x slower (2.00-2.27)",
+         "2.17x slower than eager  (95% CI 2.00-2.27)"),
+        ((0.99, 0.97, 1.02, "no measurable gain"), "no measurable gain (0.97-1.02)",
+         "no measurable gain vs eager  (95% CI 0.97-1.02)"),
+    ],
+)  # fmt: skip
+def test_a_slowdown_reads_as_how_many_times_slower(sp, cell, line):
+    """The report's cell, the main job's line and diff's column say a slowdown the same way: the
+    factor the variant takes longer, never '0.46x slower'."""
+    from profuse.bench.stats import Speedup
+    from profuse.report.units import fmt_speedup
+
+    median, low, high, verdict = sp
+    row = R.VariantRow(64, 96, "float32", False, "x", "x", True, False, median_s=1e-3,
+                       speedup={"median": median, "low": low, "high": high, "verdict": verdict})  # fmt: skip
+    assert R.speedup_cell(row) == cell
+    assert fmt_speedup(Speedup(median, low, high, 0.95, "BCa"), "eager") == line
+    assert R._short_speedup(row) == ("no gain" if verdict.startswith("no") else cell.split(" (")[0])
+
+
+def test_diff_names_the_versions_and_what_changed_between_the_runs(saved):
+    a = json.loads((saved["a"][0] / "results.json").read_text())
+    b = json.loads((saved["b"][0] / "results.json").read_text())
+    b["env"] = {**b["env"], "torch": "9.9.9", "triton": None}
+    text = R.format_diff(a, b)
+    lines = text.splitlines()
+    assert f"torch {a['env']['torch']}, triton {a['env']['triton']}" in lines[1]
+    assert "torch 9.9.9, triton not installed" in lines[2]
+    assert f"from A to B: torch {a['env']['torch']}, triton {a['env']['triton']} -> torch 9.9.9" in text
+    assert "from A to B" not in R.format_diff(a, a)
+
+
+def test_a_sweep_where_nothing_fitted_names_no_byte_model():
+    cfg = S.SweepConfig(rows=[HUGE_ROWS], cols=[96], trials=2, warmup=0, variants=("eager",))
+    text = R.format_sweep(S.run_sweep(cfg).to_dict())
+    assert "skipped" in text and "None" not in text
+
+
+@needs_matplotlib
+def test_a_ci_beside_its_median_is_still_drawn(saved):
+    """Over 3 trials a BCa interval can miss its own point estimate; the plot draws the bar over
+    both instead of failing (matplotlib refuses negative error lengths)."""
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    sp = data["runs"][0]["results"]["rms_norm"]["speedup"]
+    sp.update(median=0.74, low=0.75, high=0.89, verdict="slower")
+    fig = plots.speedup_figure(data)
+    [bars] = [c for c in fig.axes[0].containers if c.lines[0].get_gid() == "series:rms_norm:0"]
+    segments = bars.lines[2][0].get_segments()  # the vertical bars, one per size
+    low, high = sorted(segments[0][:, 1])
+    assert low == pytest.approx(0.74) and high == pytest.approx(0.89)

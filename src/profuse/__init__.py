@@ -6,13 +6,30 @@ Public API:
     tail_reference                                          the float64 oracle
     FusedTail                                               an nn.Module around them
     compare, Comparison, Speedup                            the timing harness
+
+The names are loaded on first use (PEP 562): importing torch, scipy and triton takes seconds,
+and `profuse --help` or a mistyped flag should not pay for them.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-from profuse.bench.stats import Speedup
-from profuse.bench.timing import Comparison, compare
-from profuse.tail import FusedTail, tail_compiled, tail_eager, tail_reference, tail_rms_norm, tail_triton
+# public name -> the module that defines it
+_PUBLIC = {
+    "Comparison": "profuse.bench.timing",
+    "compare": "profuse.bench.timing",
+    "Speedup": "profuse.bench.stats",
+    "FusedTail": "profuse.tail",
+    "tail_compiled": "profuse.tail",
+    "tail_eager": "profuse.tail",
+    "tail_reference": "profuse.tail",
+    "tail_rms_norm": "profuse.tail",
+    "tail_triton": "profuse.tail",
+}
 
 __all__ = [
     "Comparison",
@@ -25,3 +42,22 @@ __all__ = [
     "tail_rms_norm",
     "tail_triton",
 ]
+
+if TYPE_CHECKING:  # for type checkers and editors: the names as if imported eagerly
+    from profuse.bench.stats import Speedup
+    from profuse.bench.timing import Comparison, compare
+    from profuse.tail import FusedTail, tail_compiled, tail_eager, tail_reference, tail_rms_norm, tail_triton
+
+
+def __getattr__(name: str):
+    module = _PUBLIC.get(name)
+    if module is None:
+        # AttributeError, not ImportError: `from profuse import compile` then finds the submodule.
+        raise AttributeError(f"module 'profuse' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})

@@ -10,8 +10,13 @@ profuse diff A.json B.json   compare two saved runs variant by variant
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import re
+import shlex
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from profuse import __version__
@@ -159,7 +164,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_device_args(p)
     _add_bench_args(p)
     _add_model_args(p)
-    _add_out_arg(p, ".", "trace.json and results.json")
+    _add_out_arg(
+        p,
+        ".",
+        "Part A's trace.json and profile.json, and Part B's results.json; files of "
+        "an earlier run there are replaced, and the output says so",
+    )
     return p
 
 
@@ -167,7 +177,12 @@ def build_profile_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="profuse profile", description="Part A: profile a few training steps of a small GPT.")
     _add_device_args(p)
     _add_model_args(p)
-    _add_out_arg(p, ".", "trace.json and profile.json")
+    _add_out_arg(
+        p,
+        ".",
+        "trace.json and profile.json (with --nproc: trace_rank{R}.json, profile_ddp.json, "
+        "and logs/ when a rank fails); files of an earlier run there are replaced",
+    )
     p.add_argument(
         "--nproc", type=positive_int, default=None,
         help="profile data-parallel training on N processes (DDP; NCCL on GPUs, gloo on CPU)",
@@ -176,8 +191,57 @@ def build_profile_parser() -> argparse.ArgumentParser:
 
 
 # --------------------------------------------------------------------------------------------
+# What each command writes, checked before any work (files.check_folder)
+# --------------------------------------------------------------------------------------------
+
+# The modules that write these files import torch or matplotlib; the names are here so --out can
+# be checked before those load (tests/test_cli.py checks that they agree).
+TRACE_JSON = "trace.json"  # profiling.ProfileConfig.trace_name
+PROFILE_JSON = "profile.json"
+RESULTS_JSON = "results.json"
+PARTIAL_JSON = "results.partial.json"
+RESULTS_CSV = "results.csv"
+PLOTS = ("speedup.png", "bandwidth.png")  # report.plots.SPEEDUP_PNG, BANDWIDTH_PNG
+DDP_FILES = ("trace_rank0.json", "profile_ddp.json")  # distributed.SUMMARY_NAME (and a folder, logs/)
+
+
+def part_a_files(compile_step: bool) -> tuple[str, ...]:
+    return (TRACE_JSON, "trace-compiled.json", PROFILE_JSON) if compile_step else (TRACE_JSON, PROFILE_JSON)
+
+
+def replaced_note(path: Path) -> str:
+    """' (replaced the results.json of an earlier run, written 2026-12-02 18:41)' where `path`
+    exists, to print once the new file is written; '' where it does not."""
+    try:
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime(path.stat().st_mtime))
+    except OSError:
+        return ""
+    return f" (replaced the {path.name} of an earlier run, written {when})"
+
+
+def check_out(args, names: tuple[str, ...]) -> None:
+    from profuse.files import check_folder
+
+    check_folder(args.out, names)
+
+
+# --------------------------------------------------------------------------------------------
 # Progress: a bar on an interactive terminal, nothing in logs and pipes
 # --------------------------------------------------------------------------------------------
+
+
+BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}"
+
+# Lines that native code writes straight to the process's stderr, each of which would break a bar
+# on screen: torch's profiler (Kineto) at every start and stop, and a CUDA build of torch on a
+# machine without a GPU. While a bar is shown they are held back and dropped; any other line
+# comes out when the bar closes.
+NATIVE_NOISE = re.compile(r"^(USDT|STAGE):|gpuGetDeviceCount failed|No CUDA runtime is found")
+CUDA_BUILD_NOISE = re.compile(r"gpuGetDeviceCount failed|No CUDA runtime is found")
+CPU_BUILD_HINT = (
+    "profuse: note: this torch is a CUDA build on a machine without a usable GPU; the CPU build is "
+    "smaller and quiet: pip install torch --index-url https://download.pytorch.org/whl/cpu"
+)
 
 
 class Progress:
@@ -187,6 +251,8 @@ class Progress:
         self.enabled = sys.stderr.isatty() if enabled is None else enabled
         self._bar = None
         self._stage = None
+        self._held = None  # (the terminal's fd, a stream on it, the file holding fd 2) while a bar is shown
+        self._hinted = False
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         if not self.enabled:
@@ -196,7 +262,11 @@ class Progress:
         if stage != self._stage:
             self.close()
             self._stage = stage
-            self._bar = tqdm(total=total, desc=stage, leave=False, file=sys.stderr, dynamic_ncols=True)
+            # No rate: the counts are steps of work (per size, per trial), not items, and a jump
+            # of many at once read as '19972876.19it/s'.
+            stream = self._hold_stderr()
+            self._bar = tqdm(total=total, desc=stage, leave=False, file=stream, dynamic_ncols=True,
+                             bar_format=BAR_FORMAT)  # fmt: skip
         self._bar.n = done
         self._bar.refresh()
 
@@ -205,6 +275,45 @@ class Progress:
             self._bar.close()
             self._bar = None
             self._stage = None
+        self._release_stderr()
+
+    def _hold_stderr(self):
+        """The stream for the bar: the terminal, with fd 2 itself pointed at a temporary file, so
+        that native code writing there cannot break the bar. Where sys.stderr is not fd 2 (tests,
+        an embedding program), sys.stderr as it is."""
+        try:
+            if sys.stderr.fileno() != 2:
+                return sys.stderr
+        except (AttributeError, OSError, ValueError):
+            return sys.stderr
+        sys.stderr.flush()
+        terminal = os.dup(2)
+        held = tempfile.TemporaryFile()
+        os.dup2(held.fileno(), 2)
+        stream = open(terminal, "w", encoding="utf-8", errors="replace", closefd=False)
+        self._held = (terminal, stream, held)
+        return stream
+
+    def _release_stderr(self) -> None:
+        """fd 2 back to the terminal, and what was written there meanwhile, less the noise."""
+        if self._held is None:
+            return
+        terminal, stream, held = self._held
+        self._held = None
+        sys.stderr.flush()
+        stream.close()  # closefd=False: flushes, and leaves the descriptor to the lines below
+        os.dup2(terminal, 2)
+        os.close(terminal)
+        held.seek(0)
+        lines = held.read().decode("utf-8", errors="replace").splitlines(keepends=True)
+        held.close()
+        kept = [line for line in lines if not NATIVE_NOISE.search(line)]
+        if any(CUDA_BUILD_NOISE.search(line) for line in lines) and not self._hinted:
+            kept.append(CPU_BUILD_HINT + "\n")
+            self._hinted = True
+        if kept:
+            sys.stderr.write("".join(kept))
+            sys.stderr.flush()
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,7 +364,7 @@ def _profile_config(args, device):
 
 def run_part_a(args, device) -> None:
     from profuse.files import write_json
-    from profuse.profiling import compiled_config, run_profile
+    from profuse.profiling import SUMMARY_KIND, compiled_config, run_profile
     from profuse.report.profile import format_profile, format_profile_comparison
 
     cfg = _profile_config(args, device)
@@ -264,14 +373,17 @@ def run_part_a(args, device) -> None:
     eager = run_profile(cfg, progress=say)
     progress.close()
     print(format_profile(eager))
-    summary = {"eager": eager.to_dict()}
+    summary = {"kind": SUMMARY_KIND, "eager": eager.to_dict()}
     if args.compile_step:
         compiled = run_profile(compiled_config(cfg), progress=say)
         progress.close()
         print()
         print(format_profile_comparison(eager, compiled))
         summary["compiled"] = compiled.to_dict()
-    write_json(Path(args.out) / "profile.json", summary)
+    path = Path(args.out) / PROFILE_JSON
+    earlier = replaced_note(path)
+    write_json(path, summary)
+    print(f"summary: {path}{earlier}; profuse report {path} prints it again")
     print()
 
 
@@ -286,31 +398,50 @@ def run_part_b(args, cfg) -> None:
     finally:
         progress.close()
     print(format_tail_bench(res))
-    path = write_json(Path(args.out) / "results.json", res.to_dict())
-    print(f"results: {path}")
+    path = Path(args.out) / RESULTS_JSON
+    earlier = replaced_note(path)
+    write_json(path, res.to_dict())
+    print(f"results: {path}{earlier}")
 
 
 def cmd_main(argv: list[str]) -> int:
-    from profuse.env import resolve_device
-
     args = build_parser().parse_args(argv)
     if args.skip_profile and args.profile_only:
         raise UsageError("--skip-profile and --profile-only leave nothing to run: pick one")
+    names = () if args.skip_profile else part_a_files(args.compile_step)
+    check_out(args, names + (() if args.profile_only else (RESULTS_JSON,)))
+    from profuse.env import resolve_device
+
     device = resolve_device(args.device)
     # Part B's settings are checked before Part A runs: a bad one fails at once, not minutes in.
     bench = None if args.profile_only else _bench_config(args, device, args.rows, args.cols)
     if not args.skip_profile:
         run_part_a(args, device)
     if bench is not None:
-        run_part_b(args, bench)
+        try:
+            run_part_b(args, bench)
+        except KeyboardInterrupt:
+            if args.skip_profile:
+                raise
+            summary = Path(args.out) / PROFILE_JSON
+            raise KeyboardInterrupt(
+                f"Part A had finished: its files are kept ({summary} and the trace beside it; "
+                f"profuse report {summary} prints it again)"
+            ) from None
     return 0
 
 
 def cmd_profile(argv: list[str]) -> int:
+    args = build_profile_parser().parse_args(argv)
     from profuse.distributed import launch_profile, started_by_launcher
     from profuse.env import resolve_device
 
-    args = build_profile_parser().parse_args(argv)
+    if started_by_launcher():
+        # A rank: the others check the same folder at the same moment, so it is made for good
+        # first (a folder the check made and removed could vanish under another rank's probe).
+        with contextlib.suppress(OSError):
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+    check_out(args, DDP_FILES if args.nproc is not None else part_a_files(args.compile_step))
     # --nproc N launches N ranks; a process that torchrun started is one of them already
     # (torchrun would read a --nproc after the module name as its own flag, so none is given).
     if args.nproc is not None or started_by_launcher():
@@ -340,7 +471,12 @@ def build_sweep_parser() -> argparse.ArgumentParser:
         help="comma-separated elements per tensor, e.g. 4M,32M,128M: each --cols value then gets "
         "rows = elements / cols (instead of --rows), for a grid over hidden sizes",
     )  # fmt: skip
-    _add_out_arg(p, "profuse-sweep", "results.json, results.csv, speedup.png and bandwidth.png")
+    _add_out_arg(
+        p,
+        "profuse-sweep",
+        "results.json, results.csv, speedup.png and bandwidth.png, and "
+        "results.partial.json while it runs; files of an earlier sweep there are replaced",
+    )
     return p
 
 
@@ -372,19 +508,22 @@ def build_diff_parser() -> argparse.ArgumentParser:
 
 
 def cmd_sweep(argv: list[str]) -> int:
+    args = build_sweep_parser().parse_args(argv)
+    check_out(args, (RESULTS_JSON, RESULTS_CSV, PARTIAL_JSON, *PLOTS))
     from profuse.env import resolve_device
     from profuse.files import write_json
     from profuse.report import plots
     from profuse.report.sweep import format_sweep, write_csv
     from profuse.sweep import SweepConfig, run_sweep
 
-    args = build_sweep_parser().parse_args(argv)
     device = resolve_device(args.device)
     # The one-size config maps the shared flags (dtype, variants, --warm-cache) as Part B does.
     first = _bench_config(args, device, args.rows[0], args.cols[0])
     cfg = SweepConfig.from_bench(first, args.rows, args.cols, args.elements)
     out = Path(args.out)
-    partial = out / "results.partial.json"
+    partial = out / PARTIAL_JSON
+
+    done: list = []  # the sweep so far, as last saved
 
     def save_partial(res) -> None:
         # The sizes done so far, rewritten whole after each size: a sweep stopped part-way (a
@@ -392,39 +531,103 @@ def cmd_sweep(argv: list[str]) -> int:
         # earlier complete results.json alone. A finished sweep removes it.
         if res.runs:
             write_json(partial, {**res.to_dict(), "partial": True})
+            done[:] = [res]
 
     progress = Progress()
     try:
         res = run_sweep(cfg, progress=progress, on_size=save_partial)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt(_stopped_sweep(args, cfg, done[0] if done else None, partial)) from None
+    except Exception:
+        if done:  # a crash in a later size: say what is kept before the traceback
+            progress.close()
+            print(f"profuse: {_stopped_sweep(args, cfg, done[0], partial)}", file=sys.stderr)
+        raise
     finally:
         progress.close()
     data = res.to_dict()
     print(format_sweep(data))
     if not res.runs:
         raise UsageError("no size fitted in memory, so nothing was written: choose smaller sizes")
+    earlier = {out / name: replaced_note(out / name) for name in (RESULTS_JSON, RESULTS_CSV, *PLOTS)}
     # JSON first: it holds every timing, and the CSV and plots can be made again from it.
-    written = [write_json(out / "results.json", data), write_csv(out / "results.csv", data)]
+    written = [write_json(out / RESULTS_JSON, data), write_csv(out / RESULTS_CSV, data)]
     if plots.HAS_MATPLOTLIB:
         written += plots.write_plots(data, out)
     partial.unlink(missing_ok=True)
     print()
     for path in written:
-        print(f"wrote {path}")
+        print(f"wrote {path}{earlier.get(path, '')}")
     if not plots.HAS_MATPLOTLIB:
         print(f"no plots: {plots.MATPLOTLIB_MISSING}")
     return 0
 
 
-def cmd_report(argv: list[str]) -> int:
-    from profuse.report.sweep import format_run, load_results, parse, rebase, select_variants
+def _stopped_sweep(args, cfg, res, partial: Path) -> str:
+    """What a sweep stopped part-way kept: the file, the command that reads it, and the
+    commands that time the sizes it did not reach."""
+    if res is None:
+        return "no size had finished, so nothing was saved"
+    finished = {(r.config.rows, r.config.cols) for r in res.runs} | {(s.rows, s.cols) for s in res.skipped}
+    n_done, n_all = len(finished), len(cfg.sizes())
+    lines = [
+        f"the sizes that had finished ({n_done} of {n_all}) are saved in {partial}",
+        f"read them: profuse report {partial}",
+    ]
+    rest = sizes_left_commands(args, cfg, finished)
+    if rest:
+        n_left = n_all - n_done
+        lines.append(f"time the {n_left} size{'s' if n_left != 1 else ''} left: {'; '.join(rest)}")
+    return "\n  ".join(lines)
 
+
+def sizes_left_commands(args, cfg, finished: set[tuple[int, int]]) -> list[str]:
+    """`profuse sweep` commands, with the user's settings, over the sizes of `cfg` not in `finished`.
+
+    The sizes left are grouped into lists that --rows (or --elements) and --cols can give: one
+    command where they form one such grid, else one per group. Each writes into a folder of its
+    own under --out, so the partial file stays as it is.
+    """
+    left = [size for size in cfg.sizes() if size not in finished]
+    axis, values = ("--elements", cfg.elements) if cfg.elements else ("--rows", cfg.rows)
+    per_cols: dict[int, tuple[int, ...]] = {}
+    for c in cfg.cols:
+        sizes = [v for v in values if ((max(1, v // c) if cfg.elements else v), c) in left]
+        if sizes:
+            per_cols[c] = tuple(sizes)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for c, sizes in per_cols.items():
+        groups.setdefault(sizes, []).append(c)
+    settings = ["--trials", str(args.trials), "--device", args.device]
+    settings += [] if args.dtype == "auto" else ["--dtype", args.dtype]
+    settings += [] if args.variants is None else ["--variants", args.variants.replace(" ", "")]
+    settings += ["--backward"] if args.backward else []
+    settings += ["--warm-cache"] if args.warm_cache else []
+    settings += ["--seed", str(args.seed)] if args.seed else []
+    out = Path(args.out)
+    commands = []
+    for i, (sizes, cols) in enumerate(groups.items()):
+        folder = out / ("rest" if i == 0 else f"rest-{i + 1}")
+        size_flags = [axis, ",".join(map(str, sizes)), "--cols", ",".join(map(str, cols))]
+        commands.append(shlex.join(["profuse", "sweep", *size_flags, *settings, "--out", str(folder)]))
+    return commands
+
+
+def cmd_report(argv: list[str]) -> int:
     args = build_report_parser().parse_args(argv)
+    from profuse.report.sweep import format_run, parse, read_json, rebase, select_variants
+
     if args.plots is not None:
+        from profuse.files import check_folder
         from profuse.report import plots
 
         if not plots.HAS_MATPLOTLIB:
             raise UsageError(plots.MATPLOTLIB_MISSING)  # before the table, not after it
-    data = load_results(args.results)
+        check_folder(args.plots, PLOTS, flag="--plots")
+    data = read_json(args.results)
+    if _print_part_a(data, args):
+        return 0
+    parse(data, str(args.results))  # one line for a file that is not a results file, before any work
     if args.vs:
         data = rebase(data, args.vs, only=args.variants)
     run = parse(data, str(args.results))
@@ -444,10 +647,25 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
+def _print_part_a(data, args) -> bool:
+    """Print a saved Part A summary (profile.json, profile_ddp.json); False for anything else."""
+    from profuse.report.profile import format_saved_profile, part_a_file
+
+    name = part_a_file(data)
+    if name is None:
+        return False
+    flags = {"--vs": args.vs, "--variants": args.variants, "--plots": args.plots, "--markdown": args.markdown}
+    given = ", ".join(flag for flag, value in flags.items() if value)
+    if given:
+        raise UsageError(f"{args.results} is Part A's summary ({name}): {given} apply to Part B's results")
+    print(format_saved_profile(data, str(args.results)))
+    return True
+
+
 def cmd_diff(argv: list[str]) -> int:
+    args = build_diff_parser().parse_args(argv)
     from profuse.report.sweep import format_diff, load_results
 
-    args = build_diff_parser().parse_args(argv)
     print(format_diff(load_results(args.a), load_results(args.b), names=(str(args.a), str(args.b))))
     return 0
 
@@ -465,8 +683,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as err:
         print(f"profuse: error: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("profuse: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as err:  # a command may say what it kept (KeyboardInterrupt(text))
+        print(f"profuse: interrupted{f'; {err}' if str(err) else ''}", file=sys.stderr)
         return 130
     except BrokenPipeError:  # `profuse ... | head`: the reader left; nothing more to say
         # Point stdout at /dev/null so the interpreter's final flush does not fail again.

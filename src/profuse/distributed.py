@@ -621,8 +621,12 @@ def _run_agent(config, argv: list[str], launcher_log: Path) -> str | None:
     except ChildFailedError as err:
         rank, failure = root_failure(err.failures)
         log = _rank_log(launcher_log.parent, config.run_id, failure.local_rank) or launcher_log
+        try:
+            log_empty = log.stat().st_size == 0
+        except OSError:
+            log_empty = False
         return format_rank_failure(
-            rank, config.nproc_per_node, failure.exitcode, _failure_text(failure), str(log)
+            rank, config.nproc_per_node, failure.exitcode, _failure_text(failure), str(log), log_empty
         )
     except RendezvousError as err:
         return (
@@ -635,6 +639,13 @@ def _run_agent(config, argv: list[str], launcher_log: Path) -> str | None:
             raise KeyboardInterrupt from None
         return f"stopped by {err.sigval.name}; the ranks were stopped"
     return None
+
+
+def _remove_logs(log_dir: Path, run_id: str, launcher_log: Path) -> None:
+    """This run's logs: its ranks' folder and the launcher's file (another run's stay)."""
+    for folder in log_dir.glob(f"{run_id}_*"):
+        shutil.rmtree(folder, ignore_errors=True)
+    launcher_log.unlink(missing_ok=True)
 
 
 def launch_profile(args) -> int:
@@ -699,8 +710,10 @@ def launch_profile(args) -> int:
         if error is not None:
             print(f"profuse: error: {error}", file=sys.stderr)
             return 1
-        shutil.rmtree(next(log_dir.glob(f"{run_id}_*"), log_dir / run_id), ignore_errors=True)
-        launcher_log.unlink(missing_ok=True)  # a run that worked keeps no logs
+        _remove_logs(log_dir, run_id, launcher_log)  # a run that worked keeps no logs
+    except KeyboardInterrupt:
+        _remove_logs(log_dir, run_id, launcher_log)  # nor does one stopped with Ctrl-C
+        raise
     finally:
         with contextlib.suppress(OSError):
             log_dir.rmdir()  # when empty: no run, this one or another, left its logs there

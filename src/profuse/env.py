@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import shutil
@@ -135,6 +136,7 @@ def environment(device: torch.device) -> dict:
         "triton": _triton_version(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "argv": sys.argv[1:],
     }
@@ -155,9 +157,38 @@ def environment(device: torch.device) -> dict:
     return info
 
 
+def cpu_model() -> str:
+    """The CPU's marketing name ('AMD EPYC 7B13'), or the architecture where none can be read."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:  # Linux
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    if sys.platform == "darwin":
+        with contextlib.suppress(OSError, subprocess.SubprocessError):
+            out = subprocess.run(["sysctl", "-n", "machdep.cpu.brand_string"], capture_output=True,
+                                 text=True, timeout=5, check=True).stdout.strip()  # fmt: skip
+            if out:
+                return out
+    return platform.processor() or platform.machine() or "unknown"
+
+
 def card_name(env: dict) -> str:
-    """A short name for the hardware a result came from: the GPU, or 'cpu'."""
-    return env.get("gpu") or f"cpu ({env.get('cpu_count')} cores)"
+    """A short name for the hardware a result came from: the GPU, or the CPU and its cores."""
+    if env.get("gpu"):
+        return env["gpu"]
+    # Files saved before cpu_model was recorded name the architecture (x86_64) instead.
+    return f"{env.get('cpu_model') or env.get('processor') or 'CPU'} ({env.get('cpu_count')} cores)"
+
+
+def describe(env: dict) -> str:
+    """'card: NVIDIA H200, torch 2.11.0, triton 3.6.0' or 'CPU: AMD EPYC (2 cores), torch 2.13.0,
+    triton not installed': the hardware and the versions a saved result came from."""
+    what = "card" if env.get("gpu") else "CPU"
+    triton = f"triton {env['triton']}" if env.get("triton") else "triton not installed"
+    return f"{what}: {card_name(env)}, torch {env.get('torch')}, {triton}"
 
 
 def _triton_version() -> str | None:

@@ -1,7 +1,8 @@
 """Files written whole or not at all: write to a temporary file beside the target, then rename.
 
 A run killed halfway leaves the old file (or none), never half of a new one; os.replace is atomic
-on POSIX and Windows when source and target are on the same file system.
+on POSIX and Windows when source and target are on the same file system. `check_folder` finds a
+folder that cannot be written before a run measures anything, rather than after.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from profuse.errors import UsageError
 
 
 @contextlib.contextmanager
@@ -53,3 +56,58 @@ def _jsonable(obj: Any) -> Any:
     if hasattr(obj, "item"):  # numpy and torch scalars
         return obj.item()
     raise TypeError(f"cannot write {type(obj).__name__} to JSON")
+
+
+def check_folder(folder: str | os.PathLike, names: tuple[str, ...] = (), flag: str = "--out") -> None:
+    """UsageError (one line) unless the files `names` can be written into `folder`.
+
+    It writes and removes a probe file there, making any missing folders on the way and removing
+    them again, so a folder that cannot be written (a file, a read-only place, a name the file
+    system refuses) fails before the work, and a check that passes leaves nothing behind.
+    """
+    path = Path(folder)
+    what = f"{flag} {path}"
+    try:
+        _check_folder(path, names, flag, what)
+    except UsageError:
+        raise
+    except ValueError as err:  # a NUL byte in the name, say
+        raise UsageError(f"{what}: not a usable path ({err})") from None
+
+
+def _check_folder(path: Path, names: tuple[str, ...], flag: str, what: str) -> None:
+    made: list[Path] = []
+    try:
+        if path.exists() and not path.is_dir():
+            raise UsageError(
+                f"{what} is a file, not a folder: {flag} takes the folder to write {_listed(names)} into"
+            )
+        for name in names:
+            if (path / name).is_dir():
+                raise UsageError(f"{path / name} is a folder, so {name} cannot be written there")
+        missing = []
+        parent = path
+        while not parent.exists():
+            missing.append(parent)
+            parent = parent.parent
+        if not parent.is_dir():
+            raise UsageError(f"{what}: {parent} is a file, so no folder can be made under it")
+        for part in reversed(missing):
+            part.mkdir()
+            made.append(part)
+        fd, probe = tempfile.mkstemp(prefix=".profuse-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        why = err.strerror or type(err).__name__
+        raise UsageError(f"{what}: cannot write there ({why}): choose a folder you can write to") from None
+    finally:
+        for part in reversed(made):
+            with contextlib.suppress(OSError):
+                part.rmdir()
+
+
+def _listed(names: tuple[str, ...]) -> str:
+    if not names:
+        return "its files"
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"

@@ -40,7 +40,7 @@ import time
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -53,6 +53,10 @@ from profuse.files import atomic_path
 from profuse.model import GPT, GPTConfig, random_batch
 
 Progress = Callable[[str], None]
+
+# The "kind" of a saved Part A summary (profile.json: {"kind": ..., "eager": ..., "compiled": ...});
+# Part B's results files are "tail" and "sweep".
+SUMMARY_KIND = "part_a"
 
 # The ranges each profiled step is cut into; the trace shows them under ProfilerStep#N.
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
@@ -262,6 +266,28 @@ class ProfileResult:
             "trace_path": self.trace_path,
             "trace_bytes": self.trace_bytes,
         }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ProfileResult:
+        """The result again from `to_dict()`'s JSON (the summary's fields are flattened into it)."""
+        summary = TraceSummary(**{f.name: d[f.name] for f in fields(TraceSummary)})
+        return cls(
+            device=d["device"],
+            compiled=bool(d["compiled"]),
+            precision=d["precision"],
+            torch_version=d["torch"],
+            config=d["config"],
+            steps=int(d["steps"]),
+            table=d["table"],
+            sort_by=d["sort_by"],
+            rows=[OperatorRow(**r) for r in d["rows"]],
+            step_ms=float(d["step_ms"]),
+            step_times_ms=[float(t) for t in d["step_times_ms"]],
+            summary=summary,
+            hotspot=d["hotspot"],
+            trace_path=d["trace_path"],
+            trace_bytes=int(d["trace_bytes"]),
+        )
 
 
 def run_profile(

@@ -6,7 +6,8 @@ import math
 
 from profuse.bench.stats import STATISTIC
 from profuse.bench.traffic import EAGER_FORWARD_TENSORS
-from profuse.env import card_name, dtype_name
+from profuse.env import describe, dtype_name
+from profuse.report.sweep import host_note, parse, timing_warnings
 from profuse.report.units import fmt_bandwidth, fmt_bytes, fmt_speedup, fmt_time, time_unit
 
 W = 22  # label column, right-aligned as in the lab's output
@@ -36,21 +37,6 @@ def format_checks(res) -> str:
     return "\n".join(lines)
 
 
-def host_note(timing: str, rounds: int) -> str:
-    """What the host column and the host-bound mark mean, for the timing mode of a table."""
-    what = {
-        "device": "the median is device time, the CPU kept ahead",
-        "graph": "the median is CUDA-graph replay, device time with no launch cost",
-        "loop": "the median is calls back to back (about the larger of host and device time)",
-    }.get(timing, f"timing {timing}")
-    bound = (
-        "host-bound: the median is within 10% of the host time, so the GPU waited for the CPU"
-        if timing == "loop"
-        else "host-bound: host > median, so a loop that cannot run ahead of the GPU pays the host time"
-    )
-    return f"{what}; host = CPU time to issue one call (median of {rounds} interleaved rounds); {bound}"
-
-
 def format_tail_bench(res) -> str:
     cfg = res.config
     what = "forward + backward" if cfg.backward else "fused tail"
@@ -60,7 +46,7 @@ def format_tail_bench(res) -> str:
         f"{cfg.trials} trials{timing} ==="
     )
     tr = res.traffic
-    lines = [format_checks(res), "", head]
+    lines = [head, format_checks(res), ""]
     if cfg.backward:
         lines.append(
             f"minimum traffic if fused: forward 3 inputs + 1 output, backward 4 inputs + 3 outputs "
@@ -110,5 +96,7 @@ def format_tail_bench(res) -> str:
         lines.append(host_note(comp.timing, comp.trials))
     firsts = ", ".join(f"{res.labels[k]} {t.first_call_s:.2f} s" for k, t in comp.timings.items())
     lines.append(f"first call (compilation, kernel builds): {firsts}")
-    lines.append(f"card: {card_name(res.env)}, torch {res.env.get('torch')}, triton {res.env.get('triton')}")
+    lines.append(describe(res.env))
+    # The warnings `profuse report` gives for this run's file, read the same way from its data.
+    lines += timing_warnings(parse(res.to_dict(), "this run"))
     return "\n".join(lines)

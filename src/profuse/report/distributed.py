@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 from profuse.distributed import JOB_CATEGORIES, DDPProfile
 from profuse.profiling import CATEGORY_LABELS
@@ -93,10 +94,21 @@ def format_ddp_profile(job: DDPProfile, summary_path: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def format_rank_failure(rank: int, world_size: int, exitcode: int, error: str, log: str) -> str:
-    """One line: which rank failed, how, and where its log is."""
+def format_rank_failure(
+    rank: int, world_size: int, exitcode: int, error: str, log: str, log_empty: bool = False
+) -> str:
+    """One line: which rank failed, how, what to try where the cause is plain, and where its log is."""
     if exitcode < 0:
         how = f"was {error}" if error else f"died of signal {-exitcode}"
+        if -exitcode == signal.SIGKILL:
+            # Nothing in profuse or torch sends SIGKILL: on a machine short of memory it is the
+            # kernel's out-of-memory killer, which leaves no word in the rank's log.
+            how += (
+                f", most likely by the system's out-of-memory killer ({world_size} ranks each hold "
+                "the model, its gradients, AdamW's state and the activations): try fewer ranks "
+                "(--nproc) or a smaller model (--layers, --d-model, --seq-len, --batch-size)"
+            )
     else:
         how = f"failed (exit code {exitcode}{': ' + error if error else ''})"
-    return f"rank {rank} of {world_size} {how}; the other ranks were stopped. Its log: {_shown(log)}"
+    where = f"Its log{' (empty)' if log_empty else ''}: {_shown(log)}"
+    return f"rank {rank} of {world_size} {how}; the other ranks were stopped. {where}"

@@ -272,7 +272,7 @@ def speedup_figure(data: dict | SavedRun):
     run = _run(data)
     layout = _layout(run)
     colors = variant_colors(run)
-    fig, ax = _new_axes(run, f"Fused tail: speedup over {run.baseline}", layout)
+    fig, ax = _new_axes(run, f"Fused tail: speedup over {run.baseline_label}", layout)
     base = ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
     series = {k: rs for k, rs in _series(run, layout, skip=run.baseline).items() if rs[0].speedup}
     hollow = False
@@ -280,9 +280,12 @@ def speedup_figure(data: dict | SavedRun):
         linestyle, marker = _group_style(layout, group)
         x = [layout.x[r.size] * shift for r in rows]
         med = [r.speedup["median"] for r in rows]
+        # Over a few trials a BCa interval need not hold its point estimate (a 3-trial sweep on
+        # the 2-core machine had one beside it, and drawing it raised); matplotlib refuses
+        # negative bar lengths, so the bar spans the CI and the median both.
         err = [
-            [m - r.speedup["low"] for m, r in zip(med, rows)],
-            [r.speedup["high"] - m for m, r in zip(med, rows)],
+            [max(m - r.speedup["low"], 0.0) for m, r in zip(med, rows)],
+            [max(r.speedup["high"] - m, 0.0) for m, r in zip(med, rows)],
         ]
         bars = ax.errorbar(
             x, med, yerr=err, color=colors[key], linestyle=linestyle, marker=marker, capsize=4, markersize=6,
@@ -299,9 +302,9 @@ def speedup_figure(data: dict | SavedRun):
     if hollow:
         marker = Line2D([], [], marker="o", linestyle="", markerfacecolor="white", markeredgecolor="gray")
         notes.append((marker, "hollow: CI holds 1.0, no measurable gain"))
-    reference = [(base, f"{run.baseline} (baseline) = 1.0")]
+    reference = [(base, f"{run.baseline_label} (baseline) = 1.0")]
     _legend(ax, layout, reference, _variant_handles(series, colors, layout), notes)
-    ax.set_ylabel(f"speedup over {run.baseline} (x), median and 95% CI")
+    ax.set_ylabel(f"speedup over {run.baseline_label} (x), median and 95% CI")
     ax.set_ylim(bottom=0)  # from zero, so the height of a bar is the size of the gain
     _finish(fig, ax, layout)
     return fig

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from profuse.profiling import CATEGORIES, CATEGORY_LABELS, ProfileResult
+from profuse.errors import UsageError
+from profuse.profiling import CATEGORIES, CATEGORY_LABELS, SUMMARY_KIND, ProfileResult
 
 PERFETTO = "https://ui.perfetto.dev"
 W = 34  # label column: fits "elementwise + norm (memory-bound)"
@@ -94,5 +95,65 @@ def format_profile_comparison(eager: ProfileResult, compiled: ProfileResult) -> 
     for cat in CATEGORIES:
         row(CATEGORY_LABELS[cat], f"{eager.shares[cat]:.1f}%", f"{compiled.shares[cat]:.1f}%")
     traces = f"{_shown_path(eager.trace_path)}, {_shown_path(compiled.trace_path)}"
+    lines.append(why_compiled_differs(eager, compiled, ratio))
     lines.append(f"traces: {traces} - open them at {PERFETTO}")
     return "\n".join(lines)
+
+
+def why_compiled_differs(eager: ProfileResult, compiled: ProfileResult, ratio: float) -> str:
+    """One line on what the eager / compiled ratio comes from, read off the two profiles."""
+    unit = eager.summary.launch_unit
+    fewer = f"{eager.summary.launches_per_step:.0f} -> {compiled.summary.launches_per_step:.0f} {unit} a step"
+    memory = eager.shares["memory_bound"]
+    if ratio >= 1.0:
+        return (
+            f"why: torch.compile fuses the memory-bound elementwise and norm work ({memory:.1f}% of "
+            f"the eager step) into fewer, larger kernels ({fewer})"
+        )
+    # Slower compiled: what fusion saves is part of the memory-bound work, and the compiled step
+    # pays for guard checks, runtime wrappers and graph breaks around each compiled graph.
+    where = "on a CPU" if eager.device.startswith("cpu") else "on this GPU"
+    return (
+        f"why slower: torch.compile fuses the memory-bound elementwise and norm work ({memory:.1f}% of "
+        f"the eager step; {fewer}), but the compiled step adds costs of its own (guard checks and "
+        "runtime wrappers around each compiled graph, forward and backward, and any graph breaks); "
+        f"{where} at this model size they can outweigh what fusion saves, and a larger model "
+        "(--d-model, --seq-len, --batch-size) gives fusion more to save"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# A saved summary, printed again by `profuse report`
+# --------------------------------------------------------------------------------------------
+
+
+def part_a_file(data) -> str | None:
+    """'profile.json' or 'profile_ddp.json' when `data` is a saved Part A summary, else None.
+
+    By shape as well as by kind: files written before profile.json had a kind are read too.
+    """
+    if not isinstance(data, dict):
+        return None
+    eager = data.get("eager")
+    if data.get("kind") == SUMMARY_KIND or (isinstance(eager, dict) and "table" in eager):
+        return "profile.json"
+    if "ranks" in data and "world_size" in data:
+        return "profile_ddp.json"
+    return None
+
+
+def format_saved_profile(data: dict, source: str) -> str:
+    """A saved profile.json (or profile_ddp.json) as its run printed it; UsageError if malformed."""
+    try:
+        if part_a_file(data) == "profile_ddp.json":
+            from profuse.distributed import DDPProfile
+            from profuse.report.distributed import format_ddp_profile
+
+            return format_ddp_profile(DDPProfile.from_dict(data), summary_path=source)
+        eager = ProfileResult.from_dict(data["eager"])
+        text = format_profile(eager)
+        if data.get("compiled"):
+            text += "\n\n" + format_profile_comparison(eager, ProfileResult.from_dict(data["compiled"]))
+        return text
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+        raise UsageError(f"{source} is a malformed Part A summary ({type(err).__name__}: {err})") from None

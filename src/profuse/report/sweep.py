@@ -10,17 +10,17 @@ from __future__ import annotations
 import copy
 import csv
 import json
+import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
-from profuse.bench.stats import bootstrap_ratio_ci, check_timings
-from profuse.env import card_name
+from profuse.bench.stats import FEW_TRIALS, bootstrap_ratio_ci, check_timings
+from profuse.env import card_name, describe
 from profuse.errors import UsageError
 from profuse.files import atomic_path
-from profuse.report.bench import host_note
-from profuse.report.units import fmt_bandwidth, fmt_time
+from profuse.report.units import fmt_bandwidth, fmt_time, speedup_terms
 
 CSV_FIELDS = (
     "rows", "cols", "dtype", "backward", "variant", "median_s", "speedup", "ci_low", "ci_high",
@@ -101,12 +101,24 @@ class SavedRun:
         return card_name(self.env)
 
     @property
+    def baseline_label(self) -> str:
+        """The baseline as its rows name it ('torch.compile', not the key 'compile')."""
+        return next((r.label for r in self.variant_rows if r.variant == self.baseline), self.baseline)
+
+    @property
     def what(self) -> str:
         return "forward + backward" if self.backward else "forward"
 
 
 def load_results(path: str | Path) -> dict:
     """A results.json written by `profuse` or `profuse sweep`; UsageError (one line) otherwise."""
+    data = read_json(path)
+    parse(data, str(path))  # fail here, in one line, rather than halfway through a table
+    return data
+
+
+def read_json(path: str | Path):
+    """The JSON in `path`; UsageError (one line) for a missing, unreadable or cut-short file."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -120,7 +132,6 @@ def load_results(path: str | Path) -> dict:
         data = json.loads(text)
     except json.JSONDecodeError as err:
         raise UsageError(f"{p} is not valid JSON (line {err.lineno}: {err.msg}); was it cut short?") from None
-    parse(data, str(p))  # fail here, in one line, rather than halfway through a table
     return data
 
 
@@ -158,6 +169,15 @@ def parse(data: dict, source: str = "results") -> SavedRun:
     """The rows of a saved run; UsageError when `data` is not a profuse results file."""
     kind = data.get("kind") if isinstance(data, dict) else None
     if kind not in ("tail", "sweep"):
+        from profuse.report.profile import part_a_file
+
+        name = part_a_file(data)
+        if name is not None:
+            raise UsageError(
+                f"{source} is Part A's summary ({name}, from profuse or profuse profile): "
+                f"`profuse report {source}` prints it again; diff, --vs and --variants read the "
+                "results.json of Part B or a sweep"
+            )
         raise UsageError(
             f"{source} is not a profuse results file (kind {kind!r}; expected a results.json "
             "written by profuse or profuse sweep)"
@@ -173,9 +193,10 @@ def parse(data: dict, source: str = "results") -> SavedRun:
 def _parse(data: dict) -> SavedRun:
     entries = [data] if data["kind"] == "tail" else list(data["runs"])
     cfg = data["config"]
-    skipped_sizes = [(int(s["rows"]), int(s["cols"]), str(s["reason"])) for s in data.get("skipped", [])]
-    if data["kind"] == "tail":
-        skipped_sizes = []  # a single run's "skipped" holds variants, read below
+    # A sweep's "skipped" lists sizes; a single run's maps variants to reasons (read below, per entry).
+    skipped_sizes = []
+    if data["kind"] == "sweep":
+        skipped_sizes = [(int(s["rows"]), int(s["cols"]), str(s["reason"])) for s in data.get("skipped", [])]
     rows: list[VariantRow] = []
     skipped_variants: dict[str, str] = {}
     comp0: dict = {}
@@ -280,6 +301,21 @@ def _size(rows: int, cols: int) -> str:
     return f"{rows} x {cols}"
 
 
+def host_note(timing: str, rounds: int) -> str:
+    """What the host column and the host-bound mark mean, for the timing mode of a table."""
+    what = {
+        "device": "the median is device time, the CPU kept ahead",
+        "graph": "the median is CUDA-graph replay, device time with no launch cost",
+        "loop": "the median is calls back to back (about the larger of host and device time)",
+    }.get(timing, f"timing {timing}")
+    bound = (
+        "host-bound: the median is within 10% of the host time, so the GPU waited for the CPU"
+        if timing == "loop"
+        else "host-bound: host > median, so a loop that cannot run ahead of the GPU pays the host time"
+    )
+    return f"{what}; host = CPU time to issue one call (median of {rounds} interleaved rounds); {bound}"
+
+
 def host_cell(row: VariantRow) -> str:
     """'12.3 us', '250.1 us host-bound', or '-' where no host time was measured."""
     if row.host_s is None or row.median_s is None:
@@ -288,18 +324,16 @@ def host_cell(row: VariantRow) -> str:
 
 
 def speedup_cell(row: VariantRow) -> str:
-    """'2.14x (2.11-2.16)', '0.85x slower (0.80-0.90)', or 'no measurable gain (0.98-1.03)'."""
+    """'2.14x (2.11-2.16)', '2.17x slower (2.10-2.25)', or 'no measurable gain (0.98-1.03)'."""
     if row.median_s is None:
         return row.why_not_timed
     sp = row.speedup
     if sp is None:
         return BASELINE_VERDICT
-    ci = f"({sp['low']:.2f}-{sp['high']:.2f})"
-    if sp["verdict"] == "faster":
-        return f"{sp['median']:.2f}x {ci}"
-    if sp["verdict"] == "slower":
-        return f"{sp['median']:.2f}x slower {ci}"
-    return f"no measurable gain {ci}"
+    ratio, ci = speedup_terms(sp["median"], sp["low"], sp["high"], sp["verdict"])
+    if sp["verdict"] == "no measurable gain":
+        return f"no measurable gain ({ci})"
+    return f"{ratio} ({ci})"
 
 
 # A trial more than UNSTEADY_RATIO x its variant's fastest was disturbed (another process, a
@@ -318,7 +352,8 @@ def unsteady_trials(row: VariantRow) -> int:
 
 
 def unsteady_notes(run: SavedRun) -> list[str]:
-    """One warning per size where some variant's timings were disturbed."""
+    """One warning per size where some variant's timings were disturbed, with the command that
+    times that size again."""
     notes = []
     for size in run.sizes:
         rows = [(r, unsteady_trials(r)) for r in run.variant_rows if r.size == size and r.times_s]
@@ -326,19 +361,50 @@ def unsteady_notes(run: SavedRun) -> list[str]:
             counts = ", ".join(f"{r.label} {n}/{len(r.times_s)}" for r, n in rows)
             notes.append(
                 f"WARNING {_size(*size)}: unsteady timings (trials over {UNSTEADY_RATIO}x their "
-                f"fastest: {counts}); its medians are not to be trusted: time that size again"
+                f"fastest: {counts}); its medians are not to be trusted. On a quiet machine, time it "
+                f"again: {again_command(run, size)}"
             )
     return notes
 
 
+def again_command(run: SavedRun, size: tuple[int, int]) -> str:
+    """The command that times one size of `run` again with the same settings (at least FEW_TRIALS
+    trials), into a folder of its own so the results it came from are not replaced."""
+    rows, cols = size
+    keys = list(dict.fromkeys(r.variant for r in run.variant_rows if r.size == size))
+    argv = ["profuse", "--skip-profile", "--rows", str(rows), "--cols", str(cols), "--dtype", run.dtype]
+    argv += ["--backward"] if run.backward else []
+    argv += ["--variants", ",".join(keys), "--trials", str(max(run.trials, FEW_TRIALS))]
+    device = run.device.split(":", 1)[0]
+    argv += ["--device", device]
+    argv += ["--warm-cache"] if device == "cuda" and not run.flush_l2 else []
+    return shlex.join([*argv, "--out", "again"])
+
+
+def few_trials_note(trials: int) -> list[str]:
+    """The caveat on every CI of a run with fewer than FEW_TRIALS trials (none otherwise)."""
+    if trials >= FEW_TRIALS:
+        return []
+    return [
+        f"WARNING only {trials} trials: a bootstrap over so few cannot see the spread of the timings, "
+        f"so each 95% CI is rough; use --trials {FEW_TRIALS} or more (the default is 30)"
+    ]
+
+
+def timing_warnings(run: SavedRun) -> list[str]:
+    """What makes this run's numbers less than they look: too few trials, disturbed sizes."""
+    return few_trials_note(run.trials) + unsteady_notes(run)
+
+
 def _notes(run: SavedRun) -> list[str]:
     bytes_model = {4: "3 inputs read + 1 output written", 11: "forward 4 tensors + backward 7 tensors"}
-    model = bytes_model.get(run.model_tensors, f"{run.model_tensors} tensors")
     notes = [
-        f"speedup: median({run.baseline}) / median(variant) with a 95% CI from a paired bootstrap over "
-        f"{run.trials} interleaved trials; 'no measurable gain' where the CI holds 1.0",
-        f"bandwidth: minimum fused traffic ({model}) / median time",
+        f"speedup: median({run.baseline_label}) / median(variant) with a 95% CI from a paired bootstrap "
+        f"over {run.trials} interleaved trials; 'no measurable gain' where the CI holds 1.0",
     ]
+    if run.model_tensors is not None:  # None: no size ran, so there is no byte model to name
+        model = bytes_model.get(run.model_tensors, f"{run.model_tensors} tensors")
+        notes.append(f"bandwidth: minimum fused traffic ({model}) / median time")
     if run.copy_ceiling_Bps:
         ceiling = fmt_bandwidth(run.copy_ceiling_Bps)
         notes.append(f"copy ceiling (device-to-device copy, measured in this run): {ceiling}")
@@ -352,9 +418,8 @@ def _notes(run: SavedRun) -> list[str]:
         notes.append(f"{label}: skipped ({why})")
     for rows, cols, why in run.skipped_sizes:
         notes.append(f"{_size(rows, cols)}: skipped ({why})")
-    env = run.env
-    notes.append(f"card: {run.card}, torch {env.get('torch')}, triton {env.get('triton')}")
-    return notes + unsteady_notes(run)
+    notes.append(describe(run.env))
+    return notes + timing_warnings(run)
 
 
 def format_run(run: SavedRun, markdown: bool = False) -> str:
@@ -373,7 +438,7 @@ def format_run(run: SavedRun, markdown: bool = False) -> str:
     host = any(r.host_s is not None for r in run.variant_rows)
     header = ["size", "variant", f"median ({run.timing})" if host else "median"]
     header += ["host/call"] if host else []
-    header += [f"speedup vs {run.baseline} (95% CI)", "bandwidth"]
+    header += [f"speedup vs {run.baseline_label} (95% CI)", "bandwidth"]
     header += ["% of copy"] if ceiling else []
     body = []
     last = None
@@ -505,11 +570,19 @@ def _short_speedup(r: VariantRow | None) -> str:
         return "-"
     if r.speedup is None:
         return BASELINE_VERDICT
-    return f"{r.speedup['median']:.2f}x" if r.speedup["verdict"] != "no measurable gain" else "no gain"
+    sp = r.speedup
+    if sp["verdict"] == "no measurable gain":
+        return "no gain"
+    return speedup_terms(sp["median"], sp["low"], sp["high"], sp["verdict"])[0]
+
+
+def _versions(run: SavedRun) -> str:
+    triton = run.env.get("triton")
+    return f"torch {run.env.get('torch')}, triton {triton if triton else 'not installed'}"
 
 
 def _describe(run: SavedRun) -> str:
-    return f"{run.card}, {run.dtype}, {run.what}, {run.device}, {run.trials} trials"
+    return f"{run.card}, {_versions(run)}, {run.dtype}, {run.what}, {run.device}, {run.trials} trials"
 
 
 def format_diff(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
@@ -533,6 +606,9 @@ def format_diff(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
     ]
     if differs:
         lines.append(f"note: A and B differ in {', '.join(differs)}: the times are not like for like")
+    changed = [f"{x} -> {y}" for x, y in [(ra.card, rb.card), (_versions(ra), _versions(rb))] if x != y]
+    if changed:
+        lines.append(f"from A to B: {'; '.join(changed)}")
     index_a = {(r.size, r.variant): r for r in ra.variant_rows}
     index_b = {(r.size, r.variant): r for r in rb.variant_rows}
     keys = list(dict.fromkeys([*index_a, *index_b]))
@@ -576,4 +652,6 @@ def format_diff(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
         "the two runs were not interleaved, so drift between them (clocks, heat, other work) is not in "
         "the CI: treat a small measurable difference with care"
     )
+    for side, run in (("A", ra), ("B", rb)):
+        lines += [f"{side}: {warning}" for warning in timing_warnings(run)]
     return "\n".join(lines)

@@ -33,10 +33,22 @@ def fmt_bandwidth(bps: float) -> str:
     return f"{bps / 1e9:.1f} GB/s"
 
 
+def speedup_terms(median: float, low: float, high: float, verdict: str) -> tuple[str, str]:
+    """A speedup and its CI as a reader says them: ('2.14x', '2.11-2.16') for a gain, and for a
+    slowdown the factor by which the variant takes longer, its CI turned round with it:
+    ('2.17x slower', '2.10-2.25') rather than '0.46x slower'."""
+    if verdict == "slower":
+        return f"{1 / median:.2f}x slower", f"{1 / high:.2f}-{1 / low:.2f}"
+    return f"{median:.2f}x", f"{low:.2f}-{high:.2f}"
+
+
 def fmt_speedup(sp, baseline_label: str) -> str:
-    """'speedup vs eager 2.14x  (95% CI 2.11-2.16)', or 'no measurable gain' when the CI holds 1.0."""
-    ci = f"({sp.confidence:.0%} CI {sp.low:.2f}-{sp.high:.2f})"
+    """'speedup vs eager 2.14x  (95% CI 2.11-2.16)', '2.17x slower than eager  (95% CI 2.10-2.25)',
+    or 'no measurable gain' when the CI holds 1.0."""
+    ratio, ci = speedup_terms(sp.median, sp.low, sp.high, sp.verdict)
+    ci = f"({sp.confidence:.0%} CI {ci})"
     if sp.verdict == "no measurable gain":
         return f"no measurable gain vs {baseline_label}  {ci}"
-    word = "speedup" if sp.verdict == "faster" else "slower:"
-    return f"{word} vs {baseline_label} {sp.median:.2f}x  {ci}"
+    if sp.verdict == "slower":
+        return f"{ratio} than {baseline_label}  {ci}"
+    return f"speedup vs {baseline_label} {ratio}  {ci}"
