@@ -22,9 +22,9 @@ def device():
 
 
 class PoisonedTorch:
-    """Stands in for `torch` inside profuse.kernels.tail: torch.empty and torch.empty_like come back
-    full of NaN (or -1 for integers), so an element a kernel forgets to write (an output, a gradient, a dw
-    partial row) cannot pass for a right answer."""
+    """Stands in for `torch` inside a kernels module: torch.empty and torch.empty_like come back
+    full of NaN (or -1 for integers), so an element a kernel forgets to write (an output, a
+    gradient, a dw partial row) cannot pass for a right answer."""
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -52,3 +52,18 @@ def poisoned(monkeypatch):
     import profuse.kernels.tail as ktail
 
     monkeypatch.setattr(ktail, "torch", PoisonedTorch())
+
+
+@pytest.fixture
+def poisoned_blockops(monkeypatch):
+    """The block ops' kernel modules (profuse.kernels.swiglu, profuse.kernels.add_rms_norm)
+    allocate through PoisonedTorch for the test's duration."""
+    from profuse.kernels import HAS_TRITON
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    import profuse.kernels.add_rms_norm as karn
+    import profuse.kernels.swiglu as kswiglu
+
+    for module in (kswiglu, karn):
+        monkeypatch.setattr(module, "torch", PoisonedTorch())

@@ -6,6 +6,7 @@ Public API:
     tail_reference                                          the float64 oracle
     FusedTail                                               an nn.Module around them
     compare, Comparison, Speedup                            the timing harness
+    silu_mul, add_rms_norm                                  the block's own ops, fused (profuse.blockops)
 
 The names are loaded on first use (PEP 562): importing torch, scipy and triton takes seconds,
 and `profuse --help` or a mistyped flag should not pay for them.
@@ -29,13 +30,17 @@ _PUBLIC = {
     "tail_reference": "profuse.tail",
     "tail_rms_norm": "profuse.tail",
     "tail_triton": "profuse.tail",
+    "silu_mul": "profuse.blockops",
+    "add_rms_norm": "profuse.blockops",
 }
 
 __all__ = [
     "Comparison",
     "FusedTail",
     "Speedup",
+    "add_rms_norm",
     "compare",
+    "silu_mul",
     "tail_compiled",
     "tail_eager",
     "tail_reference",
@@ -46,6 +51,7 @@ __all__ = [
 if TYPE_CHECKING:  # for type checkers and editors: the names as if imported eagerly
     from profuse.bench.stats import Speedup
     from profuse.bench.timing import Comparison, compare
+    from profuse.blockops import add_rms_norm, silu_mul
     from profuse.tail import FusedTail, tail_compiled, tail_eager, tail_reference, tail_rms_norm, tail_triton
 
 

@@ -20,7 +20,8 @@ class KernelConfig:
 
     # "fused" (whole rows in registers), "chunked" (rows in chunks, two passes each),
     # "pipelined" (chunked, with pass 1 of a program's next row overlapping pass 2 of its
-    # current one) or "split" (backward: a row-dot pass, then the gradients in column slabs)
+    # current one) or "split" (backward: a row-dot pass, then the gradients in column slabs);
+    # "tiled" (elementwise: block_m rows x block_n columns, no whole row needed; silu_mul)
     kernel: str
     block_m: int  # rows per tile (fused; chunked backward: 1 or 2); 1 for the others
     block_n: int  # whole row (fused), chunk (chunked, pipelined) or slab (split): a power of two
@@ -191,3 +192,114 @@ def forward_config(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int = 13
 
 def backward_config(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int) -> KernelConfig:
     return backward_candidates(n_rows, n_cols, dtype, n_sms)[0]
+
+
+# --------------------------------------------------------------------------------------------
+# The block's own ops (profuse.blockops): silu_mul (kernels/swiglu.py) and add_rms_norm
+# (kernels/add_rms_norm.py). Not yet timed on a GPU: each choice below says what it is borrowed
+# from; the autotuner times the candidates on first use of a shape.
+#
+# Byte floors, per element of one (rows, F) or (rows, N) tensor, each tensor in its own dtype:
+#   silu_mul forward       reads gate, up; writes a                    3 tensors (bf16: 6 B)
+#                          eager: silu (2), then * (3)                 5 tensors
+#   silu_mul backward      reads da, gate, up; writes dgate, dup       5 tensors (bf16: 10 B)
+#                          eager: da * up, da * silu, silu's backward  9 tensors, plus 4 to
+#                          concatenate the halves into the matmul's gradient (the packed form
+#                          writes that one (rows, 2F) gradient itself)
+#   add_rms_norm forward   reads x, residual; writes y, h              4 tensors + 4 B a row
+#                          (bf16 x, fp32 residual: 2 + 4 + 2 + 4 = 12 B; all bf16: 8 B)
+#   add_rms_norm backward  reads dy, dh, h; writes dx, dresidual       5 tensors, 4 when x and
+#                          residual share a dtype (one gradient serves both, as add's backward
+#                          hands one gradient to both inputs), 3 + 1 without dh; plus the fp32
+#                          dweight partials, (programs, N), written and read once more
+# --------------------------------------------------------------------------------------------
+
+# Widest add_rms_norm row (elements) held whole in registers, forward and backward alike (one
+# limit, so a width whose forward runs never fails in its backward). At 16384 columns and 32
+# warps a backward thread holds 16 columns x ~5 live fp32 values (dy, x_hat, w, dh, the dw
+# partial): ~80 registers, where the tail's backward holds ~8 per column at the same limit.
+ADD_RMS_NORM_MAX_COLS = 16384
+
+
+def silu_mul_candidates(n_rows: int, n_cols: int, backward: bool = False) -> list[KernelConfig]:
+    """Tiles worth trying for silu_mul (elementwise: no whole row needed), the favourite first."""
+    bn = triton.next_power_of_2(n_cols)
+    # Elements per thread: 16 forward (two 16-byte loads of each bf16 input; the tail's forward
+    # rule), 8 backward (five tensors live per element, as the tail's backward rule).
+    per_thread = 8 if backward else 16
+    out = []
+    # Column blocks: 1024 (2 KB of a bf16 row per tile row: whole 128-byte lines, and at most
+    # 1023 idle lanes a row); 256 where 1024 fits a width badly (11008 = 43 x 256: none idle,
+    # 10.75 x 1024: 2% idle); 4096, fewer and longer rows per tile for wide rows. Grid axis 1
+    # (cdiv(F, block_n) <= 65535) holds F up to 16.7M at 256.
+    for block_n in dict.fromkeys(min(bn, b) for b in (1024, 256, 4096)):
+        # Elements per program: 4096 first (the tail forward's favourite tile size), then
+        # half and twice that.
+        for tile in (4096, 2048, 8192):
+            block_m = max(1, min(tile // block_n, pow2_rows(n_rows)))
+            warps = max(1, min(32, block_m * block_n // (32 * per_thread)))
+            cfg = KernelConfig("tiled", block_m, block_n, warps, l2="plain")
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+def add_rms_norm_forward_candidates(n_rows: int, n_cols: int, n_sms: int) -> list[KernelConfig]:
+    """Whole-row launches worth trying for add_rms_norm's forward, the favourite first.
+
+    The kernel moves 2 reads and 2 writes per element where the tail's forward moves 3 and 1:
+    the same bytes in flight per element, so the tail forward's rules (H200) until this kernel
+    is tuned on its own.
+    """
+    bn = triton.next_power_of_2(n_cols)
+    out = []
+    for bm in (1, 2, 4, 8, 16):
+        tile = bm * bn
+        # Narrow rows: several rows per tile, so a program moves at least ~2-4K elements.
+        if bm > pow2_rows(n_rows) or tile > max(bn, 8192) or (bm > 1 and tile < 2048):
+            continue
+        # 8 to 32 elements per thread: one or more 16-byte loads per input, no spills.
+        out += [KernelConfig("fused", bm, bn, w, l2="plain") for w in (1, 2, 4, 8, 16, 32)
+                if 8 <= tile // (32 * w) <= 32]  # fmt: skip
+    if not out:  # few, narrow rows: whatever fits, a warp or more
+        bm = min(pow2_rows(n_rows), max(1, 4096 // bn))
+        out.append(KernelConfig("fused", bm, bn, max(1, min(32, bm * bn // 512)), l2="plain"))
+    # favourite: ~16 elements per thread, the smallest tile that has >= 4K elements
+    out.sort(key=lambda c: (abs(c.block_m * c.block_n // (32 * c.num_warps) - 16),
+                            abs(c.block_m * c.block_n - max(bn, 4096))))  # fmt: skip
+    # Persistent versions of the two favourites: fewer, longer programs that load the next tile
+    # while they reduce this one (the tail's forward keeps the same pair).
+    for c in out[:2]:
+        programs = n_sms * max(1, 2048 // (32 * c.num_warps) // 2)
+        if programs < triton.cdiv(n_rows, c.block_m):
+            out += [replace(c, num_stages=st, programs=programs) for st in (2, 3)]
+    return out
+
+
+def add_rms_norm_backward_candidates(n_rows: int, n_cols: int, n_sms: int) -> list[KernelConfig]:
+    """Whole-row launches on a persistent grid for add_rms_norm's backward, the favourite first
+    (the tail backward's fused rules: ~8 elements per thread, tiles of ~2K elements)."""
+    bn = triton.next_power_of_2(n_cols)
+    shapes = []  # (rows per tile, warps)
+    for bm in (1, 2, 4, 8):
+        tile = bm * bn
+        if bm > pow2_rows(n_rows) or tile > max(bn, 2048) or (bm > 1 and tile < 1024):
+            continue
+        # 4 to 16 elements per thread keep ~5 live fp32 values per element in registers.
+        shapes += [(bm, w) for w in (4, 8, 16, 32) if 4 <= tile // (32 * w) <= 16]
+    shapes.sort(key=lambda s: (abs(s[0] * bn // (32 * s[1]) - 8), abs(s[0] * bn - max(bn, 2048))))
+    out = []
+    for bm, w in shapes[:2]:
+        n_tiles = triton.cdiv(n_rows, bm)
+        # About 1024 resident threads per SM, the row loop pipelined (the next tile's loads
+        # issued early) or not; or half the programs, two tiles in flight each.
+        base = max(1, 1024 // (32 * w))
+        for stages, per_sm in ((2, base), (1, base), (2, max(1, base // 2))):
+            cfg = KernelConfig("fused", bm, bn, w, stages, max(1, min(n_tiles, n_sms * per_sm)), l2="plain")
+            if cfg not in out:
+                out.append(cfg)
+    if not out:  # few, narrow rows
+        bm = min(pow2_rows(n_rows), max(1, 2048 // bn))
+        warps = max(1, min(32, bm * bn // 256))
+        out.append(KernelConfig("fused", bm, bn, warps, 1, triton.cdiv(n_rows, bm), l2="plain"))
+    return out

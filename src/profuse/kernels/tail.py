@@ -15,7 +15,7 @@ Backward (x_hat = h * rstd, s = sigmoid(g), silu(g) = g * s, N = cols):
     dw  = sum over rows of dy * x_hat
 It reads g, u, r, dy and writes dg, du, dr (7 tensors); h, s and x_hat are recomputed in
 registers. dw is summed in fp32 per program over a persistent grid, then the (programs, N)
-partials are summed in one fixed order (_col_sum_kernel): no atomics, so gradients are bitwise
+partials are summed in one fixed order (kernels/colsum.py): no atomics, so gradients are bitwise
 repeatable.
 
 Rows wider than a program can hold in registers take a chunked path: pass 1 streams the row's
@@ -46,6 +46,7 @@ import triton.language as tl
 from profuse.env import sm_count
 from profuse.kernels import configs as C
 from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing
+from profuse.kernels.colsum import col_sum_launch
 from profuse.kernels.configs import KernelConfig
 
 # --------------------------------------------------------------------------------------------
@@ -674,28 +675,6 @@ def _tail_bwd_slab_kernel(
         tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols, dw_acc, mask=mask)
 
 
-@triton.jit
-def _col_sum_kernel(
-    P_ptr,  # (n_parts, n_cols) fp32, contiguous
-    OUT_ptr,  # (n_cols,) in the weight's dtype
-    n_parts,
-    n_cols,
-    BLOCK_P: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """dw = the sum of the programs' fp32 partial rows, in one fixed order (the same bits every
-    run), rounded once. Narrow column blocks give every SM work: torch's sum over dim 0 ran
-    132 x 16384 partials on 4 warps per SM (9.6 us for 8.6 MB on the H200)."""
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
-    acc = tl.zeros([BLOCK_P, BLOCK_N], dtype=tl.float32)
-    for start in range(0, n_parts, BLOCK_P):
-        parts = start + tl.arange(0, BLOCK_P)
-        mask = (parts < n_parts)[:, None] & col_mask[None, :]
-        acc += tl.load(P_ptr + parts[:, None].to(tl.int64) * n_cols + cols[None, :], mask=mask, other=0.0)
-    tl.store(OUT_ptr + cols, tl.sum(acc, axis=0).to(OUT_ptr.dtype.element_ty), mask=col_mask)
-
-
 # --------------------------------------------------------------------------------------------
 # Launch plans: built on the first call of a signature, then looked up
 # --------------------------------------------------------------------------------------------
@@ -705,9 +684,6 @@ def _col_sum_kernel(
 # to its grid: a call looks it up and launches.
 _FWD_PLANS = PlanCache()
 _BWD_PLANS = PlanCache()
-
-# The column sum of the dw partials: 64-column blocks, 256 programs at 16384 columns.
-_COL_SUM_BLOCK_N = 64
 
 
 def _stream_hint(cfg: KernelConfig) -> str:
@@ -818,10 +794,7 @@ class _BackwardPlan:
             )  # fmt: skip
         self.col_sum = None
         if need_w:
-            self.col_sum = Launch(
-                _col_sum_kernel, (triton.cdiv(n_cols, _COL_SUM_BLOCK_N),), None, "dw sum",
-                BLOCK_P=32, BLOCK_N=_COL_SUM_BLOCK_N,
-            )  # fmt: skip
+            self.col_sum = col_sum_launch(n_cols)
 
     def __call__(self, rows, w, rstd, gate) -> tuple[torch.Tensor | None, ...]:
         """Gradients (dgate, dup, dresidual shaped like `gate`, dweight); None where not asked
