@@ -350,7 +350,7 @@ def test_report_of_a_launch_bound_step():
     busy_text, busy_side = _report(analyze_trace(_cuda_trace(), device="cuda"))
     assert "launch-bound" not in busy_text and "launch-bound" not in busy_side
     saved = json.loads(json.dumps(_profile_result_of(_launch_bound_trace()).to_dict()))
-    assert saved["launch_bound"] is True
+    assert saved["gpu_idle_pct"] > 50 and "launch-bound" in saved["hotspot"]  # the JSON says it too
 
 
 def _profile_result_of(trace) -> ProfileResult:

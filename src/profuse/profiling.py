@@ -212,10 +212,11 @@ class TraceSummary:
     # region (a profiler range name given to analyze_trace) -> % of total_us in it, forward and
     # backward: its operators and kernels, and the backward nodes its forward operators made
     region_pct: dict[str, float] = field(default_factory=dict)
-    launch_bound: bool = field(init=False)  # GPU idle > LAUNCH_BOUND_IDLE_PCT of the step (CUDA only)
 
-    def __post_init__(self) -> None:
-        self.launch_bound = self.gpu_idle_pct is not None and self.gpu_idle_pct > LAUNCH_BOUND_IDLE_PCT
+    @property
+    def launch_bound(self) -> bool:
+        """GPU idle over LAUNCH_BOUND_IDLE_PCT of the step (CUDA only): derived, so not a field."""
+        return self.gpu_idle_pct is not None and self.gpu_idle_pct > LAUNCH_BOUND_IDLE_PCT
 
     def launch_bound_reading(self) -> str:
         """What a launch-bound step means and what helps it (empty when the GPU is busy)."""
