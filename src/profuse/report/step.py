@@ -149,7 +149,7 @@ def _amdahl_lines(data: dict) -> list[str]:
         )
     else:
         lines.append(
-            f"  no op speedups (the fused variants did not run): at most 1 / (1 - f) = {a['ceiling']:.3f}x "
+            f"  no op speedups (no fused variant was timed): at most 1 / (1 - f) = {a['ceiling']:.3f}x "
             "were those ops free"
         )
     measured = a["measured"]
