@@ -140,3 +140,104 @@ def test_fallback_rmsnorm_matches_float64(shape):
         with torch.no_grad():
             ref.weight.copy_(norm.weight)
         torch.testing.assert_close(got, ref(x), rtol=1e-5, atol=1e-6)
+
+
+# --- the restructure into AddRMSNorm(x, residual) -> (y, h): the same model as before -----------
+
+
+class _OldBlock(nn.Module):
+    """The block as it was written before the residual stream was carried apart (the oracle)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        from profuse.model import CausalSelfAttention
+
+        self.attn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn = CausalSelfAttention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.ffn = nn.Module()
+        self.ffn.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.hidden, bias=False)
+        self.ffn.w_down = nn.Linear(cfg.hidden, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        gate, up = self.ffn.w_gate_up(self.ffn_norm(x)).chunk(2, dim=-1)
+        return x + self.ffn.w_down(torch.nn.functional.silu(gate) * up)
+
+
+class _OldGPT(nn.Module):
+    """GPT before the restructure: modules created in the same order, initialised the same way."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.blocks = nn.ModuleList(_OldBlock(cfg) for _ in range(cfg.n_layer))
+        self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.embed.weight
+        self.apply(GPT._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith(("proj.weight", "w_down.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    def forward(self, idx, targets):
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.norm(x))
+        return logits, torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+needs_nn_rmsnorm = pytest.mark.skipif(not hasattr(nn, "RMSNorm"), reason="the old model used nn.RMSNorm")
+
+
+@needs_nn_rmsnorm
+def test_restructure_keeps_names_init_and_outputs():
+    """Parameter names, seeded initial values, logits, loss and every gradient as before."""
+    cfg = GPTConfig(**TINY)
+    torch.manual_seed(0)
+    old = _OldGPT(cfg)
+    torch.manual_seed(0)
+    new = GPT(cfg)
+    old_sd, new_sd = old.state_dict(), new.state_dict()
+    assert list(new_sd) == list(old_sd)  # names (and their order) unchanged: checkpoints still load
+    for name in old_sd:
+        assert torch.equal(new_sd[name], old_sd[name]), name  # the same seeded initialisation
+    idx, targets = random_batch(cfg, torch.Generator().manual_seed(4))
+    old_logits, old_loss = old(idx, targets)
+    new_logits, new_loss = new(idx, targets)
+    # The same ops in the same order (residual + x is x + residual exactly): equal, not just close.
+    assert torch.equal(new_logits, old_logits) and torch.equal(new_loss, old_loss)
+    old_loss.backward()
+    new_loss.backward()
+    for (name, p_old), (_, p_new) in zip(old.named_parameters(), new.named_parameters()):
+        assert torch.equal(p_new.grad, p_old.grad), name
+
+
+@needs_nn_rmsnorm
+def test_old_checkpoint_loads_into_the_new_model():
+    cfg = GPTConfig(**TINY)
+    torch.manual_seed(1)
+    old = _OldGPT(cfg)
+    new = GPT(cfg)  # a different initialisation, then the old weights
+    new.load_state_dict(old.state_dict(), strict=True)
+    idx, targets = random_batch(cfg, torch.Generator().manual_seed(5))
+    torch.testing.assert_close(new(idx, targets)[1], old(idx, targets)[1], rtol=0, atol=0)
+
+
+def test_first_norm_is_plain_and_the_others_add_then_norm():
+    """AddRMSNorm: x None -> (rms_norm(residual) * w, residual); else h = residual + x, y = norm(h)."""
+    from profuse.model import AddRMSNorm
+
+    norm = AddRMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(64))
+    x, r = torch.randn(3, 5, 64), torch.randn(3, 5, 64)
+    w64 = norm.weight.detach().double()
+    ref = lambda h: h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * w64
+    y, h = norm(None, r)
+    assert h is r
+    torch.testing.assert_close(y.double(), ref(r.double()), rtol=1e-5, atol=1e-6)
+    y, h = norm(x, r)
+    torch.testing.assert_close(h, r + x, rtol=0, atol=0)
+    torch.testing.assert_close(y.double(), ref(r.double() + x.double()), rtol=1e-5, atol=1e-6)

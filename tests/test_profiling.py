@@ -316,3 +316,106 @@ def test_a_result_reads_back_from_its_json(profiled):
     result, _, _ = profiled
     again = ProfileResult.from_dict(json.loads(json.dumps(result.to_dict())))
     assert again == result
+# --- a launch-bound step, and regions traced through to their backward kernels ----------------
+
+
+def _launch_bound_trace():
+    """The same kernels as _cuda_trace, in a step four times as long: busy 50 us of 400."""
+    trace = _cuda_trace()
+    for e in trace["traceEvents"]:
+        if e.get("name") == "ProfilerStep#1":
+            e["dur"] = 400
+    return trace
+
+
+def test_a_step_the_gpu_mostly_waits_through_reads_as_launch_bound():
+    s = analyze_trace(_launch_bound_trace(), device="cuda")
+    assert math.isclose(s.gpu_idle_pct, 87.5)
+    assert s.launch_bound
+    reading = s.launch_bound_reading()
+    assert "launch-bound" in reading and "50%" in reading  # it says the threshold
+    assert "fewer kernels" in reading and "4 per step" in reading
+    assert "reduce-overhead" in reading and "bigger batch" in reading
+    hot = s.hotspot()
+    assert "launch-bound" in hot and "fuse" not in hot  # no hot spot named where no kernel bounds the step
+    assert "rms_norm(silu" not in s.hotspot(compiled=True)
+
+
+def test_a_busy_gpu_is_not_launch_bound():
+    s = analyze_trace(_cuda_trace(), device="cuda")  # idle exactly 50%: not over the threshold
+    assert not s.launch_bound and s.launch_bound_reading() == ""
+    assert "fuse" in s.hotspot()
+    cpu = analyze_trace([_x("ProfilerStep#1", "user_annotation", 0, 10), _x("aten::mul", "cpu_op", 1, 5)])
+    assert cpu.gpu_idle_pct is None and not cpu.launch_bound  # a CPU step has no GPU to wait
+
+
+def _report(summary) -> str:
+    result = ProfileResult(
+        device="cuda:0", compiled=False, precision="bf16 autocast", torch_version=torch.__version__,
+        config={}, steps=1, table="(table)", sort_by="self_device_time_total", rows=[], step_ms=0.4,
+        step_times_ms=[0.4], summary=summary, hotspot=summary.hotspot(), trace_path="trace.json",
+        trace_bytes=1000,
+    )  # fmt: skip
+    return format_profile(result), format_profile_comparison(result, result)
+
+
+def test_report_of_a_launch_bound_step():
+    text, side = _report(analyze_trace(_launch_bound_trace(), device="cuda"))
+    lines = text.splitlines()
+    bound = [line for line in lines if line.startswith("launch-bound: ")]
+    assert len(bound) == 1 and "CUDA graphs" in bound[0]
+    hot = next(line for line in lines if line.startswith("hot spot: "))
+    assert "none named" in hot
+    assert "launch-bound (eager and compiled)" in side
+    busy_text, busy_side = _report(analyze_trace(_cuda_trace(), device="cuda"))
+    assert "launch-bound" not in busy_text and "launch-bound" not in busy_side
+    saved = json.loads(json.dumps(_profile_result_of(_launch_bound_trace()).to_dict()))
+    assert saved["gpu_idle_pct"] > 50 and "launch-bound" in saved["hotspot"]  # the JSON says it too
+
+
+def _profile_result_of(trace) -> ProfileResult:
+    s = analyze_trace(trace, device="cuda")
+    return ProfileResult("cuda:0", False, "bf16", "", {}, 1, "", "", [], 1.0, [1.0], s, s.hotspot(), "t", 1)
+
+
+def _region_trace():
+    """A forward range holding silu (sequence number 7) and an add outside it (8); the backward,
+    on the autograd thread (tid 2), runs SiluBackward0 (7) and AddBackward0 (8), a kernel each."""
+    kernel = lambda name, ts, dur, corr: _x(name, "kernel", ts, dur, tid=7, pid=0, correlation=corr)
+    launch = lambda ts, corr, tid=1: _x("cudaLaunchKernel", "cuda_runtime", ts, 1, tid=tid, correlation=corr)
+    seq = lambda n: {"Sequence number": n}
+    node = "autograd::engine::evaluate_function: "
+    return [
+        _x("ProfilerStep#1", "user_annotation", 0, 100),
+        _x("profuse.block_op: silu_mul", "user_annotation", 1, 10),
+        _x("aten::silu", "cpu_op", 2, 5, **seq(7)),
+        launch(3, 1),
+        kernel("vectorized_elementwise_kernel<silu_kernel>", 10, 4, 1),
+        _x("aten::add", "cpu_op", 20, 5, **seq(8)),
+        launch(21, 2),
+        kernel("vectorized_elementwise_kernel<AddFunctor>", 22, 6, 2),
+        _x(node + "AddBackward0", "cpu_op", 40, 5, tid=2, **seq(8)),
+        launch(41, 3, tid=2),
+        kernel("vectorized_elementwise_kernel<AddFunctor>", 41, 2, 3),
+        _x(node + "SiluBackward0", "cpu_op", 50, 10, tid=2, **seq(7)),
+        _x("aten::silu_backward", "cpu_op", 51, 5, tid=2),
+        launch(52, 4, tid=2),
+        kernel("vectorized_elementwise_kernel<silu_backward_kernel>", 53, 8, 4),
+    ]
+
+
+def test_a_region_holds_its_forward_and_the_backward_its_operators_made():
+    s = analyze_trace(_region_trace(), device="cuda", regions=["profuse.block_op: silu_mul", "other_range"])
+    assert s.total_us == 20  # 4 + 6 + 2 + 8
+    # silu forward (4 us) and SiluBackward0's kernel (8 us); not the add, forward or backward.
+    assert math.isclose(s.region_pct["profuse.block_op: silu_mul"], 100 * 12 / 20)
+    assert s.region_pct["other_range"] == 0.0
+    assert analyze_trace(_region_trace(), device="cuda").region_pct == {}  # none asked for
+
+
+def test_a_region_on_the_cpu_counts_self_time():
+    s = analyze_trace(_region_trace(), device="cpu", regions=["profuse.block_op: silu_mul"])
+    # Self times (a launch is a child, so it comes off its operator's): the range 10 - 5, aten::silu
+    # 5 - 1, SiluBackward0 10 - 5, aten::silu_backward 5 - 1. Not the add, forward or backward.
+    region_us = s.region_pct["profuse.block_op: silu_mul"] * s.total_us / 100
+    assert math.isclose(region_us, 5 + 4 + 5 + 4)

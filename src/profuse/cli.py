@@ -3,6 +3,7 @@
 profuse [flags]              the lab's main job: Part A (profile a training step), then Part B
 profuse profile [flags]      Part A alone (also: profuse --profile-only)
 profuse sweep [flags]        Part B over several sizes, with CSV and plots
+profuse step [flags]         Part C: whole training steps, eager vs fused vs torch.compile
 profuse report RESULTS.json  print a saved run again (--markdown for a table to paste)
 profuse diff A.json B.json   compare two saved runs variant by variant
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 from profuse import __version__
 from profuse.errors import UsageError
 
-SUBCOMMANDS = ("profile", "sweep", "report", "diff")
+SUBCOMMANDS = ("profile", "sweep", "step", "report", "diff")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -44,6 +45,16 @@ def positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def nonnegative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
 
 
@@ -415,6 +426,12 @@ def cmd_main(argv: list[str]) -> int:
     device = resolve_device(args.device)
     # Part B's settings are checked before Part A runs: a bad one fails at once, not minutes in.
     bench = None if args.profile_only else _bench_config(args, device, args.rows, args.cols)
+    # Part C ends the whole job (neither flag): the small preset on CUDA, its size checked up front.
+    whole_job = not (args.skip_profile or args.profile_only)
+    step = None
+    if whole_job and device.type == "cuda":
+        step = _step_config(argparse.Namespace(seed=args.seed, out=args.out), device, "small")
+        check_step(step)
     if not args.skip_profile:
         run_part_a(args, device)
     if bench is not None:
@@ -428,6 +445,12 @@ def cmd_main(argv: list[str]) -> int:
                 f"Part A had finished: its files are kept ({summary} and the trace beside it; "
                 f"profuse report {summary} prints it again)"
             ) from None
+    if step is not None:
+        print()
+        run_part_c(step)
+    elif whole_job:
+        print()
+        print(CPU_STEP_HINT)
     return 0
 
 
@@ -615,6 +638,14 @@ def sizes_left_commands(args, cfg, finished: set[tuple[int, int]]) -> list[str]:
 
 def cmd_report(argv: list[str]) -> int:
     args = build_report_parser().parse_args(argv)
+    from profuse.report.step import format_step, load_step
+
+    step = load_step(args.results)  # Part C's step.json prints as the run printed it
+    if step is not None:
+        if args.markdown or args.vs or args.variants or args.plots is not None:
+            raise UsageError(f"{args.results} is a Part C step file: it prints as it is, without options")
+        print(format_step(step))
+        return 0
     from profuse.report.sweep import format_run, parse, read_json, rebase, select_variants
 
     if args.plots is not None:
@@ -670,7 +701,116 @@ def cmd_diff(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"profile": cmd_profile, "sweep": cmd_sweep, "report": cmd_report, "diff": cmd_diff}
+# --------------------------------------------------------------------------------------------
+# Part C: the whole training step
+# --------------------------------------------------------------------------------------------
+
+STEP_VARIANTS = ("eager", "fused", "compile", "compile+fused")
+CPU_STEP_HINT = (
+    "Part C (the whole training step, eager vs fused vs torch.compile) runs here on CUDA; on a CPU run "
+    "it yourself: profuse step --device cpu --preset lab --variants eager,compile (TRITON_INTERPRET=1 "
+    "adds the fused variants, slowly)"
+)
+
+
+def build_step_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="profuse step",
+        description="Part C: how much faster does fusing make the training step, really? Whole training "
+        "steps (forward, loss, backward, AdamW) of the GPT as written (eager), with its block ops fused "
+        "(silu_mul, add_rms_norm: profuse's Triton kernels), under torch.compile, and both: the same "
+        "math checked against float64 first, then interleaved trials with the speedup over eager and "
+        "its 95% CI, peak memory, kernels per step, and the gain Amdahl's law predicts from the "
+        "fused ops' own speedups beside the gain measured. Writes step.json and a trace per variant.",
+    )
+    _add_device_args(p)
+    p.add_argument(
+        "--preset", default="lab", choices=("lab", "small", "medium"),
+        help="model size: lab = 4 layers, d_model 256, 8 x 256 tokens a step (the lab's); small = 8 "
+        "layers, d_model 1024, 8 heads, 8 x 1024 tokens; medium = small with d_model 2048, 16 heads "
+        "(default: lab). The model flags override it",
+    )  # fmt: skip
+    g = p.add_argument_group("the model (each overrides the preset)")
+    g.add_argument("--layers", type=positive_int, default=None, help="transformer blocks")
+    g.add_argument("--d-model", type=positive_int, default=None, help="hidden size")
+    g.add_argument("--heads", type=positive_int, default=None, help="attention heads; must divide --d-model")
+    g.add_argument("--vocab-size", type=positive_int, default=None, help="vocabulary size")
+    g.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence")
+    g.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step")
+    p.add_argument(
+        "--variants", type=variant_keys, default=list(STEP_VARIANTS), metavar="LIST",
+        help=f"comma-separated, from: {', '.join(STEP_VARIANTS)} (default: all; eager, the baseline, is "
+        "always in; the fused ones are skipped, with the reason, where they cannot run)",
+    )  # fmt: skip
+    p.add_argument("--trials", type=trial_count, default=30, help="interleaved timed trials (default: 30)")
+    p.add_argument(
+        "--profile-steps", type=nonnegative_int, default=3,
+        help="profiled steps per variant, for kernels per step and the Amdahl prediction; 0 skips the "
+        "profiles and the prediction (default: 3)",
+    )  # fmt: skip
+    _add_out_arg(p, ".", "step.json and the traces (trace-step-VARIANT.json)")
+    return p
+
+
+def _step_config(args, device, preset: str):
+    from profuse.step import StepConfig, preset_model
+
+    model = preset_model(
+        preset,
+        n_layer=getattr(args, "layers", None),
+        d_model=getattr(args, "d_model", None),
+        n_head=getattr(args, "heads", None),
+        vocab_size=getattr(args, "vocab_size", None),
+        seq_len=getattr(args, "seq_len", None),
+        batch_size=getattr(args, "batch_size", None),
+    )
+    kw = {
+        name: getattr(args, name) for name in ("variants", "trials", "profile_steps") if hasattr(args, name)
+    }
+    return StepConfig(model=model, preset=preset, device=device, seed=args.seed, out_dir=args.out, **kw)
+
+
+def check_step(cfg) -> None:
+    """Part C's memory check, for the variants that can run here: before any long work."""
+    from profuse.step import check_step_fits, plan
+
+    check_step_fits(cfg, len(plan(cfg, None)[0]))
+
+
+def run_part_c(cfg) -> None:
+    from profuse.files import write_json
+    from profuse.report.step import format_step
+    from profuse.step import run_step
+
+    progress = Progress()
+    try:
+        res = run_step(cfg, progress=progress)
+    finally:
+        progress.close()
+    data = res.to_dict()
+    print(format_step(data))
+    path = write_json(Path(cfg.out_dir) / "step.json", data)
+    print(f"results: {path}")
+
+
+def cmd_step(argv: list[str]) -> int:
+    from profuse.env import resolve_device
+
+    args = build_step_parser().parse_args(argv)
+    check_out(args, ())  # a folder that cannot be written fails now, not after the measuring
+    cfg = _step_config(args, resolve_device(args.device), args.preset)
+    check_step(cfg)
+    run_part_c(cfg)
+    return 0
+
+
+COMMANDS = {
+    "profile": cmd_profile,
+    "sweep": cmd_sweep,
+    "step": cmd_step,
+    "report": cmd_report,
+    "diff": cmd_diff,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

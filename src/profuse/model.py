@@ -7,8 +7,27 @@ token embedding -> n_layer pre-norm blocks -> RMSNorm -> output head, each block
 
 written in plain torch ops. The memory-bound tail the lab fuses, rms_norm(silu(gate) * up +
 residual) * w, is spread over this code: silu and the product end one block's feed-forward, the
-residual add follows w_down, and the RMSNorm is the next block's (or the final) norm. The model
-never learns how it is optimised: torch.compile or a fused kernel is applied from outside.
+residual add follows w_down, and the RMSNorm is the next block's (or the final) norm.
+
+The code carries the residual stream apart from the branch outputs (vLLM and LLaMA do the same),
+so each residual add sits in the norm that follows it:
+
+    AddRMSNorm(x, residual) -> (y, h)    h = residual + x (the new stream), y = rms_norm(h) * w
+                                         x is None for the very first norm: a plain norm of residual
+    SwiGLU: w_down(silu_mul(w_gate_up(y)))   silu_mul(gate_up) = silu(gate) * up on the halves
+
+    block(x, residual): y, residual = attn_norm(x, residual); x = attn(y)
+                        y, residual = ffn_norm(x, residual);  return ffn(y), residual
+
+The same math, in the same order, as the two lines above (a + b is b + a in floating point), and
+the same parameters under the same names. Under bf16 autocast (CUDA) the residual stream h is
+fp32 (the embedding's dtype; fp32 + bf16 adds to fp32) and every branch output x is bf16 (the
+matmuls' dtype); here y comes out fp32 and autocast casts it to bf16 in the next matmul.
+
+The model never learns how it is optimised: torch.compile or fused kernels are applied from
+outside. `AddRMSNorm.add_rms_norm` and `SwiGLU.silu_mul` hold the plain-torch functions below;
+profuse.fusion.use_block_ops swaps in the fused ones (profuse.blockops), which take the autocast
+mix as it is (x bf16, residual fp32 -> h fp32, y bf16).
 
 Trained on random tokens (`random_batch`): no data set, no download.
 """
@@ -94,6 +113,51 @@ class FallbackRMSNorm(nn.Module):
 RMSNorm = getattr(nn, "RMSNorm", FallbackRMSNorm)
 
 
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """y = h / sqrt(mean(h^2) + eps) * w: what nn.RMSNorm computes, F.rms_norm where torch has it."""
+    if hasattr(F, "rms_norm"):
+        return F.rms_norm(h, (h.shape[-1],), weight, eps)
+    return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight  # pragma: no cover - torch < 2.4
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h): h = residual + x, y = rms_norm(h) * weight, in plain torch (the unfused baseline)."""
+    h = residual + x  # (B, T, C); fp32 under autocast: the stream is fp32, x bf16
+    return rms_norm(h, weight, eps), h
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up on the two halves of the packed (..., 2F) matmul output, in plain torch."""
+    gate, up = gate_up.chunk(2, dim=-1)  # each (B, T, F), views
+    return F.silu(gate) * up
+
+
+class AddRMSNorm(nn.Module):
+    """The residual add and the norm after it: (x, residual) -> (y, h), h = residual + x the new
+    residual stream, y = rms_norm(h) * weight. x is None for the first norm: y = rms_norm(residual).
+
+    `add_rms_norm` is the function that does the add and the norm, (x, residual, weight, eps) ->
+    (y, h): plain torch here; profuse.fusion swaps in a fused one from outside. The first norm has
+    no add to fuse and stays plain. The parameter is `weight`, as nn.RMSNorm names it.
+    """
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))  # nn.RMSNorm's init: ones
+        self.add_rms_norm = add_rms_norm
+
+    def forward(self, x: torch.Tensor | None, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if x is None:
+            return rms_norm(residual, self.weight, self.eps), residual
+        return self.add_rms_norm(x, residual, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -112,30 +176,38 @@ class CausalSelfAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """w_down(silu(gate) * up), gate and up from one (C, 2F) matmul."""
+    """w_down(silu(gate) * up), gate and up the two halves of one (C, 2F) matmul's output.
+
+    `silu_mul` is the activation on that packed output, (..., 2F) -> (..., F): plain torch here;
+    profuse.fusion swaps in a fused one from outside.
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.hidden, bias=False)
         self.w_down = nn.Linear(cfg.hidden, cfg.d_model, bias=False)
+        self.silu_mul = silu_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)  # each (B, T, F)
-        return self.w_down(F.silu(gate) * up)
+        return self.w_down(self.silu_mul(self.w_gate_up(x)))  # (B, T, 2F) -> (B, T, F) -> (B, T, C)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.attn_norm = AddRMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.attn = CausalSelfAttention(cfg)
-        self.ffn_norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.ffn_norm = AddRMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.ffn = SwiGLU(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
-        # The lab's tail, unfused: silu and * inside ffn, then + here, then the next block's norm.
-        return x + self.ffn(self.ffn_norm(x))
+    def forward(self, x: torch.Tensor | None, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) -> (x, residual): x the last branch's output (None before the first
+        block, whose norm is then a plain one), residual the stream before it is added."""
+        y, residual = self.attn_norm(x, residual)  # the last block's residual add, then this norm
+        x = self.attn(y)
+        y, residual = self.ffn_norm(x, residual)
+        # The lab's tail, unfused: silu and * inside ffn; its + and norm are the next AddRMSNorm.
+        return self.ffn(y), residual
 
 
 class GPT(nn.Module):
@@ -144,7 +216,7 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.norm = RMSNorm(cfg.d_model, eps=cfg.norm_eps)
+        self.norm = AddRMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_weights:
             self.head.weight = self.embed.weight
@@ -167,10 +239,11 @@ class GPT(nn.Module):
         T = idx.shape[1]
         if T > self.cfg.seq_len:
             raise UsageError(f"a sequence of {T} tokens is longer than the model's {self.cfg.seq_len}")
-        x = self.embed(idx)  # (B, T, C)
+        x, residual = None, self.embed(idx)  # (B, T, C): the stream starts as the embedding
         for block in self.blocks:
-            x = block(x)
-        logits = self.head(self.norm(x))  # (B, T, V)
+            x, residual = block(x, residual)
+        y, _ = self.norm(x, residual)  # the last residual add, then the final norm
+        logits = self.head(y)  # (B, T, V)
         if targets is None:
             return logits, None
         # The loss in fp32 even under bf16 autocast (autocast runs cross_entropy in fp32).

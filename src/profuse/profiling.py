@@ -121,6 +121,16 @@ _CPU_CATS = ("cpu_op", "user_annotation")  # trace categories of host-side range
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # cudaLaunchKernel, cuLaunchKernel (Triton)
 _DEVICE_BUSY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
+# Above this share of the step with no kernel, memcpy or memset running, the GPU spends more of
+# the step waiting for the CPU to launch work than doing it: the step is launch-bound, and making
+# kernels faster (fusion's bytes saved) cannot shorten it. Issue #15, on an H200: ~90% idle at the
+# lab's d_model 256 (launch-bound), 4% at d_model 2048 (bound by the GPU's work).
+LAUNCH_BOUND_IDLE_PCT = 50.0
+
+# Autograd's backward nodes run as this range, carrying the sequence number of the forward op
+# that made them: how a backward kernel is traced to the forward op it belongs to.
+_BACKWARD_NODE = "autograd::engine::evaluate_function: "
+
 
 def is_tail_op(name: str) -> bool:
     """Whether an op (or fused kernel) name is one of the tail's: silu, mul, add, rms_norm's parts."""
@@ -203,10 +213,35 @@ class TraceSummary:
     gpu_idle_pct: float | None  # % of the step spans with no kernel, memcpy or memset running; CUDA only
     memory_bound_groups: dict[str, float]  # op (or kernel) -> % of total_us, memory-bound only, largest first
     tail_pct: float  # the part of memory_bound that is the SwiGLU tail's ops
+    # region (a profiler range name given to analyze_trace) -> % of total_us in it, forward and
+    # backward: its operators and kernels, and the backward nodes its forward operators made
+    region_pct: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def launch_bound(self) -> bool:
+        """GPU idle over LAUNCH_BOUND_IDLE_PCT of the step (CUDA only): derived, so not a field."""
+        return self.gpu_idle_pct is not None and self.gpu_idle_pct > LAUNCH_BOUND_IDLE_PCT
+
+    def launch_bound_reading(self) -> str:
+        """What a launch-bound step means and what helps it (empty when the GPU is busy)."""
+        if not self.launch_bound:
+            return ""
+        return (
+            f"the GPU sat idle {self.gpu_idle_pct:.0f}% of the step (over {LAUNCH_BOUND_IDLE_PCT:.0f}%): "
+            "the step is launch-bound, the CPU cannot issue kernels as fast as the GPU runs them. "
+            f"Fusion helps here only by launching fewer kernels ({self.launches_per_step:.0f} per step "
+            "now), not by moving fewer bytes; what helps: CUDA graphs (torch.compile "
+            'mode="reduce-overhead") or a bigger batch, so each launch carries more work'
+        )
 
     def hotspot(self, compiled: bool = False) -> str:
         """The one line naming what to fuse (or, for a compiled step, what Inductor fused)."""
         mb = self.shares.get("memory_bound", 0.0)
+        if self.launch_bound:  # no kernel is the bottleneck: naming one to fuse would mislead
+            return (
+                f"none named: the step is launch-bound (GPU idle {self.gpu_idle_pct:.0f}%), so shorter "
+                f"kernels do not shorten it (memory-bound work is {mb:.1f}% of the {self.basis})"
+            )
         if mb <= 0.0:
             return f"no memory-bound elementwise work in the {self.basis}: nothing to fuse"
         head = f"memory-bound elementwise + norm work is {mb:.1f}% of the {self.basis}"
@@ -513,7 +548,10 @@ def read_spans(trace: dict | list) -> list[_Span]:
 
 
 def analyze_trace(
-    trace: dict | list, device: str = "cpu", extra_rules: tuple[tuple[str, str], ...] = ()
+    trace: dict | list,
+    device: str = "cpu",
+    extra_rules: tuple[tuple[str, str], ...] = (),
+    regions: Iterable[str] = (),
 ) -> TraceSummary:
     """Where the profiled steps' time went, read from a Chrome trace written by torch.profiler.
 
@@ -524,6 +562,10 @@ def analyze_trace(
 
     extra_rules: (category, pattern) pairs tried before CATEGORY_RULES; their categories join the
     shares before "other" (profuse.distributed adds "communication").
+
+    regions: names of record_function ranges (profuse.fusion labels the block ops so); the summary's
+    region_pct gives each one's share of the same time, forward and backward: what runs inside the
+    range, and the backward nodes made by the operators inside it (matched by sequence number).
     """
     rules = tuple((cat, re.compile(pat)) for cat, pat in extra_rules) + _RULES
     categories = extend_categories(extra_rules)
@@ -535,6 +577,8 @@ def analyze_trace(
         raise RuntimeError("the trace holds no ProfilerStep span: was prof.step() called?")
     optimizer = _Windows(s for s in host if s.name == OPTIMIZER)
 
+    region_of = _regions(host, tuple(regions))
+    time_by_region: dict[str, float] = dict.fromkeys(regions, 0.0)
     time_by_cat: dict[str, float] = dict.fromkeys(categories, 0.0)
     memory_groups: Counter[str] = Counter()
     launches = 0
@@ -559,6 +603,9 @@ def analyze_trace(
             time_by_cat[cat] += k.end - k.ts
             if cat == "memory_bound":
                 memory_groups[_kernel_group(k.name, ops)] += k.end - k.ts
+            region = _region(launch.parents, region_of) if region_of and launch is not None else None
+            if region is not None:
+                time_by_region[region] += k.end - k.ts
         gpu_idle_pct = _idle_pct(steps, [s for s in spans if s.cat in _DEVICE_BUSY_CATS])
     else:
         basis, unit = "self CPU time", "operators"
@@ -570,6 +617,9 @@ def analyze_trace(
             time_by_cat[cat] += s.self_us
             if cat == "memory_bound":
                 memory_groups[s.name] += s.self_us
+            region = _region((s, *s.parents), region_of) if region_of else None
+            if region is not None:
+                time_by_region[region] += s.self_us
 
     total = sum(time_by_cat.values())
     if total <= 0:
@@ -587,7 +637,37 @@ def analyze_trace(
         gpu_idle_pct=gpu_idle_pct,
         memory_bound_groups=groups,
         tail_pct=tail,
+        region_pct={r: 100.0 * t / total for r, t in time_by_region.items()},
     )
+
+
+def _regions(host: list[_Span], names: tuple[str, ...]) -> dict[int, str]:
+    """id(span) -> region, for the spans that open a region: the named ranges themselves, and the
+    backward nodes whose sequence number is that of an operator run inside one of them."""
+    if not names:
+        return {}
+    roots = {id(s): s.name for s in host if s.name in names}
+    made_by: dict[object, str] = {}  # sequence number of a forward operator -> its region
+    for s in host:
+        seq = s.args.get("Sequence number")
+        if seq is None or s.name.startswith(_BACKWARD_NODE):
+            continue
+        region = _region((s, *s.parents), roots)
+        if region is not None:
+            made_by[seq] = region
+    for s in host:
+        if s.name.startswith(_BACKWARD_NODE) and s.args.get("Sequence number") in made_by:
+            roots[id(s)] = made_by[s.args["Sequence number"]]
+    return roots
+
+
+def _region(spans: Iterable[_Span], roots: dict[int, str]) -> str | None:
+    """The region of the innermost of `spans` (a span, then the ranges open around it) that opens one."""
+    for s in spans:
+        region = roots.get(id(s))
+        if region is not None:
+            return region
+    return None
 
 
 def extend_categories(extra_rules: tuple[tuple[str, str], ...]) -> tuple[str, ...]:

@@ -55,6 +55,8 @@ def format_profile(r: ProfileResult) -> str:
     lines.append(_per_step(r))
     if s.gpu_idle_pct is not None:
         lines.append(f"GPU idle: {s.gpu_idle_pct:.1f}% of the step (no kernel, memcpy or memset running)")
+    if s.launch_bound:
+        lines.append(f"launch-bound: {s.launch_bound_reading()}")
     lines.append(f"hot spot: {r.hotspot}")
     lines.append(
         f"trace written: {_shown_path(r.trace_path)} ({_size(r.trace_bytes)}) - open it at {PERFETTO}"
@@ -91,6 +93,12 @@ def format_profile_comparison(eager: ProfileResult, compiled: ProfileResult) -> 
             f"{eager.summary.gpu_idle_pct:.1f}%",
             f"{compiled.summary.gpu_idle_pct:.1f}%",
         )
+        bound = [name for name, r in (("eager", eager), ("compiled", compiled)) if r.summary.launch_bound]
+        if bound:
+            lines.append(
+                f"{'':>{W}}  launch-bound ({' and '.join(bound)}): the GPU waits for the CPU most of "
+                "the step; fewer launches help it, faster kernels do not"
+            )
     lines.append(f"{'share of ' + eager.summary.basis:>{W}}")
     for cat in CATEGORIES:
         row(CATEGORY_LABELS[cat], f"{eager.shares[cat]:.1f}%", f"{compiled.shares[cat]:.1f}%")

@@ -1,0 +1,109 @@
+"""Fusion applied to the GPT from outside: its block ops swapped for fused ones, or labelled.
+
+The model (profuse.model) does its two memory-bound block ops in plain torch, each through a
+function a module holds: `SwiGLU.silu_mul` (the activation on the packed gate/up matmul output)
+and `AddRMSNorm.add_rms_norm` (the residual add and the norm after it). `use_block_ops` swaps
+those functions, by default for profuse.blockops' Triton ones:
+
+    silu_mul(gate_up)                   (..., 2F) -> silu(gate) * up, (..., F)
+    add_rms_norm(x, residual, w, eps)   -> (y, h): h = residual + x, y = rms_norm(h) * w
+
+The parameters stay where they are (the optimizer keeps them), and the model's first norm, which
+has no add to fuse, stays plain. Under bf16 autocast the model hands the fused add_rms_norm the
+mix autocast makes: x (a branch output) bf16, residual (the stream) and w fp32; it returns h fp32
+and y bf16, the dtype the next matmul reads (eager makes an fp32 y that autocast then casts).
+The fused ops are custom ops, so a fused model under torch.compile has no graph break at them.
+
+`label_block_ops` wraps whatever ops a model holds in profiler ranges (`BLOCK_OP_RANGES`), so a
+trace of the unfused step shows which operators (and, through their autograd sequence numbers,
+which backward kernels) fusion would replace: profuse.profiling.analyze_trace(regions=...).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+from torch.profiler import record_function
+
+from profuse import blockops
+from profuse.model import AddRMSNorm, SwiGLU
+
+SILU_MUL, ADD_RMS_NORM = "silu_mul", "add_rms_norm"
+
+# Profiler ranges around each block op, by op: what Part C looks for in the eager trace.
+BLOCK_OP_RANGES = {SILU_MUL: "profuse.block_op: silu_mul", ADD_RMS_NORM: "profuse.block_op: add_rms_norm"}
+
+
+@dataclass(frozen=True)
+class BlockOps:
+    """A pair of implementations of the block ops, and a name for them in reports."""
+
+    silu_mul: Callable  # (gate_up) -> silu(gate) * up
+    add_rms_norm: Callable  # (x, residual, weight, eps) -> (y, h)
+    name: str = "custom"
+
+
+# profuse's Triton kernels (profuse.kernels.swiglu, profuse.kernels.add_rms_norm).
+FUSED = BlockOps(blockops.silu_mul, blockops.add_rms_norm, "profuse Triton kernels")
+# The same math one op at a time, through blockops' own eager versions: a stand-in for the fused
+# ops that runs anywhere (it tests the plumbing; it fuses nothing).
+EAGER = BlockOps(blockops.silu_mul_eager, blockops.add_rms_norm_eager, "blockops eager")
+
+
+def _block_modules(model: nn.Module) -> tuple[list[SwiGLU], list[AddRMSNorm]]:
+    mlps = [m for m in model.modules() if isinstance(m, SwiGLU)]
+    norms = [m for m in model.modules() if isinstance(m, AddRMSNorm)]
+    if not mlps or not norms:
+        raise ValueError(f"{type(model).__name__} holds no SwiGLU and AddRMSNorm: not a profuse GPT")
+    return mlps, norms
+
+
+def use_block_ops(
+    model: nn.Module,
+    silu_mul: Callable = blockops.silu_mul,
+    add_rms_norm: Callable = blockops.add_rms_norm,
+) -> nn.Module:
+    """Swap the block ops of every block of `model` (in place) and return it.
+
+    Defaults: profuse.blockops' fused Triton ops. Any callables with their signatures will do
+    (blockops.silu_mul_eager and add_rms_norm_eager test the plumbing on any machine). A model
+    wrapped in torch.compile or DistributedDataParallel is walked through to its GPT: swap before
+    compiling, so the compiled graph holds the new ops.
+    """
+    mlps, norms = _block_modules(model)
+    for m in mlps:
+        m.silu_mul = silu_mul
+    for m in norms:
+        m.add_rms_norm = add_rms_norm
+    return model
+
+
+def apply_block_ops(model: nn.Module, ops: BlockOps) -> nn.Module:
+    """use_block_ops with a BlockOps pair."""
+    return use_block_ops(model, ops.silu_mul, ops.add_rms_norm)
+
+
+def _labelled(fn: Callable, name: str) -> Callable:
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with record_function(name):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def label_block_ops(model: nn.Module, ranges: dict[str, str] = BLOCK_OP_RANGES) -> nn.Module:
+    """Wrap the block ops `model` holds (whichever they are) in profiler ranges, in place.
+
+    Only the calls that fusion replaces are labelled: the first norm (no add) is not one of them.
+    A range costs a few microseconds of host time per call; the kernels are untouched.
+    """
+    mlps, norms = _block_modules(model)
+    for m in mlps:
+        m.silu_mul = _labelled(m.silu_mul, ranges[SILU_MUL])
+    for m in norms:
+        m.add_rms_norm = _labelled(m.add_rms_norm, ranges[ADD_RMS_NORM])
+    return model

@@ -1,0 +1,243 @@
+"""Part C as text: the step of every variant, and Amdahl's prediction beside the measured gain.
+
+Everything here reads the saved JSON shape (`StepResult.to_dict()`), so `profuse report step.json`
+prints a run saved on another card exactly as the run printed it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from profuse.bench.stats import STATISTIC
+from profuse.env import card_name
+from profuse.report.units import fmt_bytes, fmt_time, time_unit
+
+W = 14  # variant column: fits "compile+fused"
+KIND = "step"
+
+
+def load_step(path: str | Path) -> dict | None:
+    """The data of a saved Part C run, or None where `path` is anything else (unreadable, not JSON,
+    another kind of results): the other readers then say what is wrong with it."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return data if isinstance(data, dict) and data.get("kind") == KIND else None
+
+
+def _speedup(sp: dict | None) -> str:
+    """'1.03x (1.02-1.04) faster', or 'no measurable gain' with its interval."""
+    if not sp:
+        return ""
+    ci = f"({sp['low']:.2f}-{sp['high']:.2f})"
+    if sp["verdict"] == "no measurable gain":
+        return f"{sp['median']:.2f}x {ci} no measurable gain"
+    return f"{sp['median']:.2f}x {ci} {sp['verdict']}"
+
+
+def _model_line(data: dict) -> str:
+    cfg = data["config"]
+    m = cfg["model"]
+    tokens = data["tokens_per_step"]
+    return (
+        f"model: {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, ffn {m['ffn_hidden']}, "
+        f"vocab {m['vocab_size']}; {m['batch_size']} x {m['seq_len']} = {tokens} tokens a step; "
+        f"{data['n_params'] / 1e6:.1f}M parameters; {cfg['precision']}"
+    )
+
+
+def _check_lines(data: dict) -> list[str]:
+    c = data.get("check")
+    if not c:
+        return []
+    m = c["model"]
+    head = (
+        f"same math ({data['block_ops']} vs the unfused step, both against float64, on a "
+        f"{m['n_layer']}-layer copy, {m['batch_size']} x {m['seq_len']} tokens):"
+    )
+    if c["error"]:
+        return [f"{head} FAILED to run: {c['error']}"]
+    worst = c["worst"]
+    fused, unfused = c["errors"][worst]
+    loss_f, loss_u = c["errors"]["loss"]
+    status = "ok" if c["passed"] else "FAILED (the fused variants are not timed)"
+    return [
+        f"{head} {status}",
+        f"{'':>4}worst: {worst} rel err {fused:.1e} (unfused {unfused:.1e}, bound {c['bounds'][worst]:.1e}); "
+        f"loss {loss_f:.1e} (unfused {loss_u:.1e}); max |fused - unfused| {c['max_abs_diff']:.1e}",
+    ]
+
+
+def _first_step_line(data: dict) -> str:
+    parts = []
+    for name, f in data["first_steps"].items():
+        if f["grad_rel_diff"] is None:
+            continue
+        parts.append(f"{name}: loss {f['loss_rel_diff']:.1e}, gradients {f['grad_rel_diff']:.1e}")
+    if not parts:
+        return ""
+    return "first step vs eager at this size (relative differences): " + "; ".join(parts)
+
+
+def _table(data: dict) -> list[str]:
+    cmp = data["comparison"]
+    results = data["results"]
+    cuda = data["config"]["device"].startswith("cuda")
+    profiles, memory, firsts = data["profiles"], data["memory"], data["first_steps"]
+    unit = time_unit(results[cmp["baseline"]]["median_s"])
+    launches = next((p["launch_unit"] for p in profiles.values()), "kernels")
+    header = f"{'variant':>{W}}  {'median':>10}  {'vs eager (95% CI)':<38}"
+    if cuda:
+        header += f"  {'host':>10}"
+    header += f"  {'first step':>10}"
+    if cuda:
+        header += f"  {'peak memory':>11}"
+    if profiles:
+        header += f"  {launches + '/step':>14}  {'memory-bound':>12}"
+        if cuda:
+            header += f"  {'GPU idle':>8}"
+    lines = [header]
+    for name, r in results.items():
+        row = f"{name:>{W}}  {fmt_time(r['median_s'], unit):>10}  "
+        row += f"{_speedup(r['speedup']) if r['speedup'] else 'baseline':<38}"
+        if cuda:
+            host = r["host_s"]
+            row += f"  {fmt_time(host, unit) if host is not None else '-':>10}"
+        row += f"  {fmt_time(firsts[name]['seconds']).strip():>10}"
+        if cuda:
+            mem = memory.get(name)
+            row += f"  {fmt_bytes(mem['peak_bytes']) if mem else '-':>11}"
+        p = profiles.get(name)
+        if profiles:
+            row += (
+                f"  {p['launches_per_step']:>14.0f}  {p['memory_bound_pct']:>11.1f}%" if p else f"  {'-':>14}"
+            )
+            if cuda and p and p["gpu_idle_pct"] is not None:
+                row += f"  {p['gpu_idle_pct']:>7.1f}%"
+        if r["host_bound"]:
+            row += "  host-bound"
+        lines.append(row.rstrip())
+    return lines
+
+
+def _amdahl_lines(data: dict) -> list[str]:
+    a = data.get("amdahl")
+    if not a:
+        return []
+    eager_profile = data["profiles"].get("eager", {})
+    basis = eager_profile.get("basis", "time")
+    fr = a["fractions"]
+    ops = ", ".join(f"{op} {100 * f:.1f}%" for op, f in fr.items())
+    lines = [
+        f"Amdahl: the ops fusion replaces take f = {100 * a['f']:.1f}% of the eager step ({ops}; forward "
+        f"and backward, their {basis} in the eager profile over the timed eager step)",
+    ]
+    if a["op_speedups"]:
+        clock = "device time" if data["config"]["device"].startswith("cuda") else "wall clock"
+        lines.append(f"  their speedups, fused vs eager at the model's shapes, forward + backward, {clock}:")
+        for op, sp in a["op_speedups"].items():
+            shape = data["ops"].get(op, {}).get("shape", "")
+            lines.append(f"  {op:>14}  {shape:<44}  {_speedup(sp)}")
+    pred = a["predicted"]
+    if pred:
+        lines.append(
+            f"  predicted step gain 1 / ((1 - f) + sum f_i / s_i) = {pred['median']:.3f}x "
+            f"({pred['low']:.3f}-{pred['high']:.3f} over the ops' CIs); "
+            f"at most {a['ceiling']:.3f}x were they free"
+        )
+    else:
+        lines.append(
+            f"  no op speedups (no fused variant was timed): at most 1 / (1 - f) = {a['ceiling']:.3f}x "
+            "were those ops free"
+        )
+    measured = a["measured"]
+    if measured:
+        lines.append(f"  measured step gain (fused vs eager): {_speedup(measured)}")
+    if pred and measured:
+        gap = measured["median"] / pred["median"]
+        if measured["high"] < pred["low"]:
+            lines.append(
+                f"  the step gained less than predicted ({gap:.3f} of it): fusion's savings in device time "
+                "do not all reach the step (launches, host time, what else the step waits for)"
+            )
+        elif measured["low"] > pred["high"]:
+            lines.append(
+                "  the step gained more than predicted: the fused ops also save what lies outside them "
+                "(the dtype casts around them, allocations, launches)"
+            )
+        else:
+            lines.append("  measured and predicted agree within their intervals")
+    if eager_profile.get("launch_bound"):
+        fused_profile = data["profiles"].get("fused")
+        saved = ""
+        if fused_profile:
+            fewer = eager_profile["launches_per_step"] - fused_profile["launches_per_step"]
+            saved = f" ({fewer:.0f} fewer kernels a step fused)"
+        lines.append(
+            f"  the eager step is launch-bound (GPU idle {eager_profile['gpu_idle_pct']:.0f}% of it): its "
+            "time is the CPU's launches, not the kernels, so Amdahl on kernel time does not describe it; "
+            f"fusion changes it only through the launches it saves{saved}; CUDA graphs or a bigger batch "
+            "help more"
+        )
+    return lines
+
+
+def format_step(data: dict) -> str:
+    """Part C's block: the setup, the same-math check, the step table, the Amdahl prediction."""
+    cfg = data["config"]
+    kind = cfg["device"].split(":", 1)[0]
+    lines = [
+        f"=== Part C: the whole training step, eager vs fused vs torch.compile "
+        f"({kind}, preset {cfg['preset']}) ===",
+        _model_line(data),
+        f"fused block ops: {data['block_ops']} (silu_mul on the packed gate/up, add_rms_norm)",
+    ]
+    lines += _check_lines(data)
+    first = _first_step_line(data)
+    if first:
+        lines.append(first)
+    for name, why in data["skipped"].items():
+        lines.append(f"{name:>{W}}: skipped ({why})")
+    for name, why in data["failed"].items():
+        lines.append(f"{name:>{W}}: FAILED, not timed ({why})")
+    cmp = data["comparison"]
+    lines.append("")
+    if cmp is None:
+        lines.append("nothing timed: the eager step did not run")
+        return "\n".join(lines)
+    how = (
+        "steps back to back as a training loop runs them, each trial the median of 3"
+        if cmp["timing"] == "loop"
+        else "wall clock"
+    )
+    lines.append(f"step time: {cmp['trials']} interleaved trials, {how} ({cmp['timer']})")
+    lines += _table(data)
+    over = data.get("fusion_over_compile")
+    if over:
+        lines.append(
+            f"{'':>{W}}  fusion on top of torch.compile (compile+fused vs compile): {_speedup(over)}"
+        )
+    notes = [f"statistic: {STATISTIC}"]
+    if kind == "cuda":
+        notes.append(
+            "host = CPU time to issue one step; peak memory = parameters and AdamW state + the most one "
+            "step allocates above them (torch.cuda.max_memory_allocated)"
+        )
+    else:
+        notes.append("peak memory: not measured on a CPU (torch.cuda.max_memory_allocated is CUDA's)")
+    if data["profiles"]:
+        basis = next(iter(data["profiles"].values()))["basis"]
+        notes.append(f"per step and memory-bound share: from a short profile of each variant ({basis})")
+    lines += notes
+    amdahl = _amdahl_lines(data)
+    if amdahl:
+        lines.append("")
+        lines += amdahl
+    traces = [p["trace_path"] for p in data["profiles"].values()]
+    if traces:
+        lines.append(f"traces: {', '.join(traces)} - open them at https://ui.perfetto.dev")
+    env = data["env"]
+    lines.append(f"card: {card_name(env)}, torch {env.get('torch')}, triton {env.get('triton')}")
+    return "\n".join(line.rstrip() if line else line for line in lines)
