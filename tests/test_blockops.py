@@ -478,10 +478,52 @@ def test_compile_fullgraph_calls_the_custom_ops(device):
         results.append((loss.detach(), *(leaf.grad for leaf in leaves)))
     for name, c, e in zip(("loss", "gate_up", "x", "residual", "weight"), *results):
         assert T.relative_error(c, e) <= 1e-6, name
+    if device.type == "cuda" and A.HAS_TRITON_OP:
+        # Triton ops: AOTAutograd's graphs hold their kernels (for Inductor to launch), no op call.
+        for kind in ("forward", "backward"):
+            assert any("triton_kernel_wrapper" in t for t in seen[kind]), (kind, seen[kind])
+            assert not any("profuse." in t for t in seen[kind]), (kind, seen[kind])
+        return
     for op in ("silu_mul_packed_fwd", "silu_mul_fwd", "add_rms_norm_fwd"):
         assert any(f"profuse.{op}" in t for t in seen["forward"]), (op, seen["forward"])
     for op in ("silu_mul_packed_bwd", "silu_mul_bwd", "add_rms_norm_bwd"):
         assert any(f"profuse.{op}" in t for t in seen["backward"]), (op, seen["backward"])
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and A.HAS_TRITON_OP), reason="Triton ops under Inductor: CUDA"
+)
+def test_inductor_launches_the_kernels_itself():
+    """On CUDA, Inductor's generated code launches the fused kernels directly (no call into
+    profuse's Python per op), with the autotuner's configs, and matches the eager call."""
+    from torch._inductor.utils import run_and_get_code
+
+    dev = torch.device("cuda")
+    torch._dynamo.reset()
+    compiled = torch.compile(_block_loss, fullgraph=True)
+    gen = torch.Generator().manual_seed(23)
+    gu = randn((4, 33, 2 * 136), BF16, gen, dev)
+    (x, r, w), dy, dh = norm_inputs((4, 33, 520), (BF16, FP32, FP32), dev, seed=24)
+    results, code = [], []
+    for fn in (compiled, _block_loss):
+        leaves = [t.clone().requires_grad_() for t in (gu, x, r, w)]
+
+        def run(fn=fn, leaves=leaves):
+            loss = fn(*leaves, dy, dh)
+            loss.backward()
+            return loss
+
+        if fn is compiled:
+            loss, code = run_and_get_code(run)
+        else:
+            loss = run()
+        results.append((loss.detach().float(), *(leaf.grad.float() for leaf in leaves)))
+    for name, c, e in zip(("loss", "gate_up", "x", "residual", "weight"), *results):
+        assert T.relative_error(c, e) <= 1e-2, name
+    text = "\n".join(code)
+    assert "torch.ops.profuse" not in text
+    for kernel in ("_silu_mul_fwd_kernel", "_add_rms_norm_fwd_kernel", "_add_rms_norm_bwd_kernel"):
+        assert kernel in text, kernel
 
 
 # --------------------------------------------------------------------------------------------
@@ -589,3 +631,55 @@ def test_plans_made_during_a_graph_capture_are_not_kept(counted, device, monkeyp
     assert counted == {"silu_mul_candidates": 8, CANDIDATE_FNS[1]: 2, CANDIDATE_FNS[2]: 2}
     for module in (S, ARN):
         assert module._FWD_PLANS.builds == 0 and module._BWD_PLANS.builds == 0
+
+
+# --------------------------------------------------------------------------------------------
+# The compile route: opaque custom ops everywhere, Triton ops on CUDA
+# --------------------------------------------------------------------------------------------
+
+
+def test_compiled_ops_route_by_device():
+    """A CPU tensor (the interpreter, which Inductor cannot trace into) gets the opaque custom
+    op; a CUDA tensor gets the Triton op where torch has them."""
+    cpu, cuda = torch.empty(1), torch.empty(1, device="meta")
+    cuda_like = type("CudaLike", (), {"is_cuda": True})()
+    for route, name in (
+        (ARN._forward_compiled, "add_rms_norm_fwd"),
+        (S._packed_backward_compiled, "silu_mul_packed_bwd"),
+    ):
+        assert route(cpu) is getattr(torch.ops.profuse, name)
+        assert route(cuda) is getattr(torch.ops.profuse, name)  # meta: not CUDA
+        expected = f"{name}_triton" if A.HAS_TRITON_OP else name
+        assert route(cuda_like) is getattr(torch.ops.profuse, expected)
+
+
+def test_traced_on_real_tensors_runs_the_launcher_once():
+    """Called on plain tensors, `traced` is the launcher itself: one call, nothing recorded."""
+    calls = []
+
+    def launcher(t, k):
+        calls.append((type(t), k, A._TRACING))
+        return t * k
+
+    out = A.traced(launcher, torch.ones(3), 2.0)
+    assert torch.equal(out, torch.full((3,), 2.0))
+    assert calls == [(torch.Tensor, 2.0, False)]
+
+
+def test_traced_on_fake_tensors_plans_on_real_ones_then_records():
+    """Under a fake mode (as torch.compile traces) the launcher runs once on real tensors of
+    the same shape, stride and dtype (its plans are made there), then once more with launches
+    recorded; the flag is off again afterwards."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    calls = []
+
+    def launcher(t):
+        calls.append((type(t).__name__, tuple(t.shape), t.stride(), t.dtype, A._TRACING))
+        return t.new_empty(t.shape)
+
+    with FakeTensorMode() as mode:
+        fake = mode.from_tensor(torch.empty(4, 6, dtype=BF16)[:, ::2])
+        A.traced(launcher, fake)
+    assert calls == [("Tensor", (4, 3), (6, 2), BF16, False), ("FakeTensor", (4, 3), (6, 2), BF16, True)]
+    assert A._TRACING is False

@@ -39,7 +39,7 @@ import triton.language as tl
 
 from profuse.env import sm_count
 from profuse.kernels import configs as C
-from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing
+from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing, compiled_op
 from profuse.kernels.colsum import col_sum_launch
 from profuse.kernels.configs import KernelConfig
 from profuse.kernels.rows import as_rows, check_runnable
@@ -355,25 +355,22 @@ def _backward_plan(key: tuple, args: tuple) -> _BackwardPlan:
 
 
 # --------------------------------------------------------------------------------------------
-# Custom ops (opaque to torch.compile: no graph break), the autograd.Function, the entry point
+# The ops torch.compile calls (no graph break), the autograd.Function, the entry point
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("profuse::add_rms_norm_fwd", mutates_args=())
-def add_rms_norm_fwd_op(
+def _forward_op(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return add_rms_norm_forward(x, residual, weight, eps)
 
 
-@add_rms_norm_fwd_op.register_fake
-def _(x, residual, weight, eps):
+def _forward_fake(x, residual, weight, eps):
     h = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
     return x.new_empty(x.shape), h, x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
-@torch.library.custom_op("profuse::add_rms_norm_bwd", mutates_args=())
-def add_rms_norm_bwd_op(
+def _backward_op(
     dy: torch.Tensor,
     dh: torch.Tensor,
     h: torch.Tensor,
@@ -394,12 +391,19 @@ def add_rms_norm_bwd_op(
     return empty if dx is None else dx, empty if dr is None or dr is dx else dr, empty if dw is None else dw
 
 
-@add_rms_norm_bwd_op.register_fake
-def _(dy, dh, h, weight, rstd, x_dtype, residual_dtype, has_dh, need_x, need_residual, need_weight):
+def _backward_fake(
+    dy, dh, h, weight, rstd, x_dtype, residual_dtype, has_dh, need_x, need_residual, need_weight
+):
     shared = need_x and need_residual and x_dtype == residual_dtype
     return (h.new_empty(h.shape, dtype=x_dtype) if need_x else h.new_empty(0),
             h.new_empty(h.shape, dtype=residual_dtype) if need_residual and not shared else h.new_empty(0),
             weight.new_empty(weight.shape) if need_weight else h.new_empty(0))  # fmt: skip
+
+
+# The ops torch.compile calls: profuse::add_rms_norm_fwd / _bwd (opaque), and on CUDA their
+# Triton-op twins, whose kernels Inductor launches itself (kernels/autotune.compiled_op).
+_forward_compiled = compiled_op("add_rms_norm_fwd", _forward_op, _forward_fake)
+_backward_compiled = compiled_op("add_rms_norm_bwd", _backward_op, _backward_fake)
 
 
 class AddRMSNormFunction(torch.autograd.Function):
@@ -407,14 +411,14 @@ class AddRMSNormFunction(torch.autograd.Function):
     of which may get none (set_materialize_grads(False): no zeros made or read for it).
 
     Eager calls go to the launchers directly; only a traced call (torch.compile) goes through
-    the custom ops.
+    the compiled ops.
     """
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps):
         ctx.set_materialize_grads(False)
         if torch.compiler.is_compiling():
-            y, h, rstd = torch.ops.profuse.add_rms_norm_fwd(x, residual, weight, eps)
+            y, h, rstd = _forward_compiled(x)(x, residual, weight, eps)
         else:
             y, h, rstd = add_rms_norm_forward(x, residual, weight, eps)
         ctx.save_for_backward(h, weight, rstd)
@@ -434,7 +438,7 @@ class AddRMSNormFunction(torch.autograd.Function):
             return (dh.to(x_dtype) if need_x else None), (dh.to(r_dtype) if need_r else None), None, None
         if torch.compiler.is_compiling():
             has_dh = dh is not None
-            dx, dr, dw = torch.ops.profuse.add_rms_norm_bwd(
+            dx, dr, dw = _backward_compiled(h)(
                 dy, dh if has_dh else h, h, weight, rstd, x_dtype, r_dtype, has_dh, need_x, need_r, need_w
             )
             if need_x and need_r and x_dtype == r_dtype:
@@ -454,7 +458,7 @@ def add_rms_norm_fused(x, residual, weight, eps: float) -> tuple[torch.Tensor, t
     if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
         return AddRMSNormFunction.apply(x, residual, weight, eps)
     if torch.compiler.is_compiling():
-        y, h, _ = torch.ops.profuse.add_rms_norm_fwd(x, residual, weight, eps)
+        y, h, _ = _forward_compiled(x)(x, residual, weight, eps)
         return y, h
     y, h, _ = add_rms_norm_forward(x, residual, weight, eps, store_rstd=False)
     return y, h

@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from profuse.kernels import configs as C
-from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing
+from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing, compiled_op
 from profuse.kernels.configs import KernelConfig
 from profuse.kernels.rows import as_rows, check_runnable
 
@@ -231,63 +231,55 @@ def silu_mul_packed_backward(
 
 
 # --------------------------------------------------------------------------------------------
-# Custom ops (opaque to torch.compile: no graph break), the autograd.Functions, entry points
+# The ops torch.compile calls (no graph break), the autograd.Functions, entry points
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("profuse::silu_mul_fwd", mutates_args=())
-def silu_mul_fwd_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _forward_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return silu_mul_forward(gate, up)
 
 
-@silu_mul_fwd_op.register_fake
-def _(gate, up):
-    return gate.new_empty(gate.shape)
-
-
-@torch.library.custom_op("profuse::silu_mul_packed_fwd", mutates_args=())
-def silu_mul_packed_fwd_op(gate_up: torch.Tensor) -> torch.Tensor:
+def _packed_forward_op(gate_up: torch.Tensor) -> torch.Tensor:
     return silu_mul_packed_forward(gate_up)
 
 
-@silu_mul_packed_fwd_op.register_fake
-def _(gate_up):
-    return gate_up.new_empty((*gate_up.shape[:-1], gate_up.shape[-1] // 2))
-
-
-@torch.library.custom_op("profuse::silu_mul_bwd", mutates_args=())
-def silu_mul_bwd_op(
+def _backward_op(
     grad: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, need_gate: bool, need_up: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     dg, du = silu_mul_backward(grad, gate, up, (need_gate, need_up))
-    # A custom op returns tensors only: an empty one stands for "not asked for".
+    # An op returns tensors only: an empty one stands for "not asked for".
     return (gate.new_empty(0) if dg is None else dg), (gate.new_empty(0) if du is None else du)
 
 
-@silu_mul_bwd_op.register_fake
-def _(grad, gate, up, need_gate, need_up):
+def _packed_backward_op(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    return silu_mul_packed_backward(grad, gate_up)
+
+
+def _backward_fake(grad, gate, up, need_gate, need_up):
     return (gate.new_empty(gate.shape) if need_gate else gate.new_empty(0),
             gate.new_empty(gate.shape) if need_up else gate.new_empty(0))  # fmt: skip
 
 
-@torch.library.custom_op("profuse::silu_mul_packed_bwd", mutates_args=())
-def silu_mul_packed_bwd_op(grad: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
-    return silu_mul_packed_backward(grad, gate_up)
-
-
-@silu_mul_packed_bwd_op.register_fake
-def _(grad, gate_up):
-    return gate_up.new_empty(gate_up.shape)
+# The ops torch.compile calls: profuse::silu_mul_fwd and the rest (opaque), and on CUDA their
+# Triton-op twins, whose kernels Inductor launches itself (kernels/autotune.compiled_op).
+_forward_compiled = compiled_op("silu_mul_fwd", _forward_op, lambda gate, up: gate.new_empty(gate.shape))
+_packed_forward_compiled = compiled_op(
+    "silu_mul_packed_fwd", _packed_forward_op, lambda gu: gu.new_empty((*gu.shape[:-1], gu.shape[-1] // 2))
+)
+_backward_compiled = compiled_op("silu_mul_bwd", _backward_op, _backward_fake)
+_packed_backward_compiled = compiled_op(
+    "silu_mul_packed_bwd", _packed_backward_op, lambda grad, gu: gu.new_empty(gu.shape)
+)
 
 
 class SiluMulFunction(torch.autograd.Function):
     """gate and up as two tensors: saves them (nothing new: they are alive anyway), returns a
-    gradient for each. Eager calls go to the launchers; a traced call, to the custom ops."""
+    gradient for each. Eager calls go to the launchers; a traced call, to the compiled ops."""
 
     @staticmethod
     def forward(ctx, gate, up):
         if torch.compiler.is_compiling():
-            a = torch.ops.profuse.silu_mul_fwd(gate, up)
+            a = _forward_compiled(gate)(gate, up)
         else:
             a = silu_mul_forward(gate, up)
         ctx.save_for_backward(gate, up)
@@ -298,7 +290,7 @@ class SiluMulFunction(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         need_g, need_u = ctx.needs_input_grad
         if torch.compiler.is_compiling():
-            dg, du = torch.ops.profuse.silu_mul_bwd(grad, gate, up, need_g, need_u)
+            dg, du = _backward_compiled(gate)(grad, gate, up, need_g, need_u)
             return (dg if need_g else None), (du if need_u else None)
         return silu_mul_backward(grad, gate, up, (need_g, need_u))
 
@@ -309,7 +301,7 @@ class SiluMulPackedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up):
         if torch.compiler.is_compiling():
-            a = torch.ops.profuse.silu_mul_packed_fwd(gate_up)
+            a = _packed_forward_compiled(gate_up)(gate_up)
         else:
             a = silu_mul_packed_forward(gate_up)
         ctx.save_for_backward(gate_up)
@@ -319,7 +311,7 @@ class SiluMulPackedFunction(torch.autograd.Function):
     def backward(ctx, grad):
         (gate_up,) = ctx.saved_tensors
         if torch.compiler.is_compiling():
-            return torch.ops.profuse.silu_mul_packed_bwd(grad, gate_up)
+            return _packed_backward_compiled(gate_up)(grad, gate_up)
         return silu_mul_packed_backward(grad, gate_up)
 
 
@@ -329,7 +321,7 @@ def silu_mul_pair(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return SiluMulFunction.apply(gate, up)
     if torch.compiler.is_compiling():
-        return torch.ops.profuse.silu_mul_fwd(gate, up)
+        return _forward_compiled(gate)(gate, up)
     return silu_mul_forward(gate, up)
 
 
@@ -338,5 +330,5 @@ def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and gate_up.requires_grad:
         return SiluMulPackedFunction.apply(gate_up)
     if torch.compiler.is_compiling():
-        return torch.ops.profuse.silu_mul_packed_fwd(gate_up)
+        return _packed_forward_compiled(gate_up)(gate_up)
     return silu_mul_packed_forward(gate_up)
