@@ -165,6 +165,29 @@ def test_check_fails_wrong_math_and_the_run_does_not_time_it():
     assert list(res.comparison.timings) == ["eager"]
 
 
+def test_a_first_step_far_from_eagers_fails_the_variant(monkeypatch):
+    """Math that slips past the small model's check (here: the check is skipped) is caught at
+    the real size by the first step's distance from eager's, and is not timed."""
+    wrong = fusion.BlockOps(blockops.silu_mul_eager, _wrong_norm, "wrong")
+    cfg = S.StepConfig(model=TINY, variants=("eager", "fused"), trials=2, profile_steps=0)
+    passed = S.MathCheck(model={}, precision=cfg.precision, passed=True)
+    monkeypatch.setattr(S, "check_same_math", lambda cfg, ops: passed)
+    res = S.run_step(cfg, ops=wrong)
+    assert "first step" in res.failed["fused"] and "over the bound" in res.failed["fused"]
+    assert list(res.comparison.timings) == ["eager"]
+
+
+def test_first_step_bounds():
+    ok = S.FirstStep(seconds=1.0, loss=1.0, loss_rel_diff=1e-3, grad_rel_diff=0.1)
+    S._check_first_step(ok, torch.bfloat16)  # inside 2 x 16 u of bf16 (0.125)
+    for field_, value in (("grad_rel_diff", 0.2), ("loss_rel_diff", 0.1), ("grad_rel_diff", float("nan"))):
+        bad = S.FirstStep(**{**ok.__dict__, field_: value})
+        with pytest.raises(ValueError, match="over the bound"):
+            S._check_first_step(bad, torch.bfloat16)
+    with pytest.raises(ValueError, match="in the loss"):
+        S._check_first_step(ok, torch.float32)  # 1e-3 is far outside fp32's bound
+
+
 def test_check_reports_a_fused_op_that_cannot_run():
     def broken(gate_up):
         raise RuntimeError("no kernel here\nsecond line")

@@ -83,6 +83,11 @@ CHECK_LAYERS, CHECK_SEQ_LEN, CHECK_BATCH = 2, 64, 2
 # roundings of like size, summed over a whole tensor, differ by much less than 2x.
 CHECK_FACTOR = 2.0
 
+# A variant's first step may differ from eager's by this many times the dtype's tolerance (the
+# loss's FORWARD_TOL, the gradients' BACKWARD_TOL): each side rounds once, and bf16 autocast
+# puts compile and eager 1.8e-2 apart in the gradients at d_model 2048, a third of this bound.
+FIRST_STEP_FACTOR = 2.0
+
 # The ops the fused variants replace: their names in fusion, and the profiler range of each.
 OPS = (fusion.SILU_MUL, fusion.ADD_RMS_NORM)
 
@@ -373,6 +378,22 @@ def _train_step(v: _Variant, idx, targets, autocast) -> Callable[[], torch.Tenso
     return step
 
 
+def _check_first_step(first: FirstStep, dtype: torch.dtype) -> None:
+    """ValueError where the first step's loss or gradients are further from eager's than two
+    roundings of the step's dtype could put them (FIRST_STEP_FACTOR x the dtype's tolerance): a
+    variant that computes something else is reported as failed, never timed."""
+    bounds = {
+        "loss": FIRST_STEP_FACTOR * FORWARD_TOL[dtype],
+        "gradients": FIRST_STEP_FACTOR * BACKWARD_TOL[dtype],
+    }
+    for what, diff in (("loss", first.loss_rel_diff), ("gradients", first.grad_rel_diff)):
+        if not diff <= bounds[what]:  # NaN fails too
+            raise ValueError(
+                f"its first step is {diff:.1e} (relative) from eager's in the {what}, "
+                f"over the bound {bounds[what]:.1e}: it computes something else"
+            )
+
+
 def _first_step(v: _Variant, idx, targets, autocast, device, eager: dict | None) -> tuple[FirstStep, dict]:
     """The first step, timed whole; its loss and gradients compared with eager's (`eager`), or
     returned to compare the others with (for eager itself)."""
@@ -398,6 +419,8 @@ def _first_step(v: _Variant, idx, targets, autocast, device, eager: dict | None)
         )
         den = sum(torch.linalg.vector_norm(e.float()).item() ** 2 for e in eager["grads"])
         first.grad_rel_diff = math.sqrt(num / den) if den > 0 else math.nan
+        # The branches' dtype, as StepConfig.dtype: bf16 under CUDA autocast, else fp32.
+        _check_first_step(first, torch.bfloat16 if device.type == "cuda" else torch.float32)
     del grads
     t1 = time.perf_counter()
     v.optimizer.step()

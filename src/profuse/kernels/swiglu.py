@@ -71,22 +71,25 @@ def _silu_mul_bwd_kernel(
     G_ptr,
     U_ptr,
     DG_ptr,  # dgate out; unused unless COMPUTE_DG
-    DU_ptr,  # dup out; unused unless COMPUTE_DU (packed: DG_ptr again, at column du_offset)
+    DU_ptr,  # dup out; unused unless COMPUTE_DU and not PACKED_D
     da_row_stride,
     g_row_stride,
     u_row_stride,
     u_offset,  # up's first column from U_ptr (packed input: n_cols)
     d_row_stride,  # the gradients' row stride: n_cols (two tensors) or 2 * n_cols (one packed)
-    du_offset,  # dup's first column from DU_ptr (packed gradient: n_cols)
+    du_offset,  # dup's first column from its pointer (packed gradient: n_cols from DG_ptr)
     n_rows,
     n_cols,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     COMPUTE_DG: tl.constexpr,
     COMPUTE_DU: tl.constexpr,
+    PACKED_D: tl.constexpr,  # one (rows, 2F) gradient: dup goes to DG_ptr + du_offset
 ):
     """Tile of  s = sigmoid(g),  dg = da * u * s * (1 + g * (1 - s)),  du = da * g * s.
-    Without COMPUTE_DG, u is not read at all."""
+    Without COMPUTE_DG, u is not read at all. The packed gradient is written through one
+    pointer: under torch.compile a kernel argument is one tensor, and the same tensor passed as
+    two written arguments would be copied apart (functionalisation)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
@@ -100,39 +103,48 @@ def _silu_mul_bwd_kernel(
         dg = da * u * s * (1.0 + g * (1.0 - s))
         tl.store(DG_ptr + out, dg.to(DG_ptr.dtype.element_ty), mask=mask)
     if COMPUTE_DU:
-        tl.store(DU_ptr + du_offset + out, (da * g * s).to(DU_ptr.dtype.element_ty), mask=mask)
+        du = da * g * s
+        if PACKED_D:
+            tl.store(DG_ptr + du_offset + out, du.to(DG_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(DU_ptr + du_offset + out, du.to(DU_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
 # Launch plans: built on the first call of a signature, then looked up
 # --------------------------------------------------------------------------------------------
 
-# Forward plans by (rows, cols, dtype, device); backward plans by (rows, cols, dtype, device,
-# gradients asked for). Strides are runtime arguments: the pair and packed forms share a plan.
+# Forward plans by (rows, cols, dtype, device): strides are runtime arguments, so the pair and
+# packed forms share a plan. Backward plans by (rows, cols, dtype, device, gradients asked for,
+# packed gradient or two).
 _FWD_PLANS = PlanCache()
 _BWD_PLANS = PlanCache()
 
 
-def _launch(cfg: KernelConfig, n_rows: int, n_cols: int, backward: bool, needs=(True, True)) -> Launch:
+def _launch(
+    cfg: KernelConfig, n_rows: int, n_cols: int, backward: bool, needs=(True, True), packed: bool = False
+) -> Launch:
     """The kernel for `cfg`, bound to its grid of (row tiles, column tiles) for this shape."""
     grid = (triton.cdiv(n_rows, cfg.block_m), triton.cdiv(n_cols, cfg.block_n))
     meta = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
     if backward:
-        flags = dict(COMPUTE_DG=needs[0], COMPUTE_DU=needs[1])
+        flags = dict(COMPUTE_DG=needs[0], COMPUTE_DU=needs[1], PACKED_D=packed)
         return Launch(_silu_mul_bwd_kernel, grid, cfg, "silu_mul bwd", **flags, **meta)
     return Launch(_silu_mul_fwd_kernel, grid, cfg, "silu_mul fwd", **meta)
 
 
-def _plan(plans: PlanCache, key: tuple, tune_key: tuple, args: tuple, backward: bool, needs) -> Launch:
+def _plan(
+    plans: PlanCache, key: tuple, tune_key: tuple, args: tuple, backward: bool, needs, packed: bool = False
+) -> Launch:
     """The launch for a new signature: the tuned config (timed now if `tune_key` is new), bound
     to this shape's grid; kept unless made inside a CUDA-graph capture (untuned then)."""
     n_rows, n_cols, _, device = key[:4]
     check_runnable(device, "silu_mul")
     candidates = C.silu_mul_candidates(n_rows, n_cols, backward)
     cfg = TUNER.pick(
-        tune_key, candidates, lambda c: _launch(c, n_rows, n_cols, backward, needs)(*args), device
+        tune_key, candidates, lambda c: _launch(c, n_rows, n_cols, backward, needs, packed)(*args), device
     )
-    launch = _launch(cfg, n_rows, n_cols, backward, needs)
+    launch = _launch(cfg, n_rows, n_cols, backward, needs, packed)
     if not capturing(device):
         plans.add(key, launch)
     return launch
@@ -181,21 +193,23 @@ def silu_mul_packed_forward(gate_up: torch.Tensor, config: KernelConfig | None =
 
 
 def _backward(da, g, u, u_offset, dg, du, d_row_stride, du_offset, n_cols, needs, config) -> None:
-    """dg, du over 2-D row views (either None where not asked for)."""
+    """dg, du over 2-D row views (either None where not asked for; du is dg for the packed
+    gradient, written through dg's pointer alone)."""
     n_rows = g.shape[0]
     if n_rows == 0:
         return
     # A gradient not asked for gets any tensor: its COMPUTE_ flag is off, the kernel never touches it.
-    args = (da, g, u, g if dg is None else dg, g if du is None else du, da.stride(0), g.stride(0),
+    packed = du is not None and du is dg
+    args = (da, g, u, g if dg is None else dg, g if du is None or packed else du, da.stride(0), g.stride(0),
             u.stride(0), u_offset, d_row_stride, du_offset, n_rows, n_cols)  # fmt: skip
     if config is not None:
-        _launch(config, n_rows, n_cols, True, needs)(*args)
+        _launch(config, n_rows, n_cols, True, needs, packed)(*args)
         return
-    key = (n_rows, n_cols, g.dtype, g.device, needs)
+    key = (n_rows, n_cols, g.dtype, g.device, needs, packed)
     launch = _BWD_PLANS.get(key)
     if launch is None:
         tune_key = ("silu_mul_bwd", C.pow2_rows(n_rows), n_cols, g.dtype, needs)
-        launch = _plan(_BWD_PLANS, key, tune_key, args, True, needs)
+        launch = _plan(_BWD_PLANS, key, tune_key, args, True, needs, packed)
     launch(*args)
 
 
