@@ -430,7 +430,8 @@ def no_work(monkeypatch):
         raise AssertionError("the work started before the output folder was checked")
 
     work = [(profuse.bench.tail, "run_tail_bench"), (profuse.sweep, "run_sweep"),
-            (profuse.profiling, "run_profile"), (profuse.distributed, "launch_profile")]  # fmt: skip
+            (profuse.profiling, "run_profile"), (profuse.distributed, "launch"),
+            (profuse.distributed, "run_worker")]  # fmt: skip
     for module, name in work:
         monkeypatch.setattr(module, name, started)
 
@@ -473,6 +474,15 @@ def test_a_missing_out_is_made_when_the_run_writes(tmp_path, capsys):
     assert code == 0, err
     assert (out / "results.json").is_file()
     assert [p.name for p in out.iterdir()] == ["results.json"]  # no probe file left
+
+
+def test_ranks_get_the_users_flags_with_device_and_out_resolved(tmp_path):
+    args = cli.build_profile_parser().parse_args(
+        ["--nproc", "3", "--layers", "3", "--seed", "7", "--out", "x"]
+    )
+    argv = cli.worker_argv(args, torch.device("cpu"), tmp_path)
+    assert argv == ["--seed", "7", "--layers", "3", "--device", "cpu", "--out", str(tmp_path), "--nproc", "3"]
+    assert cli.build_profile_parser().parse_args(argv).layers == 3
 
 
 def test_output_names_checked_by_the_cli_are_the_ones_written():
