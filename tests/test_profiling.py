@@ -316,6 +316,8 @@ def test_a_result_reads_back_from_its_json(profiled):
     result, _, _ = profiled
     again = ProfileResult.from_dict(json.loads(json.dumps(result.to_dict())))
     assert again == result
+
+
 # --- a launch-bound step, and regions traced through to their backward kernels ----------------
 
 

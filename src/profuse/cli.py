@@ -691,7 +691,8 @@ def cmd_report(argv: list[str]) -> int:
             raise UsageError(f"{args.results} is a Part C step file: it prints as it is, without options")
         print(format_step(step))
         return 0
-    from profuse.report.sweep import format_run, parse, read_json, rebase, select_variants
+    from profuse.bench.stats import rebase
+    from profuse.report.sweep import format_run, parse, read_json, select_variants
 
     if args.plots is not None:
         from profuse.files import check_folder
