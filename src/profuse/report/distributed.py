@@ -8,7 +8,7 @@ import signal
 from profuse.distributed import JOB_CATEGORIES, DDPProfile
 from profuse.errors import UsageError
 from profuse.profiling import CATEGORY_LABELS
-from profuse.report.profile import PERFETTO, W
+from profuse.report.profile import PERFETTO, category_line
 from profuse.report.units import fmt_bytes
 
 LABELS = {**CATEGORY_LABELS, "communication": "communication (all-reduce)"}
@@ -90,7 +90,7 @@ def format_ddp_profile(job: DDPProfile, summary_path: str | None = None) -> str:
     )
     for cat in JOB_CATEGORIES:
         pct = shares.get(cat, 0.0)
-        lines.append(f"{LABELS.get(cat, cat):>{W}}  {pct:5.1f}%  {'#' * round(pct / 2)}")
+        lines.append(category_line(LABELS.get(cat, cat), pct))
     if summary_path:
         lines.append(f"summary: {_shown(summary_path)}; open the traces at {PERFETTO}")
     return "\n".join(lines)

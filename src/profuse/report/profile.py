@@ -14,6 +14,11 @@ W = 34  # label column: fits "elementwise + norm (memory-bound)"
 PROFILE_SUMMARY, DDP_SUMMARY = "profile.json", "profile_ddp.json"
 
 
+def category_line(label: str, pct: float) -> str:
+    """One row of the time-by-category table: the label, its share, a bar of one # per 2%."""
+    return f"{label:>{W}}  {pct:5.1f}%  {'#' * round(pct / 2)}"
+
+
 def _shown_path(path: str) -> str:
     """'./trace.json' for a path relative to the current folder, as the lab prints it."""
     p = Path(path)
@@ -49,7 +54,7 @@ def format_profile(r: ProfileResult) -> str:
     ]
     for cat in CATEGORIES:
         pct = s.shares[cat]
-        lines.append(f"{CATEGORY_LABELS[cat]:>{W}}  {pct:5.1f}%  {'#' * round(pct / 2)}")
+        lines.append(category_line(CATEGORY_LABELS[cat], pct))
     lines.append(_per_step(r))
     if s.gpu_idle_pct is not None:
         lines.append(f"GPU idle: {s.gpu_idle_pct:.1f}% of the step (no kernel, memcpy or memset running)")
