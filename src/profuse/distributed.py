@@ -1,10 +1,10 @@
 """Part A on N processes: the GPT under DistributedDataParallel, profiled on every rank.
 
-    profuse profile --nproc N [flags]                  the launcher below starts N ranks
+    profuse profile --nproc N [flags]                  the launcher below (`launch`) starts N ranks
     torchrun --nproc-per-node N -m profuse profile     the same ranks, started by torchrun
 
 (torchrun's parser reads a --nproc after the module as its own --nproc-per-node, abbreviated; the
-CLI sends a process that `started_by_launcher` to `launch_profile`, which runs it as a rank.)
+CLI sends a process that `started_by_launcher` to `run_worker`, which runs it as a rank.)
 
 Both go through PyTorch's own launcher, the elastic agent that torchrun runs
 (`torch.distributed.launcher.api.elastic_launch`): it starts each rank as
@@ -14,9 +14,9 @@ them all when one fails. A process that finds those variables runs as a rank (`r
 1. It joins the process group, NCCL on GPUs (one GPU a rank, cuda:LOCAL_RANK) and gloo on the
    CPU, and wraps Part A's model in DistributedDataParallel. Every rank starts from the same
    weights (DDP broadcasts rank 0's) and trains on its own random batch (seed + rank).
-2. It profiles the same steps as Part A (`profiling.run_profile`: warm-up, then torch.profiler)
-   and writes trace_rank{R}.json, whole or not at all.
-3. It reads its trace: the category table of Part A with "communication" added, and the
+2. It profiles the same steps as Part A (`profiling.profile_with_trace`: warm-up, then
+   torch.profiler) and writes trace_rank{R}.json, whole or not at all.
+3. It reads its trace, parsed once: the category table of Part A with "communication" added, and the
    communication on its timeline (`comm_timeline`): how long the all-reduce ran in each step and
    how much of that time compute ran beside it.
 4. Rank 0 gathers every rank's summary (`dist.gather_object`) and writes profile_ddp.json.
