@@ -112,7 +112,7 @@ def host_table(rows: int, cols: int, rounds: int, per_round: int, dev: torch.dev
     y_out = torch.empty_like(g)
     minimal, bare = minimal_function(rows, cols, dtype, dev)
     empty = empty_function()
-    compiled = T.compiled_tail("default")
+    compiled = T.tail_compiled
 
     def fb(fn, threads: bool = True):
         def call():

@@ -57,7 +57,8 @@ def main() -> int:
         else:
             step = lambda: tail_backward(dy, g, u, r, w, rstd, (True,) * 4, cfg)  # noqa: E731
     else:
-        fn = T.compiled_tail("max-autotune" if args.variant == "compile-max" else "default")
+        mode = "max-autotune" if args.variant == "compile-max" else "default"
+        fn = lambda *a: T.tail_compiled(*a, mode=mode)  # noqa: E731
         if args.which == "fwd":
             step = lambda: fn(g, u, r, w, 1e-6)  # noqa: E731
         else:

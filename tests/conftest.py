@@ -1,7 +1,8 @@
 """Without a GPU, Triton kernels run on CPU tensors through the interpreter.
 
 The variable must be set before triton decorates the kernels, so before profuse.kernels.tail is
-imported: conftest runs first.
+imported: conftest runs first. Fixtures several test files use live here; the input makers,
+shape lists and CLI runners they share are in tests/cases.py.
 """
 
 import math
@@ -67,3 +68,18 @@ def poisoned_blockops(monkeypatch):
 
     for module in (kswiglu, karn):
         monkeypatch.setattr(module, "torch", PoisonedTorch())
+
+
+@pytest.fixture(scope="session")
+def saved(tmp_path_factory):
+    """Two tiny sweeps, A and B, saved through the CLI (shared: each run costs a second or two)."""
+    from cases import TINY_SWEEP, run_cli
+
+    root = tmp_path_factory.mktemp("sweeps")
+    runs = {}
+    for name, seed in (("a", "0"), ("b", "1")):
+        out = root / name
+        code, stdout, stderr = run_cli("sweep", *TINY_SWEEP, "--seed", seed, "--out", str(out))
+        assert code == 0, stderr
+        runs[name] = (out, stdout)
+    return runs

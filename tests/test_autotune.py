@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from cases import tail_inputs
 
 from profuse.kernels import HAS_TRITON
 
@@ -152,10 +153,7 @@ def counted(monkeypatch):
 
 
 def _leaves(shape, dtype, device, seed):
-    gen = torch.Generator().manual_seed(seed)
-    g, u, r = (torch.randn(shape, generator=gen).to(device, dtype).requires_grad_() for _ in range(3))
-    w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(device, dtype).requires_grad_()
-    return g, u, r, w
+    return tuple(t.requires_grad_() for t in tail_inputs(shape, dtype, device, seed))
 
 
 def test_a_second_call_builds_no_candidates(counted, device):

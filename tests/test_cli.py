@@ -1,49 +1,53 @@
-"""The command line end to end on a small size, its entry points, and every kind of bad input.
+"""The command line end to end on a small size, its entry points, and every kind of bad input;
+then profuse sweep, report and diff: the files they write, runs stopped part-way, saved files read back.
 
 In-process runs call profuse.cli.main; argparse reports its errors by raising SystemExit, which is
-what the real process exits with, so `run` turns that into the exit status.
+what the real process exits with, so `run` (tests/cases.py) turns that into the exit status.
+Behaviour only: never an assertion on seconds.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import os
 import platform
+import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from cases import (
+    HUGE_ROWS,
+    MIN_DRAWN_PNG_BYTES,
+    PNG_SIGNATURE,
+    TINY_SWEEP,
+    InterruptAtSecondSize,
+    assert_one_clear_line,
+    needs_matplotlib,
+    part_files,
+    run,
+    run_cli,
+)
 
 from profuse import cli
+from profuse import sweep as S
 from profuse.cli import main
+from profuse.errors import UsageError
+from profuse.report import plots
+from profuse.report import sweep as R
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def run(argv: list[str], capsys) -> tuple[int, str, str]:
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse's errors and --help
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def subprocess_env() -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT / "src"), env.get("PYTHONPATH")) if p)
     return env
-
-
-def assert_one_clear_line(code: int, err: str) -> None:
-    assert code == 2, f"exit status {code}, stderr {err!r}"
-    assert "Traceback" not in err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, f"expected one line on stderr, got {lines}"
-    assert "error" in lines[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -430,7 +434,8 @@ def no_work(monkeypatch):
         raise AssertionError("the work started before the output folder was checked")
 
     work = [(profuse.bench.tail, "run_tail_bench"), (profuse.sweep, "run_sweep"),
-            (profuse.profiling, "run_profile"), (profuse.distributed, "launch_profile")]  # fmt: skip
+            (profuse.profiling, "run_profile"), (profuse.distributed, "launch"),
+            (profuse.distributed, "run_worker")]  # fmt: skip
     for module, name in work:
         monkeypatch.setattr(module, name, started)
 
@@ -473,6 +478,15 @@ def test_a_missing_out_is_made_when_the_run_writes(tmp_path, capsys):
     assert code == 0, err
     assert (out / "results.json").is_file()
     assert [p.name for p in out.iterdir()] == ["results.json"]  # no probe file left
+
+
+def test_ranks_get_the_users_flags_with_device_and_out_resolved(tmp_path):
+    args = cli.build_profile_parser().parse_args(
+        ["--nproc", "3", "--layers", "3", "--seed", "7", "--out", "x"]
+    )
+    argv = cli.worker_argv(args, torch.device("cpu"), tmp_path)
+    assert argv == ["--seed", "7", "--layers", "3", "--device", "cpu", "--out", str(tmp_path), "--nproc", "3"]
+    assert cli.build_profile_parser().parse_args(argv).layers == 3
 
 
 def test_output_names_checked_by_the_cli_are_the_ones_written():
@@ -574,3 +588,415 @@ def test_triton_runs_on_a_cpu_through_the_interpreter(tmp_path, capsys, monkeypa
     assert code == 0, err
     data = json.loads((tmp_path / "results.json").read_text())
     assert "TRITON_INTERPRET=1" in data["skipped"]["triton"]
+
+
+# --------------------------------------------------------------------------------------------
+# profuse sweep: the files it writes, what it prints
+# --------------------------------------------------------------------------------------------
+
+
+def test_sweep_writes_valid_json(saved):
+    out, stdout = saved["a"]
+    data = json.loads((out / "results.json").read_text())
+    assert data["kind"] == "sweep"
+    assert [(r["config"]["rows"], r["config"]["cols"]) for r in data["runs"]] == [(64, 96), (128, 96)]
+    assert data["skipped"] == []
+    assert "env" in data and all("env" not in r for r in data["runs"])  # the environment once
+    assert data["copy_ceiling_Bps"] is None  # measured on CUDA only
+    for entry in data["runs"]:
+        assert entry["kind"] == "tail"
+        assert set(entry["results"]) == {"eager", "rms_norm"}
+        times = entry["comparison"]["timings"]["rms_norm"]["times_s"]
+        assert len(times) == 3 and all(t > 0 for t in times)
+        sp = entry["results"]["rms_norm"]["speedup"]
+        assert sp["low"] <= sp["median"] <= sp["high"]
+
+
+def test_sweep_writes_csv_one_row_per_size_and_variant(saved):
+    out, _ = saved["a"]
+    with open(out / "results.csv", newline="") as f:
+        reader = csv.DictReader(f)
+        rows = list(reader)
+    assert tuple(reader.fieldnames) == R.CSV_FIELDS
+    assert [(r["rows"], r["cols"], r["variant"]) for r in rows] == [
+        ("64", "96", "eager"), ("64", "96", "rms_norm"), ("128", "96", "eager"), ("128", "96", "rms_norm"),
+    ]  # fmt: skip
+    for r in rows:
+        assert r["dtype"] == "float32" and r["backward"] == "False" and r["passed"] == "True"
+        assert float(r["median_s"]) > 0 and float(r["achieved_GBps"]) > 0
+        if r["variant"] == "eager":
+            assert (r["speedup"], r["ci_low"], r["verdict"]) == ("1.0", "", "baseline")
+        else:
+            assert float(r["ci_low"]) <= float(r["speedup"]) <= float(r["ci_high"])
+            assert r["verdict"] in ("faster", "slower", "no measurable gain")
+
+
+@needs_matplotlib
+@pytest.mark.parametrize("name", [plots.SPEEDUP_PNG, plots.BANDWIDTH_PNG])
+def test_sweep_writes_drawn_pngs(saved, name):
+    out, _ = saved["a"]
+    blob = (out / name).read_bytes()
+    assert blob.startswith(PNG_SIGNATURE)
+    assert len(blob) > MIN_DRAWN_PNG_BYTES
+
+
+def test_sweep_prints_table_and_paths(saved):
+    out, stdout = saved["a"]
+    assert "Sweep: fused tail forward, float32 on cpu" in stdout
+    assert "64 x 96" in stdout and "128 x 96" in stdout and "eager F.rms_norm" in stdout
+    for name in ("results.json", "results.csv"):
+        assert f"wrote {out / name}" in stdout
+    assert part_files(out) == []
+
+
+def test_sweep_without_matplotlib_writes_json_and_csv(tmp_path, monkeypatch):
+    monkeypatch.setattr(plots, "HAS_MATPLOTLIB", False)
+    out = tmp_path / "noplot"
+    code, stdout, _ = run_cli("sweep", "--rows", "64", "--cols", "96", "--trials", "2",
+                              "--variants", "eager", "--device", "cpu", "--out", str(out))  # fmt: skip
+    assert code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["results.csv", "results.json"]
+    assert "pip install matplotlib" in stdout and "profuse[plot]" in stdout
+    with pytest.raises(UsageError, match="pip install"):
+        plots.write_plots(json.loads((out / "results.json").read_text()), out)
+
+
+def test_elements_give_each_cols_its_own_rows(tmp_path):
+    code, _, stderr = run_cli(
+        "sweep", "--elements", "6K,12K", "--cols", "96,200", "--trials", "3", "--variants", "eager",
+        "--device", "cpu", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert code == 0, stderr
+    data = json.loads((tmp_path / "results.json").read_text())
+    sizes = [(r["config"]["rows"], r["config"]["cols"]) for r in data["runs"]]
+    # rows = elements // cols, per cols value: 6144 // 96 = 64, 12288 // 96 = 128, ...
+    assert sizes == [(64, 96), (128, 96), (30, 200), (61, 200)]
+    assert data["config"]["elements"] == [6144, 12288]
+
+
+@pytest.mark.parametrize("value", ["0", "-4M", "4X", ","])
+def test_bad_elements_are_one_line_errors(value):
+    code, _, stderr = run_cli("sweep", "--elements", value)
+    assert code == 2
+    assert len(stderr.strip().splitlines()) == 1 and "--elements" in stderr
+
+
+def test_sweep_where_nothing_fits_writes_nothing(tmp_path):
+    out = tmp_path / "none"
+    code, _, stderr = run_cli("sweep", "--rows", str(HUGE_ROWS), "--cols", "96", "--trials", "2",
+                              "--variants", "eager", "--device", "cpu", "--out", str(out))  # fmt: skip
+    assert code == 2 and "no size fitted" in stderr
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------------------------
+# profuse sweep: interrupted or failing runs leave whole files or none
+# --------------------------------------------------------------------------------------------
+
+
+def test_interrupted_sweep_keeps_only_the_sizes_done_in_a_partial_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "Progress", InterruptAtSecondSize)
+    out = tmp_path / "killed"
+    code, _, stderr = run_cli("sweep", *TINY_SWEEP, "--out", str(out))
+    assert code == 130 and "interrupted" in stderr
+    assert sorted(p.name for p in out.iterdir()) == ["results.partial.json"]
+    data = json.loads((out / "results.partial.json").read_text())
+    assert data["partial"] is True and len(data["runs"]) == 1
+    code, report, _ = run_cli("report", str(out / "results.partial.json"))
+    assert code == 0 and "partial sweep: it stopped after 1 sizes" in report
+
+
+def test_interrupted_sweep_says_what_it_kept_and_how_to_go_on(tmp_path, monkeypatch):
+    """Ctrl-C names the partial file, the command that reads it, and a command that times the
+    sizes left (which the sweep's parser reads back as exactly those sizes)."""
+    monkeypatch.setattr(cli, "Progress", InterruptAtSecondSize)
+    out = tmp_path / "killed run"  # a space: the command must quote it
+    argv = ["--rows", "64,128,160", "--cols", "96", "--trials", "3", "--variants", "eager", "--seed", "7"]
+    code, stdout, stderr = run_cli("sweep", *argv, "--device", "cpu", "--out", str(out))
+    assert code == 130
+    partial = out / "results.partial.json"
+    lines = stderr.strip().splitlines()
+    assert lines[0].startswith("profuse: interrupted") and f"(1 of 3) are saved in {partial}" in lines[0]
+    assert f"profuse report {partial}" in stderr
+    [rest] = [line.split("2 sizes left: ", 1)[1] for line in lines if "sizes left: " in line]
+    args = cli.build_sweep_parser().parse_args(shlex.split(rest)[2:])
+    assert (args.rows, args.cols, args.trials, args.variants, args.seed) == ([128, 160], [96], 3, "eager", 7)
+    assert args.out not in (out, tmp_path) and args.out.parent == out  # the partial file stays as it is
+    assert stdout == ""
+
+
+def test_sizes_left_of_a_grid_are_given_as_elements():
+    parser = cli.build_sweep_parser()
+    args = parser.parse_args("--cols 64,96 --elements 6144,12288 --trials 3 --variants eager".split())
+    cfg = S.SweepConfig(rows=args.rows, cols=args.cols, elements=args.elements, trials=3, variants=("eager",))
+    sizes = cfg.sizes()  # 96x64, 192x64, 64x96, 128x96: cols by cols
+    for n_done in range(1, len(sizes)):
+        commands = cli.sizes_left_commands(args, cfg, set(sizes[:n_done]))
+        covered = []
+        for command in commands:
+            again = parser.parse_args(shlex.split(command)[2:])
+            assert again.elements and again.trials == 3 and again.variants == "eager"
+            covered += S.SweepConfig(rows=again.rows, cols=again.cols, elements=again.elements).sizes()
+        assert sorted(covered) == sorted(sizes[n_done:])
+        assert len({parser.parse_args(shlex.split(c)[2:]).out for c in commands}) == len(commands)
+
+
+def test_a_sweep_that_crashes_later_says_what_it_kept(tmp_path, monkeypatch, capsys):
+    real = S.run_tail_bench
+
+    def crash_at_128(cfg, **kwargs):
+        if cfg.rows == 128:
+            raise RuntimeError("a real bug")
+        return real(cfg, **kwargs)
+
+    monkeypatch.setattr(S, "run_tail_bench", crash_at_128)
+    out = tmp_path / "crashed"
+    with pytest.raises(RuntimeError, match="a real bug"):
+        cli.main(["sweep", *TINY_SWEEP, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert f"saved in {out / 'results.partial.json'}" in err
+    assert len(json.loads((out / "results.partial.json").read_text())["runs"]) == 1
+
+
+def test_a_sweep_into_a_used_folder_says_which_files_it_replaced(tmp_path):
+    argv = [
+        "sweep",
+        "--rows",
+        "64",
+        "--cols",
+        "96",
+        "--trials",
+        "2",
+        "--variants",
+        "eager",
+        "--device",
+        "cpu",
+    ]
+    code, first, _ = run_cli(*argv, "--out", str(tmp_path))
+    assert code == 0 and "replaced" not in first
+    code, second, _ = run_cli(*argv, "--out", str(tmp_path))
+    assert code == 0
+    wrote = [line for line in second.splitlines() if line.startswith("wrote ")]
+    assert wrote and all("(replaced the " in line and "of an earlier run" in line for line in wrote)
+
+
+def test_finished_sweep_leaves_no_partial_file(saved):
+    out, _ = saved["a"]
+    assert not (out / "results.partial.json").exists()
+
+
+def test_interrupted_sweep_keeps_the_previous_files(tmp_path, monkeypatch, saved):
+    src, _ = saved["a"]
+    out = tmp_path / "again"
+    out.mkdir()
+    before = {n: (src / n).read_bytes() for n in ("results.json", "results.csv")}
+    for name, blob in before.items():
+        (out / name).write_bytes(blob)
+    monkeypatch.setattr(cli, "Progress", InterruptAtSecondSize)
+    code, _, _ = run_cli("sweep", *TINY_SWEEP, "--out", str(out))
+    assert code == 130
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != "results.partial.json"} == before
+
+
+# --------------------------------------------------------------------------------------------
+# profuse report and profuse diff
+# --------------------------------------------------------------------------------------------
+
+
+def test_report_prints_a_saved_sweep(saved):
+    out, stdout = saved["a"]
+    code, text, _ = run_cli("report", str(out / "results.json"))
+    assert code == 0
+    table = lambda s: s.split("\n\nwrote")[0].strip()
+    assert text.strip() == table(stdout)
+
+
+def test_report_markdown(saved):
+    out, _ = saved["a"]
+    code, text, _ = run_cli("report", str(out / "results.json"), "--markdown")
+    assert code == 0
+    lines = text.splitlines()
+    assert lines[0].startswith("**Sweep: fused tail forward")
+    header = next(i for i, line in enumerate(lines) if line.startswith("| size |"))
+    assert set(lines[header + 1]) <= set("|-: ")
+    assert sum(line.startswith("| 64 x 96 |") or line.startswith("| 128 x 96 |") for line in lines) == 4
+
+
+def test_report_prints_a_single_run(tmp_path):
+    from profuse.bench.tail import TailBenchConfig, run_tail_bench
+    from profuse.files import write_json
+
+    cfg = TailBenchConfig(rows=16, cols=40, trials=2, warmup=0, variants=("eager", "rms_norm"))
+    res = run_tail_bench(cfg)
+    path = write_json(tmp_path / "results.json", res.to_dict())
+    code, text, _ = run_cli("report", str(path))
+    assert code == 0
+    assert "Part B: fused tail forward, 16 x 40 float32 on cpu, 2 trials" in text
+    assert "eager F.rms_norm" in text
+
+
+@pytest.fixture(scope="module")
+def every_kind(tmp_path_factory, saved):
+    """A results file of each kind profuse writes, made through the CLI: a single run with a
+    variant skipped (liger-kernel: not installed, or no GPU), a sweep, a sweep with a size that
+    did not fit, and the partial file of a sweep stopped after its first size."""
+    root = tmp_path_factory.mktemp("kinds")
+    single = root / "single"
+    code, _, err = run_cli(
+        "--skip-profile", "--rows", "16", "--cols", "40", "--trials", "3",
+        "--variants", "eager,rms_norm,liger", "--device", "cpu", "--out", str(single),
+    )  # fmt: skip
+    assert code == 0, err
+    skipped = root / "skipped"
+    code, _, err = run_cli(
+        "sweep", "--rows", f"64,{HUGE_ROWS}", "--cols", "96", "--trials", "3",
+        "--variants", "eager,rms_norm", "--device", "cpu", "--out", str(skipped),
+    )  # fmt: skip
+    assert code == 0, err
+    partial = root / "partial"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(cli, "Progress", InterruptAtSecondSize)
+        code, _, _ = run_cli("sweep", *TINY_SWEEP, "--out", str(partial))
+    assert code == 130
+    return {
+        "single run, a variant skipped": single / "results.json",
+        "sweep": saved["a"][0] / "results.json",
+        "sweep, a size skipped": skipped / "results.json",
+        "partial sweep": partial / "results.partial.json",
+    }
+
+
+KINDS = ["single run, a variant skipped", "sweep", "sweep, a size skipped", "partial sweep"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_of_results_file_reads_back_in_report(every_kind, kind):
+    path = every_kind[kind]
+    data = json.loads(path.read_text())
+    if kind.startswith("single"):  # what the file holds: a dict of skipped variants
+        assert data["kind"] == "tail" and "liger" in data["skipped"]
+    code, text, err = run_cli("report", str(path))
+    assert code == 0, err
+    assert err == ""
+    rows = [line for line in text.splitlines() if "eager F.rms_norm" in line and "GB/s" in line]
+    speedup = re.compile(r"\d\.\d\dx( slower)? \(\d|no measurable gain \(")  # a ratio with its CI
+    assert rows and all(speedup.search(line) for line in rows), text
+    if kind.startswith("single"):
+        assert any(line.startswith("liger") and ": skipped (" in line for line in text.splitlines()), text
+    if kind == "sweep, a size skipped":
+        assert f"{HUGE_ROWS} x 96: skipped" in text
+    if kind == "partial sweep":
+        assert "partial sweep" in text
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_of_results_file_diffs_against_itself(every_kind, kind):
+    """A run compared with itself: every size and variant it timed is in the table, and none
+    shows a measurable difference (each point ratio is 1)."""
+    path = str(every_kind[kind])
+    run = R.parse(json.loads(every_kind[kind].read_text()))
+    timed = [r for r in run.variant_rows if r.median_s is not None]
+    code, text, err = run_cli("diff", path, path)
+    assert code == 0, err
+    rows = [line for line in text.splitlines() if " 1.00x (" in line]
+    assert len(rows) == len(timed) > 0, text
+    assert all("no measurable difference" in line for line in rows)
+
+
+def test_a_single_run_and_a_sweep_diff_where_their_sizes_meet(every_kind):
+    single, sweep = every_kind["single run, a variant skipped"], every_kind["sweep"]
+    code, text, err = run_cli("diff", str(single), str(sweep))
+    assert code == 0, err
+    assert "only in A: 16 x 40" in text and "only in B: 64 x 96" in text
+
+
+def test_diff_compares_two_saved_sweeps(saved):
+    a, b = saved["a"][0] / "results.json", saved["b"][0] / "results.json"
+    code, text, _ = run_cli("diff", str(a), str(b))
+    assert code == 0
+    assert f"A: {a}" in text and f"B: {b}" in text
+    assert "64 x 96" in text and "128 x 96" in text
+    rows = [line for line in text.splitlines() if "eager" in line and "x (" in line]
+    assert len(rows) == 4  # two sizes x two variants, each with a ratio and its CI
+    assert all(any(v in line for v in ("B faster", "B slower", "no measurable difference")) for line in rows)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "no such file"),
+        ('{"kind": "sweep", "runs": [', "not valid JSON"),
+        ('{"kind": "profile"}', "not a profuse results file"),
+        ("[1, 2]", "not a profuse results file"),
+        ('{"kind": "sweep", "config": {}}', "malformed"),
+    ],
+)
+def test_bad_results_files_are_one_line_errors(tmp_path, saved, content, message):
+    path = tmp_path / "results.json"
+    if content is not None:
+        path.write_text(content)
+    for argv in (["report", str(path)], ["diff", str(saved["a"][0] / "results.json"), str(path)]):
+        code, out, err = run_cli(*argv)
+        assert code == 2 and out == ""
+        assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_report_vs_an_untimed_variant_is_a_one_line_error(saved):
+    out, _ = saved["a"]
+    code, _, stderr = run_cli("report", str(out / "results.json"), "--vs", "triton")
+    assert code == 2 and len(stderr.strip().splitlines()) == 1 and "triton" in stderr
+
+
+def test_report_variants_shows_only_those_rows(saved):
+    path = str(saved["a"][0] / "results.json")
+    rows = lambda text: [ln for ln in text.splitlines() if ln.startswith(("| 64 x 96 |", "| 128 x 96 |"))]
+    code, full, _ = run_cli("report", path, "--markdown")
+    assert code == 0 and len(rows(full)) == 4
+    code, text, _ = run_cli("report", path, "--markdown", "--variants", "rms_norm")
+    assert code == 0 and len(rows(text)) == 2
+    assert all("| eager F.rms_norm |" in ln for ln in rows(text))
+    assert "speedup vs eager" in text  # still over the baseline, whose row is left out
+
+
+@pytest.mark.parametrize("value, message", [("rms_norm,nope", "'nope'"), (",", "--variants")])
+def test_report_variants_unknown_key_is_a_one_line_error(saved, value, message):
+    code, out, err = run_cli("report", str(saved["a"][0] / "results.json"), "--variants", value)
+    assert code == 2 and out == ""
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+@needs_matplotlib
+def test_report_vs_plots_writes_both_pngs_over_the_new_baseline(saved, tmp_path):
+    src = saved["a"][0]
+    results, same, rebased = str(src / "results.json"), tmp_path / "same", tmp_path / "vs"
+    code, _, _ = run_cli("report", results, "--plots", str(same))
+    assert code == 0
+    # Drawn again from the file, the sweep's own plots come out byte for byte...
+    assert (same / plots.SPEEDUP_PNG).read_bytes() == (src / plots.SPEEDUP_PNG).read_bytes()
+    code, stdout, _ = run_cli("report", results, "--vs", "rms_norm", "--plots", str(rebased))
+    assert code == 0
+    for name in (plots.SPEEDUP_PNG, plots.BANDWIDTH_PNG):
+        blob = (rebased / name).read_bytes()
+        assert blob.startswith(PNG_SIGNATURE) and len(blob) > MIN_DRAWN_PNG_BYTES
+        assert f"wrote {rebased / name}" in stdout
+    # ... so a different speedup.png is the rebased data, speedups over rms_norm.
+    assert (rebased / plots.SPEEDUP_PNG).read_bytes() != (src / plots.SPEEDUP_PNG).read_bytes()
+    assert part_files(tmp_path) == []
+
+
+def test_report_plots_without_matplotlib_is_a_one_line_error(saved, tmp_path, monkeypatch):
+    monkeypatch.setattr(plots, "HAS_MATPLOTLIB", False)
+    code, out, err = run_cli("report", str(saved["a"][0] / "results.json"), "--plots", str(tmp_path / "p"))
+    assert code == 2 and out == ""
+    assert "pip install matplotlib" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "p").exists()
+
+
+def test_sweep_and_diff_show_the_warnings_too(saved):
+    """The sweep's own table, report and diff all carry the few-trials caveat of a 3-trial run."""
+    out, stdout = saved["a"]
+    assert "WARNING only 3 trials" in stdout
+    path = str(out / "results.json")
+    code, text, _ = run_cli("diff", path, path)
+    assert code == 0
+    assert "A: WARNING only 3 trials" in text and "B: WARNING only 3 trials" in text

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import profuse
-from profuse.cli import build_profile_parser, main
+from profuse.cli import main
 from profuse.distributed import (
     COMM,
     FAIL_RANK_ENV,
@@ -32,7 +32,6 @@ from profuse.distributed import (
     is_comm,
     rendezvous_port,
     root_failure,
-    worker_argv,
 )
 
 # Two layers of d_model 64, vocabulary 256: a step is milliseconds, a trace a few hundred kB.
@@ -299,13 +298,6 @@ def test_compile_step_with_nproc_is_refused(no_rank_env, capsys, tmp_path):
         capsys, ["profile", "--nproc", "2", "--device", "cpu", "--compile-step", "--out", str(tmp_path)]
     )
     assert "--compile-step" in line
-
-
-def test_ranks_get_the_users_flags_with_device_and_out_resolved(tmp_path):
-    args = build_profile_parser().parse_args(["--nproc", "3", "--layers", "3", "--seed", "7", "--out", "x"])
-    argv = worker_argv(args, torch.device("cpu"), tmp_path)
-    assert argv == ["--seed", "7", "--layers", "3", "--device", "cpu", "--out", str(tmp_path), "--nproc", "3"]
-    assert build_profile_parser().parse_args(argv).layers == 3
 
 
 def test_nvlink_multicast_stays_off_in_every_rank():

@@ -25,6 +25,7 @@ import shutil
 
 import pytest
 import torch
+from cases import DTYPES, EPS, GRAD_SHAPES, GRADS, tail_inputs
 
 from profuse import tail as T
 from profuse.kernels import HAS_TRITON
@@ -36,20 +37,7 @@ from profuse.kernels import configs as C  # noqa: E402
 from profuse.kernels import tail as K  # noqa: E402
 from profuse.kernels.configs import KernelConfig  # noqa: E402
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-SHAPES = [(1, 131), (5, 760), (2, 3, 97), (7, 33)]
 SLACK = {torch.bfloat16: 1.5, torch.float16: 1.5, torch.float32: 3.0}
-GRADS = ("gate", "up", "residual", "weight")
-EPS = 1e-6
-
-
-def make_inputs(shape, dtype, device, seed=0):
-    """gate, up, residual, dy ~ N(0, 1), weight ~ 1 + N(0, 0.1^2): fresh values, never zeros."""
-    gen = torch.Generator().manual_seed(seed)
-    g, u, r = (torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
-    w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(device=device, dtype=dtype)
-    dy = torch.randn(shape, generator=gen).to(device=device, dtype=dtype)
-    return (g, u, r, w), dy
 
 
 def grads_of(fn, xs, dy, requires=(True, True, True, True), dtype=None):
@@ -79,9 +67,9 @@ def reference_rstd(g, u, r):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("shape", GRAD_SHAPES, ids=str)
 def test_every_gradient_matches_float64_and_eager(shape, dtype, device, poisoned):
-    xs, dy = make_inputs(shape, dtype, device)
+    xs, dy = tail_inputs(shape, dtype, device, dy=True)
     ref = reference_grads(xs, dy)
     tri = grads_of(T.tail_triton, xs, dy)
     eager = grads_of(T.tail_eager, xs, dy)
@@ -98,7 +86,7 @@ def test_every_gradient_matches_float64_and_eager(shape, dtype, device, poisoned
 
 def test_gradient_through_a_sum_broadcast_dy(device):
     """y.sum().backward() hands the kernel a stride-0 dy: it must still read every row right."""
-    xs, _ = make_inputs((4, 50), torch.float32, device, seed=1)
+    xs, _ = tail_inputs((4, 50), torch.float32, device, seed=1, dy=True)
     ones = torch.ones(4, 50, dtype=torch.float32, device=device)
     leaves = [x.clone().requires_grad_() for x in xs]
     T.tail_triton(*leaves, EPS).sum().backward()
@@ -145,7 +133,7 @@ PARTIAL = {
 @pytest.mark.parametrize("case", PARTIAL)
 def test_partial_requires_grad(case, dtype, device, poisoned):
     requires = PARTIAL[case]
-    xs, dy = make_inputs((5, 97), dtype, device, seed=3)
+    xs, dy = tail_inputs((5, 97), dtype, device, seed=3, dy=True)
     ref = reference_grads(xs, dy)
     tri = grads_of(T.tail_triton, xs, dy, requires)
     for name, req, got, want in zip(GRADS, requires, tri[1:], ref[1:], strict=True):
@@ -157,7 +145,7 @@ def test_partial_requires_grad(case, dtype, device, poisoned):
 
 
 def test_no_input_requires_grad_gives_plain_tensor(device):
-    xs, _ = make_inputs((3, 20), torch.float32, device, seed=4)
+    xs, _ = tail_inputs((3, 20), torch.float32, device, seed=4, dy=True)
     y = T.tail_triton(*xs, EPS)
     assert not y.requires_grad and y.grad_fn is None
 
@@ -174,7 +162,7 @@ SKIP_CONFIGS = {
 def test_tail_backward_skips_what_is_not_needed(kernel, device, poisoned):
     """The launcher itself returns None (allocates nothing) for gradients not asked for, and the
     ones it returns are complete (every element written over the NaN poison)."""
-    xs, dy = make_inputs((5, 40), torch.float32, device, seed=5)
+    xs, dy = tail_inputs((5, 40), torch.float32, device, seed=5, dy=True)
     g, u, r, w = xs
     _, rstd = K.tail_forward(g, u, r, w, EPS)
     cfg = SKIP_CONFIGS[kernel]
@@ -210,7 +198,7 @@ CONFIG_CASES = {
 
 @pytest.mark.parametrize("case", CONFIG_CASES)
 def test_backward_is_bitwise_deterministic(case, device):
-    xs, dy = make_inputs((7, 37), torch.bfloat16, device, seed=6)
+    xs, dy = tail_inputs((7, 37), torch.bfloat16, device, seed=6, dy=True)
     g, u, r, w = xs
     _, rstd = K.tail_forward(g, u, r, w, EPS)
     runs = [
@@ -260,7 +248,7 @@ FORWARD_CONFIGS = {
 @pytest.mark.parametrize("case", FORWARD_CONFIGS)
 def test_forward_paths_with_explicit_configs(case, dtype, device, poisoned):
     rows, n, cfg = FORWARD_CONFIGS[case]
-    (g, u, r, w), _ = make_inputs((rows, n), dtype, device, seed=7)
+    (g, u, r, w), _ = tail_inputs((rows, n), dtype, device, seed=7, dy=True)
     y, rstd = K.tail_forward(g, u, r, w, EPS, config=cfg)
     ref = T.tail_reference(g, u, r, w, EPS)
     assert y.shape == g.shape and y.dtype == dtype
@@ -319,7 +307,7 @@ BACKWARD_CONFIGS = {
 @pytest.mark.parametrize("case", BACKWARD_CONFIGS)
 def test_backward_paths_with_explicit_configs(case, dtype, device, poisoned):
     rows, n, cfg = BACKWARD_CONFIGS[case]
-    xs, dy = make_inputs((rows, n), dtype, device, seed=8)
+    xs, dy = tail_inputs((rows, n), dtype, device, seed=8, dy=True)
     g, u, r, w = xs
     _, rstd = K.tail_forward(g, u, r, w, EPS)
     ref = reference_grads(xs, dy)[1:]
@@ -357,7 +345,7 @@ def _candidate_ids(kind):
 
 @pytest.mark.parametrize("shape, cfg", _candidate_ids("fwd"))
 def test_every_forward_candidate_is_right(shape, cfg, device, poisoned):
-    (g, u, r, w), _ = make_inputs(shape, torch.bfloat16, device, seed=11)
+    (g, u, r, w), _ = tail_inputs(shape, torch.bfloat16, device, seed=11, dy=True)
     y, rstd = K.tail_forward(g, u, r, w, EPS, config=cfg)
     assert torch.isfinite(y).all(), "an output element was never written"
     assert T.relative_error(y, T.tail_reference(g, u, r, w, EPS)) <= T.FORWARD_TOL[torch.bfloat16]
@@ -366,7 +354,7 @@ def test_every_forward_candidate_is_right(shape, cfg, device, poisoned):
 
 @pytest.mark.parametrize("shape, cfg", _candidate_ids("bwd"))
 def test_every_backward_candidate_is_right(shape, cfg, device, poisoned):
-    xs, dy = make_inputs(shape, torch.bfloat16, device, seed=12)
+    xs, dy = tail_inputs(shape, torch.bfloat16, device, seed=12, dy=True)
     g, u, r, w = xs
     _, rstd = K.tail_forward(g, u, r, w, EPS)
     ref = reference_grads(xs, dy)[1:]
@@ -384,7 +372,7 @@ def test_fp16_forward_never_keeps_h_in_y(device):
         assert fp16 and not any(c.stash_h or c.kernel == "pipelined" for c in fp16)
         bf16 = C.forward_candidates(rows, n, torch.bfloat16, 132)
         assert any(c.stash_h for c in bf16) and any(c.kernel == "pipelined" for c in bf16)
-    (g, u, r, w), _ = make_inputs((3, 40), torch.float16, device, seed=13)
+    (g, u, r, w), _ = tail_inputs((3, 40), torch.float16, device, seed=13, dy=True)
     g[:, ::7], u[:, ::7] = 300.0, 300.0  # h = silu(300) * 300 + r ~ 90000 > fp16 max
     y, _ = K.tail_forward(g, u, r, w, EPS, config=KernelConfig("chunked", 1, 16, num_warps=4, programs=2))
     assert torch.isfinite(y).all()
@@ -434,7 +422,7 @@ def _loss_fn(g, u, r, w, dy):
 
 
 def _compiled_grads_match(compiled, device):
-    xs, dy = make_inputs((2, 3, 45), torch.float32, device, seed=9)
+    xs, dy = tail_inputs((2, 3, 45), torch.float32, device, seed=9, dy=True)
     leaves = [x.clone().requires_grad_() for x in xs]
     loss = compiled(*leaves, dy)
     loss.backward()

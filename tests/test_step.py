@@ -14,11 +14,11 @@ import math
 
 import pytest
 import torch
+from cases import assert_one_clear_line, run
 from torch import nn
 
 from profuse import blockops, fusion
 from profuse import step as S
-from profuse.cli import main
 from profuse.errors import UsageError
 from profuse.model import GPT, AddRMSNorm, GPTConfig, SwiGLU, random_batch
 from profuse.report.step import format_step, load_step
@@ -28,15 +28,6 @@ TINY = GPTConfig(n_layer=2, d_model=64, n_head=2, vocab_size=128, seq_len=16, ba
 # A width that is not a power of two, and a hidden size that is not a multiple of 64.
 ODD = GPTConfig(n_layer=2, d_model=48, n_head=2, vocab_size=96, seq_len=8, batch_size=3, ffn_hidden=100)
 CPU = torch.device("cpu")
-
-
-def run(argv, capsys):
-    try:
-        code = main(argv)
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def loss_and_grads(model, cfg, seed=1):
@@ -388,12 +379,6 @@ def test_step_command_eager_and_compile(tmp_path, capsys, monkeypatch):
     assert data["check"] is None and data["amdahl"] is None and data["profiles"] == {}
     assert set(data["skipped"]) == {"fused", "compile+fused"}
     assert data["config"]["model"]["d_model"] == 32 and data["tokens_per_step"] == 16
-
-
-def assert_one_clear_line(code, err):
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and "error" in lines[0] and "Traceback" not in err
 
 
 @pytest.mark.parametrize(

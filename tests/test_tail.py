@@ -30,6 +30,7 @@ import math
 
 import pytest
 import torch
+from cases import DTYPES, EPS, SHAPES, tail_inputs
 
 import profuse
 from profuse import tail as T
@@ -37,20 +38,7 @@ from profuse.kernels import HAS_TRITON
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32]
-# One row with a prime N; several rows with N not a power of two (5 rows: the last row tile is
-# partial); 3-D input with a prime N; N = 1 (a one-element block).
-SHAPES = [(1, 131), (5, 760), (2, 3, 97), (3, 1)]
 SLACK = {torch.bfloat16: 1.5, torch.float16: 1.5, torch.float32: 3.0}
-EPS = 1e-6
-
-
-def make_inputs(shape, dtype, device, seed=0):
-    """gate, up, residual ~ N(0, 1), weight ~ 1 + N(0, 0.1^2): fresh random values, never zeros."""
-    gen = torch.Generator().manual_seed(seed)
-    g, u, r = (torch.randn(shape, generator=gen).to(device=device, dtype=dtype) for _ in range(3))
-    w = (1 + 0.1 * torch.randn(shape[-1], generator=gen)).to(device=device, dtype=dtype)
-    return g, u, r, w
 
 
 def assert_elementwise(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
@@ -88,7 +76,7 @@ FAST_VARIANTS = {"rms_norm": T.tail_rms_norm, "triton": T.tail_triton}
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_eager_within_tolerance(shape, dtype, device):
-    g, u, r, w = make_inputs(shape, dtype, device)
+    g, u, r, w = tail_inputs(shape, dtype, device)
     y = T.tail_eager(g, u, r, w, EPS)
     assert y.shape == g.shape and y.dtype == dtype
     err = T.relative_error(y, T.tail_reference(g, u, r, w, EPS))
@@ -101,7 +89,7 @@ def test_eager_within_tolerance(shape, dtype, device):
 def test_variant_matches_float64_and_eager(variant, shape, dtype, device):
     if variant == "triton" and not HAS_TRITON:
         pytest.skip("triton is not installed")
-    g, u, r, w = make_inputs(shape, dtype, device, seed=1)
+    g, u, r, w = tail_inputs(shape, dtype, device, seed=1)
     ref = T.tail_reference(g, u, r, w, EPS)
     y = FAST_VARIANTS[variant](g, u, r, w, EPS)
     assert y.shape == g.shape and y.dtype == dtype
@@ -117,7 +105,7 @@ def test_variant_matches_float64_and_eager(variant, shape, dtype, device):
     ("shape", "dtype"), [((2, 3, 97), torch.float32), ((1, 131), torch.bfloat16)], ids=str
 )
 def test_compiled_matches_float64_and_eager(shape, dtype, device):
-    g, u, r, w = make_inputs(shape, dtype, device, seed=2)
+    g, u, r, w = tail_inputs(shape, dtype, device, seed=2)
     ref = T.tail_reference(g, u, r, w, EPS)
     y = T.tail_compiled(g, u, r, w, EPS)
     assert y.shape == g.shape and y.dtype == dtype
@@ -132,7 +120,7 @@ def test_compiled_matches_float64_and_eager(shape, dtype, device):
 @pytest.mark.parametrize("shape", SHAPES + [(37, 33)], ids=str)
 def test_triton_every_element_written_and_right(shape, dtype, device, poisoned):
     """Outputs allocated full of NaN: every element must be written, and written right."""
-    g, u, r, w = make_inputs(shape, dtype, device, seed=3)
+    g, u, r, w = tail_inputs(shape, dtype, device, seed=3)
     y = T.tail_triton(g, u, r, w, EPS)
     assert_elementwise(y, T.tail_reference(g, u, r, w, EPS), dtype)
 
@@ -140,7 +128,7 @@ def test_triton_every_element_written_and_right(shape, dtype, device, poisoned):
 @needs_triton
 def test_eps_is_used(device):
     """A large eps changes the answer exactly as the reference says (the kernel does not drop it)."""
-    g, u, r, w = make_inputs((3, 50), torch.float32, device, seed=4)
+    g, u, r, w = tail_inputs((3, 50), torch.float32, device, seed=4)
     scale = 0.01  # small h, so eps = 1e-2 dominates mean(h^2)
     g, u, r = g * scale, u * scale, r * scale
     y_small, y_big = T.tail_triton(g, u, r, w, 1e-6), T.tail_triton(g, u, r, w, 1e-2)
@@ -188,7 +176,7 @@ def test_triton_strided_inputs(dtype, device, poisoned):
 
 @needs_triton
 def test_triton_does_not_touch_its_inputs(device):
-    g, u, r, w = make_inputs((4, 97), torch.float32, device, seed=6)
+    g, u, r, w = tail_inputs((4, 97), torch.float32, device, seed=6)
     before = [t.clone() for t in (g, u, r, w)]
     T.tail_triton(g, u, r, w, EPS)
     for t, b in zip((g, u, r, w), before, strict=True):
@@ -246,14 +234,14 @@ def test_bad_input_raises_value_error_naming_the_argument(case, device):
 
 
 def test_check_tail_args_accepts_good_input(device):
-    T.check_tail_args(*make_inputs((2, 3, 5), torch.bfloat16, device))
+    T.check_tail_args(*tail_inputs((2, 3, 5), torch.bfloat16, device))
 
 
 @needs_triton
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-without-interpreter error")
 def test_cpu_tensors_without_interpreter_give_clear_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    g, u, r, w = make_inputs((2, 16), torch.float32, "cpu")
+    g, u, r, w = tail_inputs((2, 16), torch.float32, "cpu")
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
         T.tail_triton(g, u, r, w, EPS)
 
@@ -283,7 +271,7 @@ def test_fused_tail_module_matches_functional(impl, device):
     mod = T.FusedTail(n, eps=EPS, impl=impl, device=device)
     with torch.no_grad():
         mod.weight.copy_(1 + 0.1 * torch.randn(n, generator=torch.Generator().manual_seed(7)))
-    g, u, r, _ = make_inputs((2, 3, n), torch.float32, device, seed=8)
+    g, u, r, _ = tail_inputs((2, 3, n), torch.float32, device, seed=8)
     y = mod(g, u, r)
     ref = T.tail_reference(g, u, r, mod.weight.detach(), EPS)
     assert y.shape == g.shape
@@ -299,7 +287,7 @@ def test_fused_tail_weight_is_learnable(device):
     assert list(params) == ["weight"] and params["weight"].requires_grad
     assert "weight" in mod.state_dict()
     assert f"dim={n}" in repr(mod)
-    g, u, r, _ = make_inputs((6, n), torch.float32, device, seed=9)
+    g, u, r, _ = tail_inputs((6, n), torch.float32, device, seed=9)
     target = torch.randn(6, n, generator=torch.Generator().manual_seed(10)).to(device)
 
     def loss_fn():

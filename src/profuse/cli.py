@@ -456,7 +456,7 @@ def cmd_main(argv: list[str]) -> int:
 
 def cmd_profile(argv: list[str]) -> int:
     args = build_profile_parser().parse_args(argv)
-    from profuse.distributed import launch_profile, started_by_launcher
+    from profuse.distributed import started_by_launcher
     from profuse.env import resolve_device
 
     if started_by_launcher():
@@ -468,9 +468,54 @@ def cmd_profile(argv: list[str]) -> int:
     # --nproc N launches N ranks; a process that torchrun started is one of them already
     # (torchrun would read a --nproc after the module name as its own flag, so none is given).
     if args.nproc is not None or started_by_launcher():
-        return launch_profile(args)
+        return run_part_a_ddp(args)
     run_part_a(args, resolve_device(args.device))
     return 0
+
+
+def run_part_a_ddp(args) -> int:
+    """`profuse profile --nproc N`: run as a rank when torch's launcher started us, else launch N."""
+    from profuse import distributed as D
+    from profuse.env import resolve_device
+    from profuse.report.distributed import format_ddp_profile, format_rank_failure
+
+    if D.started_by_launcher():
+        make_config = lambda device: _profile_config(args, device)
+        job = D.run_worker(make_config, args.device, args.nproc, args.compile_step)
+        if job is not None:  # rank 0 under torchrun; under profuse's launcher the launcher shows it
+            print(format_ddp_profile(job, summary_path=str(Path(args.out) / D.SUMMARY_NAME)))
+        D.end_rank()
+    if args.compile_step:
+        raise UsageError("--compile-step is not supported with --nproc: profile it on one process")
+    device = resolve_device(args.device)
+    out = Path(args.out).resolve()
+    try:
+        job = D.launch(worker_argv(args, device, out), args.nproc, device, out)
+    except D.LaunchFailed as err:
+        f = err.failure
+        why = (
+            str(err)
+            if f is None
+            else format_rank_failure(f.rank, f.world_size, f.exitcode, f.error, f.log, f.log_empty)
+        )
+        print(f"profuse: error: {why}", file=sys.stderr)
+        return 1
+    print(format_ddp_profile(job, summary_path=str(out / D.SUMMARY_NAME)))
+    return 0
+
+
+def worker_argv(args, device, out: Path) -> list[str]:
+    """The flags each rank gets: the user's, with the device resolved and --out made absolute."""
+    argv: list[str] = []
+    for action in build_profile_parser()._actions:
+        if not action.option_strings or action.dest in ("help", "device", "out", "nproc"):
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value is None or value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        argv += [flag] if action.nargs == 0 else [flag, str(value)]
+    return [*argv, "--device", device.type, "--out", str(out), "--nproc", str(args.nproc)]
 
 
 SWEEP_ROWS = [1024, 8192, 32768]  # the lab's first exercise: --rows 1024,8192,32768 --cols 4096
@@ -646,7 +691,8 @@ def cmd_report(argv: list[str]) -> int:
             raise UsageError(f"{args.results} is a Part C step file: it prints as it is, without options")
         print(format_step(step))
         return 0
-    from profuse.report.sweep import format_run, parse, read_json, rebase, select_variants
+    from profuse.bench.stats import rebase
+    from profuse.report.sweep import format_run, parse, read_json, select_variants
 
     if args.plots is not None:
         from profuse.files import check_folder
@@ -680,7 +726,7 @@ def cmd_report(argv: list[str]) -> int:
 
 def _print_part_a(data, args) -> bool:
     """Print a saved Part A summary (profile.json, profile_ddp.json); False for anything else."""
-    from profuse.report.profile import format_saved_profile, part_a_file
+    from profuse.report.profile import DDP_SUMMARY, format_saved_profile, part_a_file
 
     name = part_a_file(data)
     if name is None:
@@ -689,7 +735,12 @@ def _print_part_a(data, args) -> bool:
     given = ", ".join(flag for flag, value in flags.items() if value)
     if given:
         raise UsageError(f"{args.results} is Part A's summary ({name}): {given} apply to Part B's results")
-    print(format_saved_profile(data, str(args.results)))
+    if name == DDP_SUMMARY:
+        from profuse.report.distributed import format_saved_ddp_profile
+
+        print(format_saved_ddp_profile(data, str(args.results)))
+    else:
+        print(format_saved_profile(data, str(args.results)))
     return True
 
 

@@ -1,10 +1,10 @@
 """Part A on N processes: the GPT under DistributedDataParallel, profiled on every rank.
 
-    profuse profile --nproc N [flags]                  the launcher below starts N ranks
+    profuse profile --nproc N [flags]                  the launcher below (`launch`) starts N ranks
     torchrun --nproc-per-node N -m profuse profile     the same ranks, started by torchrun
 
 (torchrun's parser reads a --nproc after the module as its own --nproc-per-node, abbreviated; the
-CLI sends a process that `started_by_launcher` to `launch_profile`, which runs it as a rank.)
+CLI sends a process that `started_by_launcher` to `run_worker`, which runs it as a rank.)
 
 Both go through PyTorch's own launcher, the elastic agent that torchrun runs
 (`torch.distributed.launcher.api.elastic_launch`): it starts each rank as
@@ -14,17 +14,18 @@ them all when one fails. A process that finds those variables runs as a rank (`r
 1. It joins the process group, NCCL on GPUs (one GPU a rank, cuda:LOCAL_RANK) and gloo on the
    CPU, and wraps Part A's model in DistributedDataParallel. Every rank starts from the same
    weights (DDP broadcasts rank 0's) and trains on its own random batch (seed + rank).
-2. It profiles the same steps as Part A (`profiling.run_profile`: warm-up, then torch.profiler)
-   and writes trace_rank{R}.json, whole or not at all.
-3. It reads its trace: the category table of Part A with "communication" added, and the
+2. It profiles the same steps as Part A (`profiling.profile_with_trace`: warm-up, then
+   torch.profiler) and writes trace_rank{R}.json, whole or not at all.
+3. It reads its trace, parsed once: the category table of Part A with "communication" added, and the
    communication on its timeline (`comm_timeline`): how long the all-reduce ran in each step and
    how much of that time compute ran beside it.
 4. Rank 0 gathers every rank's summary (`dist.gather_object`) and writes profile_ddp.json.
 
-The launcher prints the job's summary (report.distributed) from that file; under torchrun rank 0
-prints it. A rank that fails makes the launcher stop the others (within MONITOR_INTERVAL_S) and
-name it in one line, with the path of its log; collectives time out after COLLECTIVE_TIMEOUT_S,
-so a rank that hangs cannot hold the others forever either.
+The launcher (`launch`) returns the job read from that file; under torchrun rank 0's
+`run_worker` returns it; the CLI prints it (report.distributed). A rank that fails makes the
+launcher stop the others (within MONITOR_INTERVAL_S) and raise LaunchFailed naming it, with the
+path of its log; collectives time out after COLLECTIVE_TIMEOUT_S, so a rank that hangs cannot
+hold the others forever either. Nothing here prints.
 
 What the backends put in a trace (torch 2.13, CPU; the NCCL names are PyTorch's and NCCL's):
 - gloo: `c10d::allreduce_` on the thread that runs backward (it queues the work), and
@@ -48,7 +49,7 @@ import statistics
 import sys
 import uuid
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
@@ -60,13 +61,18 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from profuse.errors import UsageError
 from profuse.files import write_json
 from profuse.profiling import (
-    _CPU_CATS,
     BACKWARD,
+    HOST_CATS,
     STEP_PREFIX,
+    Intervals,
     ProfileConfig,
+    Span,
     extend_categories,
+    intersect,
+    profile_with_trace,
     read_spans,
-    run_profile,
+    total_length,
+    union,
 )
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
@@ -85,7 +91,7 @@ LOG_DIR_NAME = "logs"  # under --out; a run's logs are kept only when it fails
 # Set to a rank number, that rank raises in the forward of its first profiled step: the others
 # are then waiting in backward's all-reduce, as they would for a rank that crashed. Tests only.
 FAIL_RANK_ENV = "PROFUSE_TEST_FAIL_RANK"
-# Set by the launcher in its ranks: it prints the summary itself, so rank 0 does not.
+# Set by the launcher in its ranks: it shows the summary itself, so rank 0 does not return it.
 LAUNCHER_ENV = "PROFUSE_DDP_LAUNCHER"
 
 COMM = "communication"
@@ -220,40 +226,8 @@ class DDPProfile:
 # Reading a rank's trace: communication on the timeline
 # --------------------------------------------------------------------------------------------
 
-Intervals = list[tuple[float, float]]  # sorted, disjoint (start, end) in us
 
-
-def _union(intervals: Iterable[tuple[float, float]]) -> Intervals:
-    merged: Intervals = []
-    for start, end in sorted(intervals):
-        if end <= start:
-            continue
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def _intersect(a: Intervals, b: Intervals) -> Intervals:
-    out: Intervals = []
-    i = j = 0
-    while i < len(a) and j < len(b):
-        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if start < end:
-            out.append((start, end))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def _length(intervals: Intervals) -> float:
-    return sum(end - start for start, end in intervals)
-
-
-def _self_intervals(spans: list) -> Intervals:
+def _self_intervals(spans: list[Span]) -> Intervals:
     """Where a host thread ran a compute op itself: each non-collective cpu_op's time minus its children's.
 
     Self time, not the whole span: DDP queues its all-reduce from inside autograd's AccumulateGrad
@@ -274,7 +248,7 @@ def _self_intervals(spans: list) -> Intervals:
             t = max(t, child.end)
         if s.end > t:
             out.append((t, s.end))
-    return _union(out)
+    return union(out)
 
 
 def comm_timeline(trace: dict | list, device: str = "cpu") -> CommTimeline:
@@ -285,11 +259,11 @@ def comm_timeline(trace: dict | list, device: str = "cpu") -> CommTimeline:
     against the self time of every other operator, on any thread.
     """
     spans = read_spans(trace)
-    host = [s for s in spans if s.cat in _CPU_CATS]
+    host = [s for s in spans if s.cat in HOST_CATS]
     steps = sorted((s for s in host if s.name.startswith(STEP_PREFIX)), key=lambda s: s.ts)
     if not steps:
         raise RuntimeError("the trace holds no ProfilerStep span: was prof.step() called?")
-    step_windows = _union((s.ts, s.end) for s in steps)
+    step_windows = union((s.ts, s.end) for s in steps)
 
     def in_steps(t: float) -> bool:
         return any(start <= t <= end for start, end in step_windows)
@@ -297,13 +271,13 @@ def comm_timeline(trace: dict | list, device: str = "cpu") -> CommTimeline:
     if device == "cuda":
         timed = "kernels"
         kernels = [s for s in spans if s.cat == "kernel"]
-        comm = _union((k.ts, k.end) for k in kernels if is_comm(k.name))
-        compute = _union((k.ts, k.end) for k in kernels if not is_comm(k.name))
+        comm = union((k.ts, k.end) for k in kernels if is_comm(k.name))
+        compute = union((k.ts, k.end) for k in kernels if not is_comm(k.name))
         comm_windows = step_windows
         counted = host + kernels
     else:
         timed = "host ranges"
-        comm = _union((s.ts, s.end) for s in host if is_comm(s.name))
+        comm = union((s.ts, s.end) for s in host if is_comm(s.name))
         compute = _self_intervals(host)
         # DDP waits for every bucket's all-reduce inside backward() (the reducer's finalize runs as
         # autograd's final callback), so none runs past the step's last `backward` range. gloo's
@@ -313,15 +287,15 @@ def comm_timeline(trace: dict | list, device: str = "cpu") -> CommTimeline:
         for step in steps:
             ends = [s.end for s in host if s.name == BACKWARD and step.ts <= s.ts <= step.end]
             comm_windows.append((step.ts, max(ends) if ends else step.end))
-        comm_windows = _union(comm_windows)
+        comm_windows = union(comm_windows)
         counted = host
-    comm_in_steps = _intersect(comm, comm_windows)
+    comm_in_steps = intersect(comm, comm_windows)
     ops = Counter(s.name for s in counted if is_comm(s.name) and in_steps(s.ts))
     return CommTimeline(
         steps=len(steps),
         step_us=sum(s.end - s.ts for s in steps),
-        comm_us=_length(comm_in_steps),
-        overlap_us=_length(_intersect(comm_in_steps, compute)),
+        comm_us=total_length(comm_in_steps),
+        overlap_us=total_length(intersect(comm_in_steps, compute)),
         timed=timed,
         ops=dict(ops.most_common()),
     )
@@ -356,9 +330,7 @@ def profile_rank(cfg: ProfileConfig, rank: int, fail: bool = False) -> RankProfi
             _raise_at_call(model, cfg.warmup + 1, rank)
         return DistributedDataParallel(model, device_ids=[cfg.device.index] if on_cuda else None)
 
-    result = run_profile(cfg, wrap=wrap, batch_seed=cfg.seed + rank, extra_rules=COMM_RULES)
-    with open(result.trace_path, encoding="utf-8") as f:
-        trace = json.load(f)
+    result, trace = profile_with_trace(cfg, wrap=wrap, batch_seed=cfg.seed + rank, extra_rules=COMM_RULES)
     s = result.summary
     return RankProfile(
         rank=rank,
@@ -408,33 +380,40 @@ def _rank_device(name: str, local_rank: int) -> torch.device:
 
 
 # --------------------------------------------------------------------------------------------
-# The rank's entry (CLI level: under torchrun, rank 0 prints the job's summary)
+# The rank's entry (the CLI calls it, shows what it returns, then calls end_rank)
 # --------------------------------------------------------------------------------------------
 
 
 @record  # torch's: a rank's exception goes to the error file (error.json) its launcher reads
-def run_worker(args) -> NoReturn:
-    """One rank of `profuse profile --nproc N`, started by the launcher below or by torchrun.
+def run_worker(
+    make_config: Callable[[torch.device], ProfileConfig],
+    device: str,
+    nproc: int | None = None,
+    compile_step: bool = False,
+) -> DDPProfile | None:
+    """One rank of `profuse profile --nproc N`, started by `launch` below or by torchrun.
 
-    It returns only by raising: a rank that finished ends its process itself (see the end).
+    `make_config` builds Part A's config for this rank's device (the CLI maps its flags onto
+    it); `device`, `nproc` and `compile_step` are the user's --device, --nproc, --compile-step.
+    Returns the job on rank 0 when torchrun started the ranks, for the caller to show; None on
+    the other ranks, and under profuse's own launcher, which shows the job itself. The caller
+    then ends the process with `end_rank`.
     """
     import torch.distributed as dist
 
-    from profuse.cli import _profile_config
-
     rank, world, local_rank, local_world = _rank_env()
     os.environ.update(SAFE_ENV)  # NCCL reads them when its communicator starts, after this
-    if args.nproc is not None and args.nproc != local_world:
-        raise UsageError(f"--nproc {args.nproc} does not match the {local_world} processes started here")
-    if args.compile_step:
+    if nproc is not None and nproc != local_world:
+        raise UsageError(f"--nproc {nproc} does not match the {local_world} processes started here")
+    if compile_step:
         raise UsageError("--compile-step is not supported with --nproc: profile it on one process")
-    device = _rank_device(args.device, local_rank)
-    cfg = replace(_profile_config(args, device), trace_name=f"trace_rank{rank}.json")
-    backend = BACKENDS[device.type]
+    rank_device = _rank_device(device, local_rank)
+    cfg = replace(make_config(rank_device), trace_name=f"trace_rank{rank}.json")
+    backend = BACKENDS[rank_device.type]
     init = {"backend": backend, "timeout": timedelta(seconds=COLLECTIVE_TIMEOUT_S)}
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        init["device_id"] = device  # binds the communicator to this rank's GPU up front
+    if rank_device.type == "cuda":
+        torch.cuda.set_device(rank_device)
+        init["device_id"] = rank_device  # binds the communicator to this rank's GPU up front
     dist.init_process_group(**init)
     fail = os.environ.get(FAIL_RANK_ENV, "") == str(rank)
     mine = profile_rank(cfg, rank, fail=fail)
@@ -445,8 +424,8 @@ def run_worker(args) -> NoReturn:
         job = DDPProfile(
             world_size=world,
             backend=backend,
-            device=device.type,
-            precision="bf16 autocast" if device.type == "cuda" else "fp32",
+            device=rank_device.type,
+            precision="bf16 autocast" if rank_device.type == "cuda" else "fp32",
             torch_version=torch.__version__,
             config=cfg.to_dict(),
             run_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
@@ -454,21 +433,24 @@ def run_worker(args) -> NoReturn:
         )
         write_json(cfg.out_dir / SUMMARY_NAME, job.to_dict())
     dist.destroy_process_group()
-    if job is not None and os.environ.get(LAUNCHER_ENV) != "1":
-        from profuse.report.distributed import format_ddp_profile
+    return job if os.environ.get(LAUNCHER_ENV) != "1" else None
 
-        print(format_ddp_profile(job, summary_path=str(cfg.out_dir / SUMMARY_NAME)))
-    # All this rank owes is written and the process group is gone: leave without the interpreter's
-    # teardown. One finished run in about 50 on the 2-core machine (torch 2.13, gloo) had rank 0
-    # abort there ("terminate called without an active exception": a C++ thread destroyed
-    # unjoined), and its launcher then reported a failed rank for a profile that was complete.
+
+def end_rank() -> NoReturn:
+    """End a rank that finished: all it owes is written and the process group is gone.
+
+    It leaves without the interpreter's teardown. One finished run in about 50 on the 2-core
+    machine (torch 2.13, gloo) had rank 0 abort there ("terminate called without an active
+    exception": a C++ thread destroyed unjoined), and its launcher then reported a failed rank for
+    a profile that was complete.
+    """
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
 
 
 # --------------------------------------------------------------------------------------------
-# The launcher (CLI level: `profuse profile --nproc N` lands here, and prints)
+# The launcher: `profuse profile --nproc N` starts its ranks here
 # --------------------------------------------------------------------------------------------
 
 
@@ -499,22 +481,6 @@ def rendezvous_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
-
-
-def worker_argv(args, device: torch.device, out: Path) -> list[str]:
-    """The flags each rank gets: the user's, with the device resolved and --out made absolute."""
-    from profuse.cli import build_profile_parser
-
-    argv: list[str] = []
-    for action in build_profile_parser()._actions:
-        if not action.option_strings or action.dest in ("help", "device", "out", "nproc"):
-            continue
-        value = getattr(args, action.dest, action.default)
-        if value is None or value == action.default:
-            continue
-        flag = max(action.option_strings, key=len)
-        argv += [flag] if action.nargs == 0 else [flag, str(value)]
-    return [*argv, "--device", device.type, "--out", str(out), "--nproc", str(args.nproc)]
 
 
 @contextlib.contextmanager
@@ -606,14 +572,33 @@ def root_failure(failures: dict) -> tuple[int, object]:
     return min(failures.items(), key=key)
 
 
-def _run_agent(config, argv: list[str], launcher_log: Path) -> str | None:
-    """Run the elastic agent over the ranks; None when all of them finished, else what went wrong."""
+@dataclass
+class RankFailure:
+    """The rank that failed first, as the launcher saw it (report.distributed words it)."""
+
+    rank: int
+    world_size: int
+    exitcode: int  # negative: killed by that signal
+    error: str  # its exception's first line as its @record wrote it, or how it died
+    log: str  # its stderr.log (the launcher's log where it has none)
+    log_empty: bool = False
+
+
+class LaunchFailed(Exception):
+    """The ranks did not all finish: `failure` names the rank that failed first; where no rank
+    did (the rendezvous, a signal, no summary written), the message says what went wrong."""
+
+    def __init__(self, message: str = "", failure: RankFailure | None = None):
+        super().__init__(message)
+        self.failure = failure
+
+
+def _run_agent(config, argv: list[str], launcher_log: Path) -> None:
+    """Run the elastic agent over the ranks until all of them finished; LaunchFailed otherwise."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import elastic_launch
-
-    from profuse.report.distributed import format_rank_failure
 
     try:
         with _agent_logs_to(launcher_log):
@@ -625,20 +610,20 @@ def _run_agent(config, argv: list[str], launcher_log: Path) -> str | None:
             log_empty = log.stat().st_size == 0
         except OSError:
             log_empty = False
-        return format_rank_failure(
+        failed = RankFailure(
             rank, config.nproc_per_node, failure.exitcode, _failure_text(failure), str(log), log_empty
         )
+        raise LaunchFailed(failure=failed) from None
     except RendezvousError as err:
-        return (
+        raise LaunchFailed(
             f"the ranks could not meet on {config.rdzv_endpoint} ({type(err).__name__}): another "
             "program may have taken the port since it was checked; run again, or set MASTER_PORT "
             "to a free one"
-        )
+        ) from None
     except SignalException as err:
         if err.sigval == signal.SIGINT:  # Ctrl-C: the CLI reports an interruption
             raise KeyboardInterrupt from None
-        return f"stopped by {err.sigval.name}; the ranks were stopped"
-    return None
+        raise LaunchFailed(f"stopped by {err.sigval.name}; the ranks were stopped") from None
 
 
 def _remove_logs(log_dir: Path, run_id: str, launcher_log: Path) -> None:
@@ -648,20 +633,17 @@ def _remove_logs(log_dir: Path, run_id: str, launcher_log: Path) -> None:
     launcher_log.unlink(missing_ok=True)
 
 
-def launch_profile(args) -> int:
-    """`profuse profile --nproc N`: run as a rank when torch's launcher started us, else launch N."""
-    if _rank_env() is not None:
-        return run_worker(args)
+def launch(rank_argv: list[str], nproc: int, device: torch.device, out: Path) -> DDPProfile:
+    """Start `nproc` ranks of `python -m profuse profile *rank_argv` and wait for them all.
+
+    `rank_argv` is what the CLI gives each rank (the user's flags, with --device and --out
+    resolved); `out` the absolute --out, where rank 0 writes the summary. Returns the job as rank
+    0 saved it; LaunchFailed when a rank failed, naming it (its log stays in out/logs).
+    """
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.launcher.api import LaunchConfig
 
-    from profuse.env import resolve_device
-    from profuse.report.distributed import format_ddp_profile
-
-    n = args.nproc
-    if args.compile_step:
-        raise UsageError("--compile-step is not supported with --nproc: profile it on one process")
-    device = resolve_device(args.device)
+    n = nproc
     if device.type == "cuda" and n > torch.cuda.device_count():
         count = torch.cuda.device_count()
         raise UsageError(
@@ -669,7 +651,6 @@ def launch_profile(args) -> int:
             f"use --nproc {count} or fewer, or --device cpu"
         )
     port = rendezvous_port()
-    out = Path(args.out).resolve()
     log_dir = out / LOG_DIR_NAME
     log_dir.mkdir(parents=True, exist_ok=True)
     run_id = f"profuse-{uuid.uuid4().hex[:12]}"
@@ -697,19 +678,15 @@ def launch_profile(args) -> int:
         logs_specs=DefaultLogsSpecs(log_dir=str(log_dir), redirects=Std.ALL, tee=Std.NONE),
     )
     launcher_log = log_dir / f"{run_id}-launcher.log"
-    argv = ["-m", "profuse", "profile", *worker_argv(args, device, out)]
+    argv = ["-m", "profuse", "profile", *rank_argv]
     data: dict = {}
     try:
         with _environment(env):  # the agent copies os.environ into every rank's
-            error = _run_agent(config, argv, launcher_log)
-        if error is None:
-            with contextlib.suppress(OSError, ValueError):
-                data = json.loads((out / SUMMARY_NAME).read_text(encoding="utf-8"))
-            if data.get("run_id") != run_id:
-                error = f"the ranks finished but rank 0 wrote no {out / SUMMARY_NAME}"
-        if error is not None:
-            print(f"profuse: error: {error}", file=sys.stderr)
-            return 1
+            _run_agent(config, argv, launcher_log)
+        with contextlib.suppress(OSError, ValueError):
+            data = json.loads((out / SUMMARY_NAME).read_text(encoding="utf-8"))
+        if data.get("run_id") != run_id:
+            raise LaunchFailed(f"the ranks finished but rank 0 wrote no {out / SUMMARY_NAME}")
         _remove_logs(log_dir, run_id, launcher_log)  # a run that worked keeps no logs
     except KeyboardInterrupt:
         _remove_logs(log_dir, run_id, launcher_log)  # nor does one stopped with Ctrl-C
@@ -717,5 +694,4 @@ def launch_profile(args) -> int:
     finally:
         with contextlib.suppress(OSError):
             log_dir.rmdir()  # when empty: no run, this one or another, left its logs there
-    print(format_ddp_profile(DDPProfile.from_dict(data), summary_path=str(out / SUMMARY_NAME)))
-    return 0
+    return DDPProfile.from_dict(data)

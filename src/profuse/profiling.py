@@ -117,7 +117,7 @@ Rules = tuple[tuple[str, "re.Pattern[str]"], ...]
 # The SwiGLU tail's ops, unfused (aten names) or as Inductor names its fused kernels.
 _TAIL_OPS = re.compile(r"silu|(?<![a-z])(mul|add|pow|mean)(?![a-z])|rsqrt|rms_?norm")
 
-_CPU_CATS = ("cpu_op", "user_annotation")  # trace categories of host-side ranges
+HOST_CATS = ("cpu_op", "user_annotation")  # trace categories of host-side ranges
 _LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # cudaLaunchKernel, cuLaunchKernel (Triton)
 _DEVICE_BUSY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -340,91 +340,35 @@ def run_profile(
     `batch_seed` draws the batch (default cfg.seed), so each data-parallel rank has its own;
     `extra_rules` are tried before CATEGORY_RULES when the trace is read (see analyze_trace).
     """
+    result, _trace = profile_with_trace(
+        cfg, progress, wrap=wrap, batch_seed=batch_seed, extra_rules=extra_rules
+    )
+    return result
+
+
+def profile_with_trace(
+    cfg: ProfileConfig,
+    progress: Progress | None = None,
+    *,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    batch_seed: int | None = None,
+    extra_rules: tuple[tuple[str, str], ...] = (),
+) -> tuple[ProfileResult, dict]:
+    """`run_profile`, with the trace as it was read back: a caller that reads more from it
+    (profuse.distributed, the communication) parses the JSON once."""
     say = progress or (lambda _msg: None)
     device = cfg.device
-    torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    generator = torch.Generator().manual_seed(cfg.seed if batch_seed is None else batch_seed)
-    idx, targets = random_batch(cfg.model, generator, device)
-    net = wrap(model) if wrap is not None else model
-    net = compile_model(net) if cfg.compile else net  # profuse.compile holds the settings
-    on_cuda = device.type == "cuda"
-    autocast = (
-        (lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16))
-        if on_cuda
-        else contextlib.nullcontext
-    )
-
-    def sync() -> None:
-        if on_cuda:
-            torch.cuda.synchronize(device)
-
-    def train_step() -> None:
-        with record_function(FORWARD), autocast():
-            _logits, loss = net(idx, targets)
-        with record_function(BACKWARD):
-            loss.backward()
-        with record_function(OPTIMIZER):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    profiler_warmup = min(cfg.warmup, 1)  # the last warm-up step runs under the profiler's warm-up
-    unprofiled = cfg.warmup - profiler_warmup
-    if cfg.compile:  # compile before the profiler starts, not under it (its events would be discarded)
-        unprofiled = max(unprofiled, 1)
-    what = "eager" if not cfg.compile else "torch.compile (the first step compiles: it takes a while)"
-    say(f"warm-up: {unprofiled + profiler_warmup} training step(s), {what}")
-    for _ in range(unprofiled):
-        train_step()
-    sync()
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*warmup.*")  # warmup=0 is asked for, not a mistake
-        sched = schedule(wait=0, warmup=profiler_warmup, active=cfg.steps, repeat=1)
-    say(f"profiling {cfg.steps} training steps on {device}")
-    step_times: list[float] = []
-    with profile(activities=activities, schedule=sched) as prof:
-        for i in range(profiler_warmup + cfg.steps):
-            t0 = time.perf_counter()
-            train_step()
-            sync()
-            if i >= profiler_warmup:
-                step_times.append(time.perf_counter() - t0)
-            prof.step()
-
-    averages = prof.key_averages()
-    if on_cuda:
-        # On CUDA a range's kernels count twice: for the op that launched them and for the range
-        # (its gpu_user_annotation); `forward` showed 291% of the device time on an H200. The
-        # table keeps operators and kernels; the ranges stay in the trace.
-        averages = EventList([a for a in averages if not _is_range(a)], use_device="cuda")
-    sort_by = _sort_key(averages, on_cuda)
-    table = averages.table(sort_by=sort_by, row_limit=cfg.row_limit)
-    ranked = sorted(averages, key=lambda a: getattr(a, sort_by, 0.0), reverse=True)
-    rows = [
-        OperatorRow(
-            name=a.key,
-            self_us=float(getattr(a, sort_by, 0.0)),
-            calls=int(a.count),
-            self_cpu_us=float(a.self_cpu_time_total),
-        )
-        for a in ranked[: cfg.row_limit]
-    ]
-
+    train_step = _training_step(cfg, wrap, batch_seed)
+    profiler_warmup = _warm_up(cfg, train_step, say)
+    prof, step_times = _profiled_steps(cfg, train_step, profiler_warmup, say)
+    table, sort_by, rows = _operator_table(prof, device.type == "cuda", cfg.row_limit)
     trace_path = cfg.out_dir / cfg.trace_name
-    say(f"writing {trace_path}")
-    with atomic_path(trace_path) as tmp:
-        prof.export_chrome_trace(str(tmp))
-    with open(trace_path, encoding="utf-8") as f:
-        trace = json.load(f)
+    trace = _write_trace(prof, trace_path, say)
     summary = analyze_trace(trace, device=device.type, extra_rules=extra_rules)
-
-    return ProfileResult(
+    result = ProfileResult(
         device=str(device),
         compiled=cfg.compile,
-        precision="bf16 autocast" if on_cuda else "fp32",
+        precision="bf16 autocast" if device.type == "cuda" else "fp32",
         torch_version=torch.__version__,
         config=cfg.to_dict(),
         steps=summary.steps,
@@ -438,17 +382,115 @@ def run_profile(
         trace_path=str(trace_path),
         trace_bytes=trace_path.stat().st_size,
     )
+    return result, trace
 
 
-def run_profile_pair(
-    cfg: ProfileConfig, progress: Progress | None = None
-) -> tuple[ProfileResult, ProfileResult]:
-    """The same step eager, then under torch.compile: (eager, compiled).
+def _training_step(
+    cfg: ProfileConfig,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None,
+    batch_seed: int | None,
+) -> Callable[[], None]:
+    """The set-up: the model on its device (wrapped, then compiled), AdamW and one fixed batch.
+    Returns one training step, cut into the `forward`, `backward` and `optimizer` ranges."""
+    device = cfg.device
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    generator = torch.Generator().manual_seed(cfg.seed if batch_seed is None else batch_seed)
+    idx, targets = random_batch(cfg.model, generator, device)
+    net = wrap(model) if wrap is not None else model
+    net = compile_model(net) if cfg.compile else net  # profuse.compile holds the settings
+    autocast = (
+        (lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16))
+        if device.type == "cuda"
+        else contextlib.nullcontext
+    )
 
-    The compiled trace goes beside the eager one, its name marked: trace.json -> trace-compiled.json.
-    """
-    eager = run_profile(replace(cfg, compile=False), progress)
-    return eager, run_profile(compiled_config(cfg), progress)
+    def train_step() -> None:
+        with record_function(FORWARD), autocast():
+            _logits, loss = net(idx, targets)
+        with record_function(BACKWARD):
+            loss.backward()
+        with record_function(OPTIMIZER):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return train_step
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _warm_up(cfg: ProfileConfig, train_step: Callable[[], None], say: Progress) -> int:
+    """Run the warm-up steps that go before the profiler starts; returns how many more run
+    under the profiler's own warm-up phase (the last one, so its start-up stays out too)."""
+    profiler_warmup = min(cfg.warmup, 1)
+    unprofiled = cfg.warmup - profiler_warmup
+    if cfg.compile:  # compile before the profiler starts, not under it (its events would be discarded)
+        unprofiled = max(unprofiled, 1)
+    what = "eager" if not cfg.compile else "torch.compile (the first step compiles: it takes a while)"
+    say(f"warm-up: {unprofiled + profiler_warmup} training step(s), {what}")
+    for _ in range(unprofiled):
+        train_step()
+    _synchronize(cfg.device)
+    return profiler_warmup
+
+
+def _profiled_steps(
+    cfg: ProfileConfig, train_step: Callable[[], None], profiler_warmup: int, say: Progress
+) -> tuple[profile, list[float]]:
+    """The profiler loop: `profiler_warmup` steps, then `cfg.steps` recorded ones, each ended by
+    a device synchronisation. Returns the profiler and the recorded steps' wall times (s)."""
+    device = cfg.device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*warmup.*")  # warmup=0 is asked for, not a mistake
+        sched = schedule(wait=0, warmup=profiler_warmup, active=cfg.steps, repeat=1)
+    say(f"profiling {cfg.steps} training steps on {device}")
+    step_times: list[float] = []
+    with profile(activities=activities, schedule=sched) as prof:
+        for i in range(profiler_warmup + cfg.steps):
+            t0 = time.perf_counter()
+            train_step()
+            _synchronize(device)
+            if i >= profiler_warmup:
+                step_times.append(time.perf_counter() - t0)
+            prof.step()
+    return prof, step_times
+
+
+def _operator_table(prof: profile, on_cuda: bool, row_limit: int) -> tuple[str, str, list[OperatorRow]]:
+    """The lab's operator table (key_averages().table), its sort key, and its top rows as data."""
+    averages = prof.key_averages()
+    if on_cuda:
+        # On CUDA a range's kernels count twice: for the op that launched them and for the range
+        # (its gpu_user_annotation); `forward` showed 291% of the device time on an H200. The
+        # table keeps operators and kernels; the ranges stay in the trace.
+        averages = EventList([a for a in averages if not _is_range(a)], use_device="cuda")
+    sort_by = _sort_key(averages, on_cuda)
+    table = averages.table(sort_by=sort_by, row_limit=row_limit)
+    ranked = sorted(averages, key=lambda a: getattr(a, sort_by, 0.0), reverse=True)
+    rows = [
+        OperatorRow(
+            name=a.key,
+            self_us=float(getattr(a, sort_by, 0.0)),
+            calls=int(a.count),
+            self_cpu_us=float(a.self_cpu_time_total),
+        )
+        for a in ranked[:row_limit]
+    ]
+    return table, sort_by, rows
+
+
+def _write_trace(prof: profile, path: Path, say: Progress) -> dict:
+    """Export the Chrome trace to `path`, whole or not at all, and read it back."""
+    say(f"writing {path}")
+    with atomic_path(path) as tmp:
+        prof.export_chrome_trace(str(tmp))
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def compiled_config(cfg: ProfileConfig) -> ProfileConfig:
@@ -480,7 +522,7 @@ def _is_range(avg) -> bool:
 
 
 @dataclass
-class _Span:
+class Span:
     """A complete ('X') event of the Chrome trace, with what nesting tells about it."""
 
     name: str
@@ -489,7 +531,7 @@ class _Span:
     end: float  # us
     args: dict
     child_us: float = 0.0
-    parents: tuple[_Span, ...] = ()  # the host ranges open around it, innermost first
+    parents: tuple[Span, ...] = ()  # the host ranges open around it, innermost first
 
     @property
     def self_us(self) -> float:
@@ -499,7 +541,7 @@ class _Span:
 class _Windows:
     """Sorted, non-overlapping time windows; `find(t)` is the index of the one holding t, or -1."""
 
-    def __init__(self, spans: Iterable[_Span]) -> None:
+    def __init__(self, spans: Iterable[Span]) -> None:
         self.spans = sorted(spans, key=lambda s: s.ts)
         self._starts = [s.ts for s in self.spans]
 
@@ -511,15 +553,15 @@ class _Windows:
         return len(self.spans)
 
 
-def _nest(spans: list[_Span]) -> None:
+def _nest(spans: list[Span]) -> None:
     """Fill child_us and parents for host-side spans, thread by thread, as the profiler nests them."""
-    by_thread: dict[tuple, list[_Span]] = defaultdict(list)
+    by_thread: dict[tuple, list[Span]] = defaultdict(list)
     for s in spans:
-        if s.cat in _CPU_CATS or s.cat in _LAUNCH_CATS:
+        if s.cat in HOST_CATS or s.cat in _LAUNCH_CATS:
             by_thread[(s.args.get("_pid"), s.args.get("_tid"))].append(s)
     for thread_spans in by_thread.values():
         thread_spans.sort(key=lambda s: (s.ts, -(s.end - s.ts)))
-        stack: list[_Span] = []
+        stack: list[Span] = []
         for s in thread_spans:
             while stack and stack[-1].end <= s.ts:
                 stack.pop()
@@ -530,7 +572,7 @@ def _nest(spans: list[_Span]) -> None:
             stack.append(s)
 
 
-def read_spans(trace: dict | list) -> list[_Span]:
+def read_spans(trace: dict | list) -> list[Span]:
     """The complete events of a Chrome trace, host ranges nested thread by thread."""
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     spans = []
@@ -541,7 +583,7 @@ def read_spans(trace: dict | list) -> list[_Span]:
         args = dict(e.get("args") or {})
         args["_pid"], args["_tid"] = e.get("pid"), e.get("tid")
         spans.append(
-            _Span(str(e.get("name", "")), str(e.get("cat", "")), ts, ts + float(e.get("dur", 0.0)), args)
+            Span(str(e.get("name", "")), str(e.get("cat", "")), ts, ts + float(e.get("dur", 0.0)), args)
         )
     _nest(spans)
     return spans
@@ -571,7 +613,7 @@ def analyze_trace(
     categories = extend_categories(extra_rules)
     spans = read_spans(trace)
 
-    host = [s for s in spans if s.cat in _CPU_CATS]
+    host = [s for s in spans if s.cat in HOST_CATS]
     steps = _Windows(s for s in host if s.name.startswith(STEP_PREFIX))
     if not steps:
         raise RuntimeError("the trace holds no ProfilerStep span: was prof.step() called?")
@@ -598,7 +640,7 @@ def analyze_trace(
             if steps.find(t_launch) < 0:
                 continue
             launches += 1
-            ops = [p for p in launch.parents if p.cat in _CPU_CATS] if launch is not None else []
+            ops = [p for p in launch.parents if p.cat in HOST_CATS] if launch is not None else []
             cat = _kernel_category(k.name, ops, optimizer.find(t_launch) >= 0, rules)
             time_by_cat[cat] += k.end - k.ts
             if cat == "memory_bound":
@@ -641,7 +683,7 @@ def analyze_trace(
     )
 
 
-def _regions(host: list[_Span], names: tuple[str, ...]) -> dict[int, str]:
+def _regions(host: list[Span], names: tuple[str, ...]) -> dict[int, str]:
     """id(span) -> region, for the spans that open a region: the named ranges themselves, and the
     backward nodes whose sequence number is that of an operator run inside one of them."""
     if not names:
@@ -661,7 +703,7 @@ def _regions(host: list[_Span], names: tuple[str, ...]) -> dict[int, str]:
     return roots
 
 
-def _region(spans: Iterable[_Span], roots: dict[int, str]) -> str | None:
+def _region(spans: Iterable[Span], roots: dict[int, str]) -> str | None:
     """The region of the innermost of `spans` (a span, then the ranges open around it) that opens one."""
     for s in spans:
         region = roots.get(id(s))
@@ -676,7 +718,7 @@ def extend_categories(extra_rules: tuple[tuple[str, str], ...]) -> tuple[str, ..
     return CATEGORIES[:-1] + new + CATEGORIES[-1:]
 
 
-def _kernel_category(kernel: str, ops: list[_Span], in_optimizer: bool, rules: Rules = _RULES) -> str:
+def _kernel_category(kernel: str, ops: list[Span], in_optimizer: bool, rules: Rules = _RULES) -> str:
     if in_optimizer:
         return "optimizer"
     cat = categorize(kernel, rules)
@@ -689,7 +731,7 @@ def _kernel_category(kernel: str, ops: list[_Span], in_optimizer: bool, rules: R
     return "other"
 
 
-def _kernel_group(kernel: str, ops: list[_Span]) -> str:
+def _kernel_group(kernel: str, ops: list[Span]) -> str:
     """Group kernels by the aten op that launched them (aten::mul); else by the kernel's short name."""
     for op in ops:
         if op.name.startswith("aten::"):
@@ -698,20 +740,51 @@ def _kernel_group(kernel: str, ops: list[_Span]) -> str:
     return short[:60]
 
 
-def _idle_pct(steps: _Windows, busy: list[_Span]) -> float:
+def _idle_pct(steps: _Windows, busy: list[Span]) -> float:
     """% of the step spans during which no kernel, memcpy or memset ran on the GPU."""
     window_us = sum(s.end - s.ts for s in steps.spans)
     busy_us = 0.0
     for step in steps.spans:
-        intervals = sorted(
+        inside = (
             (max(b.ts, step.ts), min(b.end, step.end)) for b in busy if b.end > step.ts and b.ts < step.end
         )
-        cur_start = cur_end = step.ts
-        for start, end in intervals:  # union of the busy intervals
-            if start > cur_end:
-                busy_us += max(cur_end - cur_start, 0.0)
-                cur_start, cur_end = start, end
-            else:
-                cur_end = max(cur_end, end)
-        busy_us += max(cur_end - cur_start, 0.0)
+        for start, end in union(inside):
+            busy_us += end - start
     return 100.0 * max(window_us - busy_us, 0.0) / window_us if window_us > 0 else 0.0
+
+
+# --- time intervals on a timeline -------------------------------------------------------------
+
+Intervals = list[tuple[float, float]]  # sorted, disjoint (start, end) in us
+
+
+def union(intervals: Iterable[tuple[float, float]]) -> Intervals:
+    """The union of (start, end) intervals, as sorted disjoint ones; empty ones are dropped."""
+    merged: Intervals = []
+    for start, end in sorted(intervals):
+        if end <= start:
+            continue
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+        else:
+            merged.append((start, end))
+    return merged
+
+
+def intersect(a: Intervals, b: Intervals) -> Intervals:
+    """Where two lists of sorted, disjoint intervals overlap."""
+    out: Intervals = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def total_length(intervals: Intervals) -> float:
+    return sum(end - start for start, end in intervals)

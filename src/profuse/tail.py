@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,19 +40,16 @@ def tail_reference(gate, up, residual, weight, eps: float = DEFAULT_EPS):
     return tail_eager(g, u, r, w, eps)
 
 
-_compiled: dict[str, Callable] = {}
+_compiled: dict[str, Callable] = {}  # compile mode -> tail_eager compiled in it
 
 
-def compiled_tail(mode: str = "default") -> Callable:
-    """tail_eager under torch.compile (built once per mode, on first use)."""
-    if mode not in _compiled:
-        _compiled[mode] = _compile.compile_fn(tail_eager, mode)
-    return _compiled[mode]
-
-
-def tail_compiled(gate, up, residual, weight, eps: float = DEFAULT_EPS):
-    """tail_eager under torch.compile (default mode): Inductor fuses the chain."""
-    return compiled_tail("default")(gate, up, residual, weight, eps)
+def tail_compiled(gate, up, residual, weight, eps: float = DEFAULT_EPS, *, mode: str = "default"):
+    """tail_eager under torch.compile: Inductor fuses the chain. `mode` is a key of
+    profuse.compile.MODES ("default", "max-autotune"); each is compiled once, on first use."""
+    fn = _compiled.get(mode)
+    if fn is None:
+        fn = _compiled[mode] = _compile.compile_fn(tail_eager, mode)
+    return fn(gate, up, residual, weight, eps)
 
 
 def check_tail_args(gate, up, residual, weight) -> None:
@@ -180,16 +176,3 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
         return math.inf
     den = torch.linalg.vector_norm(r).item()
     return torch.linalg.vector_norm(o - r).item() / (den if den > 0 else 1.0)
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One way to compute the tail, as the benchmark lists it."""
-
-    key: str  # what --variants takes
-    label: str  # what the table prints
-    fn: Callable
-    needs_cuda: bool = False
-    available: bool = True
-    why_unavailable: str = ""
-    interpretable: bool = False  # Triton: runs on a CPU through the interpreter (TRITON_INTERPRET=1)

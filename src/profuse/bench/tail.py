@@ -1,4 +1,5 @@
-"""Part B: the tail's variants checked against float64, then timed against each other.
+"""Part B: the tail's variants (the registry, `variants()`) checked against float64, then timed
+against each other.
 
 Correctness comes first: every variant runs once on the same inputs and is compared with a
 float64 reference (relative error against the dtype's tolerance) and with eager (max |diff|, as
@@ -10,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 
@@ -36,19 +38,32 @@ def tail_liger(gate, up, residual, weight, eps: float = T.DEFAULT_EPS):
     return y
 
 
-def variants() -> dict[str, T.Variant]:
+@dataclass(frozen=True)
+class Variant:
+    """One way to compute the tail, as the benchmark lists it (`variants()`)."""
+
+    key: str  # what --variants takes
+    label: str  # what the table prints
+    fn: Callable
+    needs_cuda: bool = False
+    available: bool = True
+    why_unavailable: str = ""
+    interpretable: bool = False  # Triton: runs on a CPU through the interpreter (TRITON_INTERPRET=1)
+
+
+def variants() -> dict[str, Variant]:
     """Every variant profuse knows, by the key --variants takes, in table order."""
     return {
         v.key: v
         for v in [
-            T.Variant("eager", "eager", T.tail_eager),
-            T.Variant("rms_norm", "eager F.rms_norm", T.tail_rms_norm),
-            T.Variant("compile", "torch.compile", lambda *a: T.compiled_tail("default")(*a)),
-            T.Variant("compile-max", "compile max-autotune", lambda *a: T.compiled_tail("max-autotune")(*a)),
-            T.Variant(
+            Variant("eager", "eager", T.tail_eager),
+            Variant("rms_norm", "eager F.rms_norm", T.tail_rms_norm),
+            Variant("compile", "torch.compile", T.tail_compiled),
+            Variant("compile-max", "compile max-autotune", partial(T.tail_compiled, mode="max-autotune")),
+            Variant(
                 "triton", "triton", T.tail_triton, True, HAS_TRITON, TRITON_MISSING, interpretable=True
             ),
-            T.Variant(
+            Variant(
                 "liger", "liger-kernel", tail_liger, True, HAS_LIGER,
                 "liger-kernel is not installed (pip install liger-kernel)",
             ),

@@ -28,9 +28,6 @@ FUSED_FWD_BWD_TENSORS = FUSED_FORWARD_TENSORS + FUSED_BACKWARD_TENSORS
 #   h * rstd         read h,        write n    2
 #   n * w            read n,        write y    2
 EAGER_FORWARD_TENSORS = 15
-# Eager with F.rms_norm: silu, mul and add as above (8), then one norm kernel that reads h and
-# writes y where the backend fuses it (CUDA since torch 2.4 does).
-RMS_NORM_FORWARD_TENSORS = 10
 
 
 @dataclass(frozen=True)

@@ -748,6 +748,34 @@ def _forward_launch(cfg: KernelConfig, n_rows: int, n_cols: int, store_rstd: boo
     )  # fmt: skip
 
 
+def _backward_launch(
+    cfg: KernelConfig, programs: int, n_cols: int, needs: tuple[bool, ...], n_splits: int
+) -> Launch:
+    """The gradient kernel of `cfg` on `programs` row programs (the split path: times the column
+    slabs), computing the gradients `needs` asks for. Runtime arguments: (dy, g, u, r, w, rstd,
+    [the split path's row dots,] dg, du, dr, dw partials, dy/g/u/r row strides, n_rows, n_cols
+    [, n_splits])."""
+    need_g, need_u, need_r, need_w = needs
+    flags = dict(COMPUTE_DG=need_g, COMPUTE_DU=need_u, COMPUTE_DR=need_r, COMPUTE_DW=need_w)
+    kw = dict(BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
+    if cfg.kernel == "fused":
+        return Launch(
+            _tail_bwd_kernel, (programs,), cfg, "bwd", BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages,
+            IN_EVICT=_stream_hint(cfg), **kw, **flags,
+        )  # fmt: skip
+    if cfg.kernel == "chunked":
+        return Launch(
+            _tail_bwd_chunked_kernel, (programs,), cfg, "bwd",
+            ROWS=cfg.block_m, NUM_STAGES=cfg.num_stages, **kw, **flags,
+        )  # fmt: skip
+    if cfg.kernel == "pipelined":
+        return Launch(_tail_bwd_pipelined_kernel, (programs,), cfg, "bwd", **kw, **flags)
+    return Launch(
+        _tail_bwd_slab_kernel, (programs, triton.cdiv(n_cols, cfg.block_n)), cfg, "bwd",
+        SPLITS=triton.next_power_of_2(n_splits), NUM_STAGES=cfg.num_stages, **kw, **flags,
+    )  # fmt: skip
+
+
 class _BackwardPlan:
     """The backward for one shape and set of gradients: its launches and buffer sizes, fixed.
 
@@ -760,41 +788,23 @@ class _BackwardPlan:
 
     def __init__(self, cfg: KernelConfig, n_rows: int, n_cols: int, needs: tuple[bool, ...]):
         need_g, need_u, need_r, need_w = needs
-        flags = dict(COMPUTE_DG=need_g, COMPUTE_DU=need_u, COMPUTE_DR=need_r, COMPUTE_DW=need_w)
         self.config = cfg
         self.needs = needs
         # Every program has a tile, so every row of the dw partials gets written.
-        self.programs = programs = min(cfg.programs, triton.cdiv(n_rows, cfg.block_m))
+        self.programs = min(cfg.programs, triton.cdiv(n_rows, cfg.block_m))
         self.rowdot = None
         self.span = self.n_splits = 0
-        kw = dict(BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
-        if cfg.kernel == "fused":
-            self.main = Launch(
-                _tail_bwd_kernel, (programs,), cfg, "bwd", BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages,
-                IN_EVICT=_stream_hint(cfg), **kw, **flags,
-            )  # fmt: skip
-        elif cfg.kernel == "chunked":
-            self.main = Launch(
-                _tail_bwd_chunked_kernel, (programs,), cfg, "bwd",
-                ROWS=cfg.block_m, NUM_STAGES=cfg.num_stages, **kw, **flags,
-            )  # fmt: skip
-        elif cfg.kernel == "pipelined":
-            self.main = Launch(_tail_bwd_pipelined_kernel, (programs,), cfg, "bwd", **kw, **flags)
-        else:  # split: each row's columns in `splits` spans of whole chunks (the last may be short)
+        if cfg.kernel == "split":
+            # Each row's columns in `splits` spans of whole chunks (the last may be short).
             self.span = triton.cdiv(triton.cdiv(n_cols, cfg.splits), cfg.block_n) * cfg.block_n
             self.n_splits = triton.cdiv(n_cols, self.span)
             if need_g or need_u or need_r:
                 self.rowdot = Launch(
                     _tail_bwd_rowdot_kernel, (n_rows, self.n_splits), cfg, "bwd row dot",
-                    NUM_STAGES=cfg.num_stages, **kw,
+                    BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
                 )  # fmt: skip
-            self.main = Launch(
-                _tail_bwd_slab_kernel, (programs, triton.cdiv(n_cols, cfg.block_n)), cfg, "bwd",
-                SPLITS=triton.next_power_of_2(self.n_splits), NUM_STAGES=cfg.num_stages, **kw, **flags,
-            )  # fmt: skip
-        self.col_sum = None
-        if need_w:
-            self.col_sum = col_sum_launch(n_cols)
+        self.main = _backward_launch(cfg, self.programs, n_cols, needs, self.n_splits)
+        self.col_sum = col_sum_launch(n_cols) if need_w else None
 
     def __call__(self, rows, w, rstd, gate) -> tuple[torch.Tensor | None, ...]:
         """Gradients (dgate, dup, dresidual shaped like `gate`, dweight); None where not asked

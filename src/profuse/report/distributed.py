@@ -6,8 +6,10 @@ import os
 import signal
 
 from profuse.distributed import JOB_CATEGORIES, DDPProfile
+from profuse.errors import UsageError
 from profuse.profiling import CATEGORY_LABELS
-from profuse.report.profile import PERFETTO, W, _size
+from profuse.report.profile import PERFETTO, category_line
+from profuse.report.units import fmt_bytes
 
 LABELS = {**CATEGORY_LABELS, "communication": "communication (all-reduce)"}
 
@@ -46,7 +48,7 @@ def format_ddp_profile(job: DDPProfile, summary_path: str | None = None) -> str:
         overlap = "-" if c.overlap_pct is None else f"{c.overlap_pct:.1f}%"
         lines.append(
             f"{r.rank:>4}  {r.step_ms:8.3f} ms  {comm_ms:8.3f} ms  {c.comm_pct:10.1f}%  {overlap:>10}  "
-            f"{c.exposed_ms_per_step:8.3f} ms  {_shown(r.trace_path)} ({_size(r.trace_bytes)})"
+            f"{c.exposed_ms_per_step:8.3f} ms  {_shown(r.trace_path)} ({fmt_bytes(r.trace_bytes, digits=1)})"
         )
     lines.append(
         "(step time: median, synchronised; all-reduce, overlapped, exposed: a step, on the rank's timeline)"
@@ -88,10 +90,18 @@ def format_ddp_profile(job: DDPProfile, summary_path: str | None = None) -> str:
     )
     for cat in JOB_CATEGORIES:
         pct = shares.get(cat, 0.0)
-        lines.append(f"{LABELS.get(cat, cat):>{W}}  {pct:5.1f}%  {'#' * round(pct / 2)}")
+        lines.append(category_line(LABELS.get(cat, cat), pct))
     if summary_path:
         lines.append(f"summary: {_shown(summary_path)}; open the traces at {PERFETTO}")
     return "\n".join(lines)
+
+
+def format_saved_ddp_profile(data: dict, source: str) -> str:
+    """A saved profile_ddp.json as its run printed it; UsageError if malformed."""
+    try:
+        return format_ddp_profile(DDPProfile.from_dict(data), summary_path=source)
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
+        raise UsageError(f"{source} is a malformed Part A summary ({type(err).__name__}: {err})") from None
 
 
 def format_rank_failure(

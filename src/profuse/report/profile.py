@@ -6,14 +6,17 @@ from pathlib import Path
 
 from profuse.errors import UsageError
 from profuse.profiling import CATEGORIES, CATEGORY_LABELS, SUMMARY_KIND, ProfileResult
+from profuse.report.units import fmt_bytes
 
 PERFETTO = "https://ui.perfetto.dev"
 W = 34  # label column: fits "elementwise + norm (memory-bound)"
+# The saved Part A summaries (part_a_file): one process's, and a DDP job's (distributed.SUMMARY_NAME).
+PROFILE_SUMMARY, DDP_SUMMARY = "profile.json", "profile_ddp.json"
 
 
-def _size(n: int) -> str:
-    """'1.2 MB' as the lab prints it; kB below a tenth of a megabyte."""
-    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.0f} kB"
+def category_line(label: str, pct: float) -> str:
+    """One row of the time-by-category table: the label, its share, a bar of one # per 2%."""
+    return f"{label:>{W}}  {pct:5.1f}%  {'#' * round(pct / 2)}"
 
 
 def _shown_path(path: str) -> str:
@@ -51,16 +54,15 @@ def format_profile(r: ProfileResult) -> str:
     ]
     for cat in CATEGORIES:
         pct = s.shares[cat]
-        lines.append(f"{CATEGORY_LABELS[cat]:>{W}}  {pct:5.1f}%  {'#' * round(pct / 2)}")
+        lines.append(category_line(CATEGORY_LABELS[cat], pct))
     lines.append(_per_step(r))
     if s.gpu_idle_pct is not None:
         lines.append(f"GPU idle: {s.gpu_idle_pct:.1f}% of the step (no kernel, memcpy or memset running)")
     if s.launch_bound:
         lines.append(f"launch-bound: {s.launch_bound_reading()}")
     lines.append(f"hot spot: {r.hotspot}")
-    lines.append(
-        f"trace written: {_shown_path(r.trace_path)} ({_size(r.trace_bytes)}) - open it at {PERFETTO}"
-    )
+    size = fmt_bytes(r.trace_bytes, digits=1)
+    lines.append(f"trace written: {_shown_path(r.trace_path)} ({size}) - open it at {PERFETTO}")
     return "\n".join(lines)
 
 
@@ -144,20 +146,16 @@ def part_a_file(data) -> str | None:
         return None
     eager = data.get("eager")
     if data.get("kind") == SUMMARY_KIND or (isinstance(eager, dict) and "table" in eager):
-        return "profile.json"
+        return PROFILE_SUMMARY
     if "ranks" in data and "world_size" in data:
-        return "profile_ddp.json"
+        return DDP_SUMMARY
     return None
 
 
 def format_saved_profile(data: dict, source: str) -> str:
-    """A saved profile.json (or profile_ddp.json) as its run printed it; UsageError if malformed."""
+    """A saved profile.json as its run printed it; UsageError if malformed (a profile_ddp.json:
+    report.distributed.format_saved_ddp_profile)."""
     try:
-        if part_a_file(data) == "profile_ddp.json":
-            from profuse.distributed import DDPProfile
-            from profuse.report.distributed import format_ddp_profile
-
-            return format_ddp_profile(DDPProfile.from_dict(data), summary_path=source)
         eager = ProfileResult.from_dict(data["eager"])
         text = format_profile(eager)
         if data.get("compiled"):

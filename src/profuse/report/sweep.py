@@ -7,16 +7,13 @@ never live objects, so a file saved months ago on another card renders like a ru
 
 from __future__ import annotations
 
-import copy
 import csv
 import json
 import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
-
-from profuse.bench.stats import FEW_TRIALS, bootstrap_ratio_ci, check_timings
+from profuse.bench.stats import FEW_TRIALS, time_ratio_ci
 from profuse.env import card_name, describe
 from profuse.errors import UsageError
 from profuse.files import atomic_path
@@ -133,36 +130,6 @@ def read_json(path: str | Path):
     except json.JSONDecodeError as err:
         raise UsageError(f"{p} is not valid JSON (line {err.lineno}: {err.msg}); was it cut short?") from None
     return data
-
-
-def rebase(data: dict, baseline: str, only: list[str] | None = None) -> dict:
-    """A copy of a saved run whose speedups are over `baseline` (a variant key, e.g. compile)
-    instead of eager, recomputed from the saved per-trial times: the trials interleaved every
-    variant, so the pairs (and the paired bootstrap) hold for any two of them. With `only`, the
-    other variants' speedups are dropped instead of recomputed (each bootstrap takes ~0.1 s)."""
-    from profuse.bench.stats import speedup_ci
-
-    out = copy.deepcopy(data)
-    entries = [out] if out.get("kind") == "tail" else list(out.get("runs", []))
-    if not any(baseline in ((e.get("comparison") or {}).get("timings") or {}) for e in entries):
-        raise UsageError(f"no size of this run timed the variant {baseline!r}: nothing to compare against")
-    for entry in entries:
-        comp = entry.get("comparison") or {}
-        timings = comp.get("timings") or {}
-        if baseline not in timings:
-            entry["comparison"] = None  # this size cannot say anything against the new baseline
-            entry["results"] = {}
-            continue
-        base = timings[baseline]["times_s"]
-        comp["baseline"] = baseline
-        comp["speedups"] = {}
-        for key, res in (entry.get("results") or {}).items():
-            skip = key == baseline or (only is not None and key not in only)
-            sp = None if skip else speedup_ci(base, timings[key]["times_s"]).to_dict()
-            res["speedup"] = sp
-            if sp:
-                comp["speedups"][key] = sp
-    return out
 
 
 def parse(data: dict, source: str = "results") -> SavedRun:
@@ -527,42 +494,6 @@ def write_csv(path: str | Path, data: dict) -> Path:
 # --------------------------------------------------------------------------------------------
 # diff: two saved runs, size by size and variant by variant
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TimeRatio:
-    """median(B) / median(A) of two independent runs; below 1, B is faster."""
-
-    median: float
-    low: float
-    high: float
-    confidence: float
-    method: str
-
-    @property
-    def verdict(self) -> str:
-        if self.high < 1.0:
-            return f"B faster ({self.median - 1:+.0%})"
-        if self.low > 1.0:
-            return f"B slower ({self.median - 1:+.0%})"
-        return "no measurable difference"
-
-
-def _ratio_b_over_a(a: np.ndarray, b: np.ndarray, axis: int = -1) -> np.ndarray:
-    return np.median(b, axis=axis) / np.median(a, axis=axis)
-
-
-def time_ratio_ci(a_s, b_s, confidence: float = 0.95, n_resamples: int = 5000, seed: int = 0) -> TimeRatio:
-    """median(B) / median(A) with a bootstrap CI that resamples each run's trials on its own.
-
-    The unpaired twin of bench.stats.speedup_ci: two saved runs were not interleaved, so trial i of
-    A has nothing to do with trial i of B (their counts may even differ), and pairing them would be
-    invented structure. BCa first, percentile where BCa degenerates, as speedup_ci does.
-    """
-    a, b = check_timings(a_s, b_s)
-    point = float(_ratio_b_over_a(a, b))
-    low, high, method = bootstrap_ratio_ci(a, b, _ratio_b_over_a, False, confidence, n_resamples, seed)
-    return TimeRatio(point, low, high, confidence, method)
 
 
 def _short_speedup(r: VariantRow | None) -> str:

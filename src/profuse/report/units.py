@@ -18,13 +18,15 @@ def fmt_time(seconds: float, unit: str | None = None) -> str:
     return f"{seconds:7.2f} s"
 
 
-def fmt_bytes(n: float) -> str:
-    """Decimal megabytes, as the lab prints traffic ('537 MB'); GB past 10 GB, kB under 1 MB."""
+def fmt_bytes(n: float, digits: int = 0) -> str:
+    """Decimal units, as the lab prints them: traffic in whole megabytes ('537 MB'), a file to
+    `digits=1` ('1.2 MB'); kB below the smallest megabyte figure the digits show (1 MB, 0.1 MB),
+    GB past 10 GB."""
     if n >= 10e9:
         return f"{n / 1e9:.1f} GB"
-    if n < 1e6:
+    if n < 10 ** (6 - digits):
         return f"{n / 1e3:.0f} kB"
-    return f"{n / 1e6:.0f} MB"
+    return f"{n / 1e6:.{digits}f} MB"
 
 
 def fmt_bandwidth(bps: float) -> str:

@@ -1,0 +1,166 @@
+"""profuse.report.sweep: saved results as tables, CSV and a diff of two runs, with their warnings.
+
+Everything here reads saved JSON (the session's two tiny sweeps, `saved` in conftest.py), as the
+report does.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shlex
+
+import pytest
+from cases import HUGE_ROWS, PNG_SIGNATURE, part_files
+
+from profuse import cli
+from profuse import sweep as S
+from profuse.report import plots
+from profuse.report import sweep as R
+
+# --------------------------------------------------------------------------------------------
+# Tables and CSV
+# --------------------------------------------------------------------------------------------
+
+
+def test_csv_failing_mid_write_leaves_old_file_and_no_temp(tmp_path, monkeypatch, saved):
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    target = tmp_path / "results.csv"
+    target.write_text("old,file\n")
+    real_writerow = csv.DictWriter.writerow
+    written = []
+
+    def disk_full_after_one_row(self, row):
+        if written:
+            raise OSError(28, "No space left on device")
+        written.append(row)
+        return real_writerow(self, row)
+
+    monkeypatch.setattr(csv.DictWriter, "writerow", disk_full_after_one_row)
+    with pytest.raises(OSError, match="No space left"):
+        R.write_csv(target, data)
+    assert written  # it failed halfway, not before starting
+    assert target.read_text() == "old,file\n"
+    assert part_files(tmp_path) == []
+
+
+def test_report_and_plot_show_the_copy_ceiling(tmp_path, saved):
+    # A CUDA run saves the copy ceiling; here it is written into a CPU file to check the rendering.
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    data["copy_ceiling_Bps"] = 4.0e12
+    for run in data["runs"]:
+        for res in run["results"].values():
+            res["fraction_of_copy"] = res["achieved_Bps"] / 4.0e12
+    text = R.format_report(data)
+    assert "% of copy" in text and "4.00 TB/s" in text
+    if plots.HAS_MATPLOTLIB:  # the roof is drawn too
+        png = plots.plot_bandwidth(data, tmp_path / "roof.png")
+        assert png.read_bytes().startswith(PNG_SIGNATURE)
+
+
+@pytest.mark.parametrize(
+    "sp, cell, line",
+    [
+        ((2.14, 2.11, 2.16, "faster"), "2.14x (2.11-2.16)", "speedup vs eager 2.14x  (95% CI 2.11-2.16)"),
+        ((0.46, 0.44, 0.5, "slower"), "2.17x slower (2.00-2.27)",
+         "2.17x slower than eager  (95% CI 2.00-2.27)"),
+        ((0.99, 0.97, 1.02, "no measurable gain"), "no measurable gain (0.97-1.02)",
+         "no measurable gain vs eager  (95% CI 0.97-1.02)"),
+    ],
+)  # fmt: skip
+def test_a_slowdown_reads_as_how_many_times_slower(sp, cell, line):
+    """The report's cell, the main job's line and diff's column say a slowdown the same way: the
+    factor the variant takes longer, never '0.46x slower'."""
+    from profuse.bench.stats import Speedup
+    from profuse.report.units import fmt_speedup
+
+    median, low, high, verdict = sp
+    row = R.VariantRow(64, 96, "float32", False, "x", "x", True, False, median_s=1e-3,
+                       speedup={"median": median, "low": low, "high": high, "verdict": verdict})  # fmt: skip
+    assert R.speedup_cell(row) == cell
+    assert fmt_speedup(Speedup(median, low, high, 0.95, "BCa"), "eager") == line
+    assert R._short_speedup(row) == ("no gain" if verdict.startswith("no") else cell.split(" (")[0])
+
+
+def test_a_sweep_where_nothing_fitted_names_no_byte_model():
+    cfg = S.SweepConfig(rows=[HUGE_ROWS], cols=[96], trials=2, warmup=0, variants=("eager",))
+    text = R.format_sweep(S.run_sweep(cfg).to_dict())
+    assert "skipped" in text and "None" not in text
+
+
+# --------------------------------------------------------------------------------------------
+# Warnings: unsteady timings, too few trials
+# --------------------------------------------------------------------------------------------
+
+
+def test_report_warns_of_unsteady_timings(saved):
+    """A size where a variant's trials were disturbed (a third of them at 3x the fastest) gets a
+    warning naming it; steady sizes get none."""
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    for run in data["runs"]:  # steady: every trial within 10% of the fastest
+        for timing in run["comparison"]["timings"].values():
+            timing["times_s"] = [1e-3 * (1 + 0.1 * (i % 2)) for i in range(30)]
+    assert "unsteady" not in R.format_report(data)
+    run = data["runs"][1]
+    times = run["comparison"]["timings"]["rms_norm"]["times_s"]
+    times[:] = [1e-3] * 20 + [3e-3] * 10
+    text = R.format_report(data)
+    warnings = [line for line in text.splitlines() if "unsteady" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("WARNING 128 x 96")
+    assert "F.rms_norm 10/30" in warnings[0] and "eager 0/30" in warnings[0]
+    # At one disturbed trial in 30 the median holds: no warning.
+    times[:] = [1e-3] * 29 + [3e-3]
+    assert "unsteady" not in R.format_report(data)
+
+
+def test_unsteady_warning_gives_a_command_that_times_the_size_again(saved):
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    for run in data["runs"]:  # steady: every trial within 10% of the fastest
+        for timing in run["comparison"]["timings"].values():
+            timing["times_s"] = [1e-3 * (1 + 0.1 * (i % 2)) for i in range(3)]
+    data["runs"][1]["comparison"]["timings"]["eager"]["times_s"] = [1e-3, 3e-3, 3e-3]
+    [warning] = [line for line in R.format_report(data).splitlines() if "unsteady" in line]
+    command = warning.split("again: ", 1)[1]
+    assert command.startswith("profuse ")
+    args = cli.build_parser().parse_args(shlex.split(command)[1:])
+    assert (args.rows, args.cols, args.dtype, args.device) == (128, 96, "float32", "cpu")
+    assert args.skip_profile and not args.backward
+    assert args.variants.split(",") == ["eager", "rms_norm"]
+    assert args.trials >= 10  # the saved run had 3: the command asks for enough to trust a CI
+    assert str(args.out) not in (".", str(saved["a"][0]))  # it does not replace the file it came from
+
+
+@pytest.mark.parametrize("trials, warned", [(2, True), (3, True), (9, True), (10, False), (30, False)])
+def test_few_trials_carry_a_caveat_on_their_ci(saved, trials, warned):
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    data["config"]["trials"] = trials
+    text = R.format_report(data)
+    caveats = [line for line in text.splitlines() if f"only {trials} trials" in line]
+    assert len(caveats) == (1 if warned else 0), text
+    if warned:
+        assert "--trials 10" in caveats[0] and "CI" in caveats[0]
+
+
+# --------------------------------------------------------------------------------------------
+# diff
+# --------------------------------------------------------------------------------------------
+
+
+def test_diff_notes_sizes_in_one_run_only(saved):
+    a = json.loads((saved["a"][0] / "results.json").read_text())
+    b = json.loads((saved["b"][0] / "results.json").read_text())
+    b["runs"] = b["runs"][:1]
+    text = R.format_diff(a, b)
+    assert "only in A: 128 x 96 (eager, eager F.rms_norm)" in text
+
+
+def test_diff_names_the_versions_and_what_changed_between_the_runs(saved):
+    a = json.loads((saved["a"][0] / "results.json").read_text())
+    b = json.loads((saved["b"][0] / "results.json").read_text())
+    b["env"] = {**b["env"], "torch": "9.9.9", "triton": None}
+    text = R.format_diff(a, b)
+    lines = text.splitlines()
+    assert f"torch {a['env']['torch']}, triton {a['env']['triton']}" in lines[1]
+    assert "torch 9.9.9, triton not installed" in lines[2]
+    assert f"from A to B: torch {a['env']['torch']}, triton {a['env']['triton']} -> torch 9.9.9" in text
+    assert "from A to B" not in R.format_diff(a, a)
