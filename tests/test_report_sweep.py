@@ -128,6 +128,11 @@ def test_unsteady_warning_gives_a_command_that_times_the_size_again(saved):
     assert args.variants.split(",") == ["eager", "rms_norm"]
     assert args.trials >= 10  # the saved run had 3: the command asks for enough to trust a CI
     assert str(args.out) not in (".", str(saved["a"][0]))  # it does not replace the file it came from
+    assert args.timing == "device"
+    for run in data["runs"]:  # a run timed in a loop is timed again the same way
+        run["comparison"]["timing"] = "loop"
+    [warning] = [line for line in R.format_report(data).splitlines() if "unsteady" in line]
+    assert cli.build_parser().parse_args(shlex.split(warning.split("again: ", 1)[1])[1:]).timing == "loop"
 
 
 @pytest.mark.parametrize("trials, warned", [(2, True), (3, True), (9, True), (10, False), (30, False)])

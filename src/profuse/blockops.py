@@ -88,7 +88,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor
 
     `silu_mul(gate, up)`: two (..., F) tensors (strided rows are read in place), their own
     gradients. `silu_mul(gate_up)`: the packed (..., 2F) matmul output; its gradient is one
-    (..., 2F) tensor. Differentiable; custom ops under torch.compile (no graph break).
+    (..., 2F) tensor. Differentiable; compiled ops under torch.compile (no graph break).
     """
     if not HAS_TRITON:
         raise RuntimeError(TRITON_MISSING)

@@ -12,7 +12,8 @@ The parameters stay where they are (the optimizer keeps them), and the model's f
 has no add to fuse, stays plain. Under bf16 autocast the model hands the fused add_rms_norm the
 mix autocast makes: x (a branch output) bf16, residual (the stream) and w fp32; it returns h fp32
 and y bf16, the dtype the next matmul reads (eager makes an fp32 y that autocast then casts).
-The fused ops are custom ops, so a fused model under torch.compile has no graph break at them.
+The fused ops are registered with torch.library, so a fused model under torch.compile has no graph
+break at them (on CUDA as Triton ops, whose kernels Inductor launches itself).
 
 `label_block_ops` wraps whatever ops a model holds in profiler ranges (`BLOCK_OP_RANGES`), so a
 trace of the unfused step shows which operators (and, through their autograd sequence numbers,

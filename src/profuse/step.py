@@ -7,7 +7,7 @@ the same batch:
     eager            the model as written, one op at a time
     fused            its block ops swapped for the fused Triton ones (profuse.fusion)
     compile          the whole model under torch.compile (profuse.compile.compile_model)
-    compile+fused    the fused model under torch.compile (the block ops are custom ops: no break)
+    compile+fused    the fused model under torch.compile (the block ops are compiled ops: no break)
 
 bf16 autocast on CUDA, as Part A; fp32 on the CPU. In order, each step before the next:
 

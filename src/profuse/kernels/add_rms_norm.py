@@ -26,7 +26,7 @@ tail has, is later work). Launch shapes are chosen per shape by kernels/configs.
 kernels/autotune.py once, and kept as the signature's plan: a later call is a dictionary lookup
 and its launches.
 
-Layout: the @triton.jit kernels; the launch plans; the launchers; the custom ops (torch.compile
+Layout: the @triton.jit kernels; the launch plans; the launchers; the compiled ops (torch.compile
 calls them without a graph break); the autograd.Function; and `add_rms_norm_fused`, the entry
 point behind profuse.blockops.add_rms_norm.
 """

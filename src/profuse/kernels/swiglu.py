@@ -20,7 +20,7 @@ shape per (rows, cols, dtype) is chosen by kernels/configs.py and kernels/autotu
 kept as the signature's plan, so a later call is a dictionary lookup and one launch.
 
 Layout: the @triton.jit kernels; the launches; the launchers (flatten to 2-D, allocate, look up
-the plan, launch); the custom ops (torch.compile calls them without a graph break); the
+the plan, launch); the compiled ops (torch.compile calls them without a graph break); the
 autograd.Functions; and `silu_mul_pair` / `silu_mul_packed`, the entry points behind
 profuse.blockops.silu_mul.
 """

@@ -345,6 +345,7 @@ def again_command(run: SavedRun, size: tuple[int, int]) -> str:
     device = run.device.split(":", 1)[0]
     argv += ["--device", device]
     argv += ["--warm-cache"] if device == "cuda" and not run.flush_l2 else []
+    argv += ["--timing", run.timing] if run.timing != "device" else []
     return shlex.join([*argv, "--out", "again"])
 
 
