@@ -89,7 +89,7 @@ def report(name: str, wall: float, stats: pstats.Stats, steps: int, top: int) ->
         by_where[_where(filename)] += tottime
         total += tottime
     profiled = total / steps
-    lines = [f"== {name}: {wall * 1e3:.2f} ms a step issued; {profiled * 1e3:.2f} ms under cProfile, of which:"]
+    lines = [f"== {name}: {wall * 1e3:.2f} ms a step issued; {profiled * 1e3:.2f} ms under cProfile:"]
     for where, t in sorted(by_where.items(), key=lambda kv: -kv[1]):
         lines.append(f"   {where:>20}: {t / steps * 1e3:7.2f} ms a step ({t / total:5.1%})")
     buf = io.StringIO()
