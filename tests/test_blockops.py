@@ -684,3 +684,20 @@ def test_traced_on_fake_tensors_plans_on_real_ones_then_records():
         A.traced(launcher, fake)
     assert calls == [("Tensor", (4, 3), (6, 2), BF16, False), ("FakeTensor", (4, 3), (6, 2), BF16, True)]
     assert A._TRACING is False
+
+
+def test_compiled_op_without_triton_op_is_the_custom_op_everywhere(monkeypatch):
+    """torch before 2.6 has no triton_op: every device gets the opaque custom op, which runs
+    the launcher and keeps its fake's shapes."""
+    monkeypatch.setattr(A, "HAS_TRITON_OP", False)
+
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    route = A.compiled_op("test_twice_no_triton_op", twice, lambda x: x.new_empty(x.shape))
+    op = torch.ops.profuse.test_twice_no_triton_op
+    assert route(torch.empty(1)) is op
+    assert route(type("CudaLike", (), {"is_cuda": True})()) is op
+    assert not hasattr(torch.ops.profuse, "test_twice_no_triton_op_triton")
+    x = torch.randn(5)
+    assert torch.equal(op(x), x * 2)

@@ -19,6 +19,7 @@ from torch import nn
 
 from profuse import blockops, fusion
 from profuse import step as S
+from profuse.bench.stats import FEW_TRIALS
 from profuse.errors import UsageError
 from profuse.model import GPT, AddRMSNorm, GPTConfig, SwiGLU, random_batch
 from profuse.report.step import format_step, load_step
@@ -310,6 +311,18 @@ def test_amdahl_prediction_from_the_shares_and_op_speedups(eager_vs_fused):
     assert a.predict("low") <= a.predict() <= a.predict("high")
     assert a.measured == res.comparison.speedups["fused"].to_dict()
     assert math.isclose(a.ceiling, 1 / (1 - a.f))
+
+
+def test_few_trials_carry_a_caveat_in_the_step_report(eager_vs_fused):
+    res, _, _ = eager_vs_fused
+    data = res.to_dict()
+    trials = data["comparison"]["trials"]
+    caveats = [line for line in format_step(data).splitlines() if "trials: a bootstrap over so few" in line]
+    assert len(caveats) == (1 if trials < FEW_TRIALS else 0)
+    data["comparison"]["trials"] = FEW_TRIALS
+    assert "a bootstrap over so few" not in format_step(data)
+    data["comparison"]["trials"] = 3
+    assert any(line.startswith("WARNING only 3 trials") for line in format_step(data).splitlines())
 
 
 def test_amdahl_arithmetic():

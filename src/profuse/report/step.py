@@ -11,6 +11,7 @@ from pathlib import Path
 
 from profuse.bench.stats import STATISTIC
 from profuse.env import card_name
+from profuse.report.sweep import few_trials_note
 from profuse.report.units import fmt_bytes, fmt_time, time_unit
 
 W = 14  # variant column: fits "compile+fused"
@@ -230,7 +231,7 @@ def format_step(data: dict) -> str:
     if data["profiles"]:
         basis = next(iter(data["profiles"].values()))["basis"]
         notes.append(f"per step and memory-bound share: from a short profile of each variant ({basis})")
-    lines += notes
+    lines += notes + few_trials_note(cmp["trials"])
     amdahl = _amdahl_lines(data)
     if amdahl:
         lines.append("")
