@@ -735,32 +735,24 @@ def plan(cfg: StepConfig, ops: fusion.BlockOps | None) -> tuple[list[str], dict[
     return runs, skipped
 
 
-def run_step(
-    cfg: StepConfig, progress: Progress | None = None, ops: fusion.BlockOps | None = None
-) -> StepResult:
-    """Part C, steps 1-6 of the module's docstring. `ops`: the fused implementations (default
-    profuse.blockops' Triton ones; fusion.EAGER runs anywhere). Nothing is printed."""
-    tell = progress or (lambda _stage, _done, _total: None)
-    dev = cfg.device
-    names, skipped = plan(cfg, ops)
-    block_ops = ops or fusion.FUSED
-    check_step_fits(cfg, len(names))
-    failed: dict[str, str] = {}
+def _math_stage(cfg, names, block_ops, failed, tell) -> tuple[MathCheck | None, list[str]]:
+    """Step 2: the same-math check, where a fused variant is to run; the fused variants that
+    fail it go to `failed` and leave `names`."""
+    if not any(n in FUSED_VARIANTS for n in names):
+        return None, names
+    tell("checking the fused step against float64", 0, 1)
+    check = check_same_math(cfg, block_ops)
+    if not check.passed:
+        why = check.error or f"its {check.worst} is outside the bound against float64"
+        for n in FUSED_VARIANTS:
+            if n in names:
+                failed[n] = f"failed the same-math check: {why}"
+    return check, [n for n in names if n not in failed]
 
-    check = None
-    if any(n in FUSED_VARIANTS for n in names):
-        tell("checking the fused step against float64", 0, 1)
-        check = check_same_math(cfg, block_ops)
-        if not check.passed:
-            why = check.error or f"its {check.worst} is outside the bound against float64"
-            for n in FUSED_VARIANTS:
-                if n in names:
-                    failed[n] = f"failed the same-math check: {why}"
-            names = [n for n in names if n not in failed]
 
-    autocast = _autocast(dev)
-    idx, targets = random_batch(cfg.model, torch.Generator().manual_seed(cfg.seed), dev)
-    variants = _build_variants(cfg, names, block_ops)
+def _first_steps(variants, idx, targets, autocast, dev, failed, tell) -> dict[str, FirstStep]:
+    """Step 3's first half: every variant's first step, eager's first (the others are compared
+    with it); a variant that raises goes to `failed`."""
     first_steps: dict[str, FirstStep] = {}
     eager_kept: dict | None = None
     for i, v in enumerate(variants):
@@ -774,30 +766,78 @@ def run_step(
         first_steps[v.name] = first
         if v.name == BASELINE:
             eager_kept = kept
-    del eager_kept
+    return first_steps
+
+
+def _timed_steps(cfg, variants, steps, first_steps, tell) -> tuple[Comparison, dict[str, StepMemory]]:
+    """Step 3's second half and step 4: interleaved trials of whole steps, then (CUDA) each
+    variant's peak memory. No recompile is allowed while timing."""
+    dev = cfg.device
+    memory: dict[str, StepMemory] = {}
+    say = lambda stage, done, total: tell(f"steps: {stage}", done, total)
+    with _compile.no_recompiles():
+        comparison = compare(
+            steps,
+            BASELINE,
+            trials=cfg.trials,
+            device=dev,
+            warmup=cfg.warmup,
+            flush_l2=False,  # a step's own traffic (hundreds of MB) evicts the L2
+            seed=cfg.seed,
+            progress=say,
+            timing="loop",  # back to back, as a training loop runs steps
+            first_calls={k: first_steps[k].seconds for k in steps},
+        )
+        if dev.type == "cuda":
+            for v in variants:
+                memory[v.name] = _step_memory(steps[v.name], v, dev)
+    return comparison, memory
+
+
+def _amdahl_stage(
+    cfg, block_ops, comparison, profiles, timed, tell
+) -> tuple[dict[str, OpTiming], Amdahl | None]:
+    """Step 6: the fused ops' own speedups (where a fused variant was timed) and the Amdahl
+    prediction from the eager profile's shares."""
+    eager_profile = profiles.get(BASELINE)
+    if eager_profile is None or comparison is None:
+        return {}, None
+    ops_timed: dict[str, OpTiming] = {}
+    if any(n in timed for n in FUSED_VARIANTS):
+        ops_timed = time_block_ops(cfg, block_ops, tell)
+    per_step_s = eager_profile.time_per_step_us * 1e-6
+    fused_sp = comparison.speedups.get("fused")
+    amdahl = Amdahl(
+        eager_step_s=comparison.median_s(BASELINE),
+        op_s={op: eager_profile.block_op_pct[op] / 100.0 * per_step_s for op in OPS},
+        op_speedups={op: t.speedup.to_dict() for op, t in ops_timed.items()},
+        measured=fused_sp.to_dict() if fused_sp else None,
+    )
+    return ops_timed, amdahl
+
+
+def run_step(
+    cfg: StepConfig, progress: Progress | None = None, ops: fusion.BlockOps | None = None
+) -> StepResult:
+    """Part C, steps 1-6 of the module's docstring. `ops`: the fused implementations (default
+    profuse.blockops' Triton ones; fusion.EAGER runs anywhere). Nothing is printed."""
+    tell = progress or (lambda _stage, _done, _total: None)
+    dev = cfg.device
+    names, skipped = plan(cfg, ops)
+    block_ops = ops or fusion.FUSED
+    check_step_fits(cfg, len(names))
+    failed: dict[str, str] = {}
+    check, names = _math_stage(cfg, names, block_ops, failed, tell)
+
+    autocast = _autocast(dev)
+    idx, targets = random_batch(cfg.model, torch.Generator().manual_seed(cfg.seed), dev)
+    variants = _build_variants(cfg, names, block_ops)
+    first_steps = _first_steps(variants, idx, targets, autocast, dev, failed, tell)
     variants = [v for v in variants if v.name in first_steps]
     steps = {v.name: _train_step(v, idx, targets, autocast) for v in variants}
-
-    comparison = None
-    memory: dict[str, StepMemory] = {}
-    if BASELINE in steps:
-        say = lambda stage, done, total: tell(f"steps: {stage}", done, total)
-        with _compile.no_recompiles():
-            comparison = compare(
-                steps,
-                BASELINE,
-                trials=cfg.trials,
-                device=dev,
-                warmup=cfg.warmup,
-                flush_l2=False,  # a step's own traffic (hundreds of MB) evicts the L2
-                seed=cfg.seed,
-                progress=say,
-                timing="loop",  # back to back, as a training loop runs steps
-                first_calls={k: first_steps[k].seconds for k in steps},
-            )
-            if dev.type == "cuda":
-                for v in variants:
-                    memory[v.name] = _step_memory(steps[v.name], v, dev)
+    comparison, memory = (
+        _timed_steps(cfg, variants, steps, first_steps, tell) if BASELINE in steps else (None, {})
+    )
     timed = list(comparison.timings) if comparison else []
     fusion_over_compile = None
     if "compile" in timed and "compile+fused" in timed:
@@ -807,26 +847,12 @@ def run_step(
     _release(dev)
 
     profiles: dict[str, VariantProfile] = {}
-    if cfg.profile_steps > 0:
+    if cfg.profile_steps > 0:  # step 5
         for i, name in enumerate(timed):
             say = lambda _msg, i=i, name=name: tell(f"profiling {name}", i, len(timed))
             profiles[name] = profile_variant(cfg, name, block_ops, say)
             _release(dev)
-
-    ops_timed: dict[str, OpTiming] = {}
-    amdahl = None
-    eager_profile = profiles.get(BASELINE)
-    if eager_profile is not None and comparison is not None:
-        if any(n in timed for n in FUSED_VARIANTS):
-            ops_timed = time_block_ops(cfg, block_ops, tell)
-        per_step_s = eager_profile.time_per_step_us * 1e-6
-        fused_sp = comparison.speedups.get("fused")
-        amdahl = Amdahl(
-            eager_step_s=comparison.median_s(BASELINE),
-            op_s={op: eager_profile.block_op_pct[op] / 100.0 * per_step_s for op in OPS},
-            op_speedups={op: t.speedup.to_dict() for op, t in ops_timed.items()},
-            measured=fused_sp.to_dict() if fused_sp else None,
-        )
+    ops_timed, amdahl = _amdahl_stage(cfg, block_ops, comparison, profiles, timed, tell)
 
     return StepResult(
         config=cfg,
