@@ -163,55 +163,15 @@ def compare(
     if timer is None:
         timer = make_timer(timing, dev, flush_l2)
     timing = getattr(timer, "timing", timing)
-    names = list(variants)
     first: dict[str, float] = dict(first_calls or {})
-
-    calls: dict[str, Callable[[], object]] = {}
-    not_timed: dict[str, str] = {}
-    for i, name in enumerate(names):
-        if name not in first:
-            first[name] = timed_call(variants[name], dev)[0]
-        for _ in range(warmup):
-            variants[name]()
-        _sync(dev)
-        calls[name] = variants[name]
-        if isinstance(timer, GraphTimer):
-            try:
-                calls[name] = timer.capture(variants[name])
-            except GraphError as err:
-                if name == baseline:
-                    raise
-                not_timed[name] = str(err)
-                del calls[name]
-        if progress:
-            progress("warm-up", i + 1, len(names))
-    names = [n for n in names if n in calls]
-
-    rng = random.Random(seed)
+    calls, not_timed = _warm_up(variants, baseline, dev, warmup, timer, first, progress)
+    names = list(calls)
     host: dict[str, list[float]] = {n: [] for n in names}
     if dev.type == "cuda" if host_rounds is None else host_rounds:
-        # The calls as a loop makes them (not the graph replays), each round in its own order.
-        host_rng = random.Random(seed + 1)
+        # The calls as a loop makes them (not the graph replays).
         clock = getattr(timer, "clock", time.perf_counter)
-        for r in range(trials):
-            order = names[:]
-            host_rng.shuffle(order)
-            for name, sec in zip(order, host_times([variants[n] for n in order], dev, clock)):
-                host[name].append(sec)
-            if progress:
-                progress("host time", r + 1, trials)
-
-    times: dict[str, list[float]] = {n: [] for n in names}
-    orders = []
-    for t in range(trials):
-        order = names[:]
-        rng.shuffle(order)
-        orders.append(order)
-        for name, sec in zip(order, timer.time_calls([calls[n] for n in order])):
-            times[name].append(sec)
-        if progress:
-            progress("trials", t + 1, trials)
-
+        host = _host_rounds({n: variants[n] for n in names}, dev, trials, seed + 1, clock, progress)
+    times, orders = _trial_rounds(calls, timer, trials, seed, progress)
     timings = {n: VariantTiming(n, times[n], first[n], host[n]) for n in names}
     speedups = {
         n: speedup_ci(times[baseline], times[n], confidence, n_resamples, seed)
@@ -232,3 +192,62 @@ def compare(
         timing=timing,
         not_timed=not_timed,
     )
+
+
+def _warm_up(variants, baseline, dev, warmup, timer, first, progress) -> tuple[dict, dict[str, str]]:
+    """Each variant's first call (timed into `first` unless given there), its warm-up calls, and
+    with graph timing its capture. Returns (the calls to time by name, {variant: why not timed});
+    a baseline that cannot be captured raises."""
+    calls: dict[str, Callable[[], object]] = {}
+    not_timed: dict[str, str] = {}
+    for i, name in enumerate(variants):
+        if name not in first:
+            first[name] = timed_call(variants[name], dev)[0]
+        for _ in range(warmup):
+            variants[name]()
+        _sync(dev)
+        calls[name] = variants[name]
+        if isinstance(timer, GraphTimer):
+            try:
+                calls[name] = timer.capture(variants[name])
+            except GraphError as err:
+                if name == baseline:
+                    raise
+                not_timed[name] = str(err)
+                del calls[name]
+        if progress:
+            progress("warm-up", i + 1, len(variants))
+    return calls, not_timed
+
+
+def _host_rounds(calls, dev, rounds, seed, clock, progress) -> dict[str, list[float]]:
+    """Host time per call of each variant, in `rounds` rounds each in its own shuffled order."""
+    rng = random.Random(seed)
+    names = list(calls)
+    host: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[:]
+        rng.shuffle(order)
+        for name, sec in zip(order, host_times([calls[n] for n in order], dev, clock)):
+            host[name].append(sec)
+        if progress:
+            progress("host time", r + 1, rounds)
+    return host
+
+
+def _trial_rounds(calls, timer, trials, seed, progress) -> tuple[dict[str, list[float]], list[list[str]]]:
+    """The timed trials: every variant once per trial, in an order shuffled per trial.
+    Returns (seconds per trial by variant, the orders)."""
+    rng = random.Random(seed)
+    names = list(calls)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    orders = []
+    for t in range(trials):
+        order = names[:]
+        rng.shuffle(order)
+        orders.append(order)
+        for name, sec in zip(order, timer.time_calls([calls[n] for n in order])):
+            times[name].append(sec)
+        if progress:
+            progress("trials", t + 1, trials)
+    return times, orders
