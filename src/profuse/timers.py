@@ -28,12 +28,6 @@ import torch
 from profuse.env import l2_cache_bytes
 
 TIMINGS = ("device", "loop", "graph")
-TIMING_HELP = {
-    "device": "device time: the CPU kept ahead behind a GPU sleep, L2 flushed before each call",
-    "loop": "calls back to back with nothing queued ahead, as a CPU-bound training loop and "
-    "triton's do_bench see them: about the larger of host and device time",
-    "graph": "CUDA-graph replay: device time with no launch cost",
-}
 
 
 class CpuTimer:
