@@ -366,6 +366,7 @@ BAD = {
     "unknown flag": ["--frobnicate"],
     "unknown timing": ["--timing", "wall"],
     "graph timing on a cpu": ["--timing", "graph", "--device", "cpu"],
+    "seed negative": ["--seed", "-1"],
 }
 
 

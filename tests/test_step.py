@@ -325,6 +325,18 @@ def test_few_trials_carry_a_caveat_in_the_step_report(eager_vs_fused):
     assert any(line.startswith("WARNING only 3 trials") for line in format_step(data).splitlines())
 
 
+def test_a_slowdown_reads_as_how_many_times_slower():
+    """As in every report: '1.33x slower (1.27-1.37)', its CI turned round, never '0.75x slower'."""
+    from profuse.report.step import _speedup
+
+    slow = {"median": 0.75, "low": 0.73, "high": 0.79, "verdict": "slower"}
+    assert _speedup(slow) == "1.33x slower (1.27-1.37)"
+    fast = {"median": 1.14, "low": 1.13, "high": 1.15, "verdict": "faster"}
+    assert _speedup(fast) == "1.14x (1.13-1.15) faster"
+    flat = {"median": 1.02, "low": 0.99, "high": 1.06, "verdict": "no measurable gain"}
+    assert _speedup(flat) == "1.02x (0.99-1.06) no measurable gain"
+
+
 def test_amdahl_arithmetic():
     sp = lambda m, lo, hi: {"median": m, "low": lo, "high": hi}
     a = S.Amdahl(

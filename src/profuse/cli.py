@@ -107,7 +107,9 @@ def _add_device_args(p: argparse.ArgumentParser) -> None:
         "--device", default="auto", choices=("auto", "cuda", "cpu"),
         help="where to run: auto picks cuda when a GPU is there, else cpu (default: auto)",
     )  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="seed for inputs and the trial order (default: 0)")
+    p.add_argument(
+        "--seed", type=nonnegative_int, default=0, help="seed for inputs and the trial order (default: 0)"
+    )
 
 
 def _add_bench_args(p: argparse.ArgumentParser, sizes_are_lists: bool = False) -> None:

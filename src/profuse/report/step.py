@@ -12,7 +12,7 @@ from pathlib import Path
 from profuse.bench.stats import STATISTIC
 from profuse.env import card_name
 from profuse.report.sweep import few_trials_note
-from profuse.report.units import fmt_bytes, fmt_time, time_unit
+from profuse.report.units import fmt_bytes, fmt_time, speedup_terms, time_unit
 
 W = 14  # variant column: fits "compile+fused"
 KIND = "step"
@@ -29,13 +29,16 @@ def load_step(path: str | Path) -> dict | None:
 
 
 def _speedup(sp: dict | None) -> str:
-    """'1.03x (1.02-1.04) faster', or 'no measurable gain' with its interval."""
+    """'1.03x (1.02-1.04) faster', '1.33x slower (1.27-1.37)' (the factor it takes longer, its
+    interval turned round with it, as every report says a slowdown), or 'no measurable gain'."""
     if not sp:
         return ""
-    ci = f"({sp['low']:.2f}-{sp['high']:.2f})"
+    ratio, ci = speedup_terms(sp["median"], sp["low"], sp["high"], sp["verdict"])
+    if sp["verdict"] == "slower":
+        return f"{ratio} ({ci})"
     if sp["verdict"] == "no measurable gain":
-        return f"{sp['median']:.2f}x {ci} no measurable gain"
-    return f"{sp['median']:.2f}x {ci} {sp['verdict']}"
+        return f"{ratio} ({ci}) no measurable gain"
+    return f"{ratio} ({ci}) {sp['verdict']}"
 
 
 def _model_line(data: dict) -> str:
