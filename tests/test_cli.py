@@ -301,8 +301,8 @@ HEAVY_MODULES = ("torch", "numpy", "scipy", "triton", "matplotlib")
 
 @pytest.mark.parametrize(
     "argv",
-    [["--help"], ["sweep", "--help"], ["profile", "--help"], ["report", "--help"], ["--rows", "0"],
-     ["sweep", "--elements", "4X"], ["--version"]],
+    [["--help"], ["sweep", "--help"], ["profile", "--help"], ["report", "--help"], ["step", "--help"],
+     ["diff", "--help"], ["--rows", "0"], ["sweep", "--elements", "4X"], ["step", "--bogus"], ["--version"]],
     ids=" ".join,
 )  # fmt: skip
 def test_help_and_argument_errors_import_nothing_heavy(argv):
@@ -319,7 +319,7 @@ def test_help_and_argument_errors_import_nothing_heavy(argv):
                           env=subprocess_env(), timeout=120)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
-    expected = 2 if "0" in argv or "4X" in argv else 0
+    expected = 2 if "0" in argv or "4X" in argv or "--bogus" in argv else 0
     assert last == f"HEAVY [] CODE {expected}", (last, proc.stderr)
 
 

@@ -847,9 +847,9 @@ def run_part_c(cfg) -> None:
 
 
 def cmd_step(argv: list[str]) -> int:
+    args = build_step_parser().parse_args(argv)  # before torch is imported: --help stays quick
     from profuse.env import resolve_device
 
-    args = build_step_parser().parse_args(argv)
     check_out(args, ())  # a folder that cannot be written fails now, not after the measuring
     cfg = _step_config(args, resolve_device(args.device), args.preset)
     check_step(cfg)
