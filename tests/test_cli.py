@@ -377,6 +377,21 @@ def test_bad_input_exits_2_with_one_line(case, capsys, tmp_path):
     assert not (tmp_path / "results.json").exists()
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["profile", "--d-model", "65536", "--layers", "64"],
+        ["--profile-only", "--seq-len", "100000", "--batch-size", "64"],
+    ],
+    ids=["too many parameters", "too many tokens"],
+)
+def test_part_a_too_big_for_memory_is_one_line_before_any_work(argv, capsys, tmp_path):
+    code, _out, err = run([*argv, "--out", str(tmp_path)], capsys)
+    assert_one_clear_line(code, err)
+    assert "Part A's step" in err and "GB" in err
+    assert not (tmp_path / "trace.json").exists() and not (tmp_path / "profile.json").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # An output folder that cannot be written fails before any work: one line, exit 2
 # --------------------------------------------------------------------------------------------

@@ -377,10 +377,11 @@ def _profile_config(args, device):
 
 def run_part_a(args, device) -> None:
     from profuse.files import write_json
-    from profuse.profiling import SUMMARY_KIND, compiled_config, run_profile
+    from profuse.profiling import SUMMARY_KIND, check_profile_fits, compiled_config, run_profile
     from profuse.report.profile import format_profile, format_profile_comparison
 
     cfg = _profile_config(args, device)
+    check_profile_fits(cfg)
     progress = Progress()
     say = lambda text: progress(text, 0, 1)
     eager = run_profile(cfg, progress=say)

@@ -96,6 +96,32 @@ class GPTConfig:
     def head_dim(self) -> int:
         return self.d_model // self.n_head
 
+    @property
+    def tokens(self) -> int:
+        return self.batch_size * self.seq_len
+
+    def param_count(self) -> int:
+        """GPT(self).num_params() without building it: embedding (+ head if untied), per layer the
+        four attention and three feed-forward matrices and two norms, and the final norm."""
+        d, f = self.d_model, self.hidden
+        per_layer = 4 * d * d + 3 * d * f + 2 * d
+        return self.vocab_size * d * (1 if self.tie_weights else 2) + self.n_layer * per_layer + d
+
+    def activation_bytes(self) -> int:
+        """A generous bound on one training step's activations: ~16 d + 4 F fp32 numbers a token
+        and layer kept for the backward (bf16 ones count half: this is the fp32 bound), the
+        logits with their log-softmax and gradients (~4 V a token), and attention's scores where
+        a backend writes them out (B x heads x T^2 fp32 a layer, CPU's math path)."""
+        per_token = self.n_layer * (16 * self.d_model + 4 * self.hidden) + 4 * self.vocab_size
+        scores = self.batch_size * self.n_head * self.seq_len**2
+        return (self.tokens * per_token + scores) * 4
+
+    def train_bytes(self) -> int:
+        """A generous bound on the memory of training one copy: fp32 parameters, gradients and
+        AdamW's two moments (16 bytes a parameter), autocast's bf16 weight copies (2), and one
+        step's activations."""
+        return 18 * self.param_count() + self.activation_bytes()
+
 
 class FallbackRMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * w over the last dimension: nn.RMSNorm for torch < 2.4."""

@@ -48,6 +48,7 @@ from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 from profuse.compile import compile_model
+from profuse.env import check_fits
 from profuse.errors import UsageError
 from profuse.files import atomic_path
 from profuse.model import GPT, GPTConfig, random_batch
@@ -491,6 +492,16 @@ def _write_trace(prof: profile, path: Path, say: Progress) -> dict:
         prof.export_chrome_trace(str(tmp))
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def check_profile_fits(cfg: ProfileConfig) -> None:
+    """UsageError (one line) when the profiled model will not fit in the device's free memory."""
+    m = cfg.model
+    check_fits(
+        m.train_bytes(),
+        cfg.device,
+        f"Part A's step of {m.param_count() / 1e6:.0f}M parameters and {m.tokens} tokens",
+    )
 
 
 def compiled_config(cfg: ProfileConfig) -> ProfileConfig:

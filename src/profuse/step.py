@@ -171,11 +171,8 @@ class StepConfig:
 
 
 def num_params(m: GPTConfig) -> int:
-    """GPT(m).num_params() without building it: embedding (+ head if untied), per layer the four
-    attention and three feed-forward matrices and two norms, and the final norm."""
-    d, f = m.d_model, m.hidden
-    per_layer = 4 * d * d + 3 * d * f + 2 * d
-    return m.vocab_size * d * (1 if m.tie_weights else 2) + m.n_layer * per_layer + d
+    """GPT(m).num_params() without building it (GPTConfig.param_count)."""
+    return m.param_count()
 
 
 def estimated_bytes(cfg: StepConfig, n_variants: int) -> int:
@@ -183,14 +180,10 @@ def estimated_bytes(cfg: StepConfig, n_variants: int) -> int:
 
     Per variant, resident: fp32 parameters, gradients and AdamW's two moments (16 bytes a
     parameter). Once: eager's first-step gradients, kept to compare the others with (4), and
-    autocast's bf16 copies of the weights (2); one step's activations, ~16 d + 4 F fp32 numbers a
-    token and layer kept for the backward (bf16 ones count half: this is the fp32 bound), and the
-    logits with their log-softmax and gradients (~4 V a token).
+    autocast's bf16 copies of the weights (2); one step's activations (GPTConfig.activation_bytes).
     """
-    m = cfg.model
-    p = num_params(m)
-    activations = cfg.tokens * (m.n_layer * (16 * m.d_model + 4 * m.hidden) + 4 * m.vocab_size) * 4
-    return n_variants * 16 * p + 6 * p + activations
+    p = num_params(cfg.model)
+    return n_variants * 16 * p + 6 * p + cfg.model.activation_bytes()
 
 
 def check_step_fits(cfg: StepConfig, n_variants: int | None = None) -> None:
