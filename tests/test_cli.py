@@ -599,11 +599,18 @@ def test_triton_runs_on_a_cpu_through_the_interpreter(tmp_path, capsys, monkeypa
     assert code == 0, err
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["checks"]["triton"]["passed"] and "triton" in data["results"]
+    # Its times are the interpreter's: said under the table, recorded, and said again by report.
+    assert data["env"]["triton_interpret"] is True
+    warning = "triton ran through Triton's interpreter (TRITON_INTERPRET=1)"
+    assert warning in out
+    code, again, _ = run(["report", str(tmp_path / "results.json")], capsys)
+    assert code == 0 and warning in again
     monkeypatch.delenv("TRITON_INTERPRET")
     code, out, err = run(argv, capsys)
     assert code == 0, err
     data = json.loads((tmp_path / "results.json").read_text())
     assert "TRITON_INTERPRET=1" in data["skipped"]["triton"]
+    assert data["env"]["triton_interpret"] is False and "interpreter (TRITON_INTERPRET" not in out
 
 
 # --------------------------------------------------------------------------------------------

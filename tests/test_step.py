@@ -337,6 +337,18 @@ def test_a_slowdown_reads_as_how_many_times_slower():
     assert _speedup(flat) == "1.02x (0.99-1.06) no measurable gain"
 
 
+def test_fused_triton_steps_timed_in_the_interpreter_carry_a_warning(eager_vs_fused):
+    res, _, _ = eager_vs_fused
+    data = res.to_dict()
+    data["env"]["triton_interpret"] = True
+    assert "Triton's interpreter" not in format_step(data)  # the eager stand-ins run no Triton
+    data["block_ops"] = "profuse Triton kernels"
+    [warning] = [line for line in format_step(data).splitlines() if "Triton's interpreter" in line]
+    assert warning.startswith("WARNING fused ran through")
+    data["env"]["triton_interpret"] = False
+    assert "Triton's interpreter" not in format_step(data)
+
+
 def test_amdahl_arithmetic():
     sp = lambda m, lo, hi: {"median": m, "low": lo, "high": hi}
     a = S.Amdahl(

@@ -139,6 +139,8 @@ def environment(device: torch.device) -> dict:
         "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
         "argv": sys.argv[1:],
+        # Triton's kernels ran through its interpreter: their times are the interpreter's.
+        "triton_interpret": device.type != "cuda" and os.environ.get("TRITON_INTERPRET") == "1",
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

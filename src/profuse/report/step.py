@@ -11,7 +11,7 @@ from pathlib import Path
 
 from profuse.bench.stats import STATISTIC
 from profuse.env import card_name
-from profuse.report.sweep import few_trials_note
+from profuse.report.sweep import few_trials_note, interpreter_note
 from profuse.report.units import fmt_bytes, fmt_time, speedup_terms, time_unit
 
 W = 14  # variant column: fits "compile+fused"
@@ -234,7 +234,9 @@ def format_step(data: dict) -> str:
     if data["profiles"]:
         basis = next(iter(data["profiles"].values()))["basis"]
         notes.append(f"per step and memory-bound share: from a short profile of each variant ({basis})")
-    lines += notes + few_trials_note(cmp["trials"])
+    triton_ops = "Triton" in data["block_ops"]  # not the eager stand-ins (fusion.EAGER)
+    fused_timed = [n for n in ("fused", "compile+fused") if triton_ops and n in data["results"]]
+    lines += notes + few_trials_note(cmp["trials"]) + interpreter_note(data["env"], fused_timed)
     amdahl = _amdahl_lines(data)
     if amdahl:
         lines.append("")

@@ -359,9 +359,26 @@ def few_trials_note(trials: int) -> list[str]:
     ]
 
 
+INTERPRETED_VARIANTS = ("triton",)
+
+
+def interpreter_note(env: dict, timed: list[str]) -> list[str]:
+    """The caveat on Triton kernels timed through Triton's interpreter (none otherwise)."""
+    if not env.get("triton_interpret") or not timed:
+        return []
+    return [
+        f"WARNING {', '.join(timed)} ran through Triton's interpreter (TRITON_INTERPRET=1): its times "
+        "are the interpreter's, not a kernel's; use it on a CPU to check the math, never to time"
+    ]
+
+
 def timing_warnings(run: SavedRun) -> list[str]:
-    """What makes this run's numbers less than they look: too few trials, disturbed sizes."""
-    return few_trials_note(run.trials) + unsteady_notes(run)
+    """What makes this run's numbers less than they look: too few trials, disturbed sizes,
+    Triton kernels timed through the interpreter."""
+    timed = list(
+        dict.fromkeys(r.variant for r in run.variant_rows if r.variant in INTERPRETED_VARIANTS and r.median_s)
+    )
+    return few_trials_note(run.trials) + unsteady_notes(run) + interpreter_note(run.env, timed)
 
 
 def _notes(run: SavedRun) -> list[str]:
