@@ -318,6 +318,18 @@ def test_a_result_reads_back_from_its_json(profiled):
     assert again == result
 
 
+def test_an_older_summary_without_later_fields_reads_back(profiled):
+    """A summary written before region_pct existed (benchmarks/results/h200-2026-12-02) reads
+    with that field's default; one missing a field with no default is still malformed."""
+    result, _, _ = profiled
+    data = json.loads(json.dumps(result.to_dict()))
+    del data["region_pct"]
+    assert ProfileResult.from_dict(data).summary.region_pct == {}
+    del data["tail_pct"]
+    with pytest.raises(KeyError):
+        ProfileResult.from_dict(data)
+
+
 # --- a launch-bound step, and regions traced through to their backward kernels ----------------
 
 

@@ -40,7 +40,7 @@ import time
 import warnings
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -201,6 +201,11 @@ class OperatorRow:
     self_cpu_us: float
 
 
+def _required(f) -> bool:
+    """Is dataclass field `f` one without a default?"""
+    return f.default is MISSING and f.default_factory is MISSING
+
+
 @dataclass
 class TraceSummary:
     """What `analyze_trace` reads from a trace: where the step's time went."""
@@ -306,7 +311,10 @@ class ProfileResult:
     @classmethod
     def from_dict(cls, d: dict) -> ProfileResult:
         """The result again from `to_dict()`'s JSON (the summary's fields are flattened into it)."""
-        summary = TraceSummary(**{f.name: d[f.name] for f in fields(TraceSummary)})
+        # A field with a default may be absent: a summary written before it existed (region_pct).
+        summary = TraceSummary(
+            **{f.name: d[f.name] for f in fields(TraceSummary) if f.name in d or _required(f)}
+        )
         return cls(
             device=d["device"],
             compiled=bool(d["compiled"]),
