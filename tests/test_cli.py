@@ -964,6 +964,14 @@ def test_bad_results_files_are_one_line_errors(tmp_path, saved, content, message
         assert message in err and len(err.strip().splitlines()) == 1
 
 
+def test_diff_of_a_step_file_says_what_it_is(tmp_path, saved):
+    path = tmp_path / "step.json"
+    path.write_text('{"kind": "step"}')
+    code, out, err = run_cli("diff", str(saved["a"][0] / "results.json"), str(path))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+    assert "Part C's step.json" in err and f"profuse report {path}" in err and "kind" not in err
+
+
 def test_report_vs_an_untimed_variant_is_a_one_line_error(saved):
     out, _ = saved["a"]
     code, _, stderr = run_cli("report", str(out / "results.json"), "--vs", "triton")

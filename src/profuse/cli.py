@@ -553,7 +553,11 @@ def build_sweep_parser() -> argparse.ArgumentParser:
 
 def build_report_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="profuse report", description="Print a saved run of profuse or profuse sweep again.")
-    p.add_argument("results", type=Path, help="a results.json written by profuse or profuse sweep")
+    p.add_argument(
+        "results", type=Path,
+        help="a file profuse wrote: results.json (profuse, profuse sweep), results.partial.json, "
+        "profile.json or profile_ddp.json (Part A), step.json (profuse step)",
+    )  # fmt: skip
     p.add_argument("--markdown", action="store_true", help="a markdown table, for an issue or a README")
     p.add_argument("--vs", default=None, metavar="VARIANT",
                    help="speedups over this variant (e.g. compile, compile-max) instead of eager, "
@@ -737,7 +741,8 @@ def _print_part_a(data, args) -> bool:
     flags = {"--vs": args.vs, "--variants": args.variants, "--plots": args.plots, "--markdown": args.markdown}
     given = ", ".join(flag for flag, value in flags.items() if value)
     if given:
-        raise UsageError(f"{args.results} is Part A's summary ({name}): {given} apply to Part B's results")
+        verb = "applies" if "," not in given else "apply"
+        raise UsageError(f"{args.results} is Part A's summary ({name}): {given} {verb} to Part B's results")
     if name == DDP_SUMMARY:
         from profuse.report.distributed import format_saved_ddp_profile
 

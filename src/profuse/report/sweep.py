@@ -145,9 +145,14 @@ def parse(data: dict, source: str = "results") -> SavedRun:
                 f"`profuse report {source}` prints it again; diff, --vs and --variants read the "
                 "results.json of Part B or a sweep"
             )
+        if kind == "step":
+            raise UsageError(
+                f"{source} is Part C's step.json: `profuse report {source}` prints it again; diff, --vs "
+                "and --variants read the results.json of Part B or a sweep"
+            )
         raise UsageError(
-            f"{source} is not a profuse results file (kind {kind!r}; expected a results.json "
-            "written by profuse or profuse sweep)"
+            f"{source} is not a profuse results file (expected the results.json that profuse or "
+            "profuse sweep writes)"
         )
     try:
         return _parse(data)
