@@ -374,10 +374,14 @@ def test_results_round_trip_through_json_and_the_report(eager_vs_fused, tmp_path
     text = format_step(saved)
     assert text == format_step(data)
     lines = text.splitlines()
-    assert (
-        lines[0]
-        == "=== Part C: the whole training step, eager vs fused vs torch.compile (cpu, preset lab) ==="
+    # TINY is not the lab preset's model: the header says the preset was resized.
+    assert lines[0] == (
+        "=== Part C: the whole training step, eager vs fused vs torch.compile "
+        "(cpu, preset lab, resized by the model flags) ==="
     )
+    assert lines[-1].startswith("CPU: ")
+    data["config"]["resized"] = False  # files written before the field, and runs at the preset
+    assert format_step(data).splitlines()[0].endswith("(cpu, preset lab) ===")
     assert any(line.startswith("same math (blockops eager") and line.endswith("ok") for line in lines)
     assert any(line.strip().startswith("fused ") and "x (" in line for line in lines)
     assert any("predicted step gain" in line for line in lines)

@@ -151,6 +151,7 @@ class StepConfig:
     def to_dict(self) -> dict:
         return {
             "preset": self.preset,
+            "resized": self.model != preset_model(self.preset),  # model flags changed the preset's
             "model": {**asdict(self.model), "ffn_hidden": self.model.hidden},
             "device": str(self.device),
             "variants": list(self.variants),

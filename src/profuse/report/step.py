@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from profuse.bench.stats import STATISTIC
-from profuse.env import card_name
+from profuse.env import describe
 from profuse.report.sweep import few_trials_note, interpreter_note
 from profuse.report.units import fmt_bytes, fmt_time, speedup_terms, time_unit
 
@@ -194,7 +194,7 @@ def format_step(data: dict) -> str:
     kind = cfg["device"].split(":", 1)[0]
     lines = [
         f"=== Part C: the whole training step, eager vs fused vs torch.compile "
-        f"({kind}, preset {cfg['preset']}) ===",
+        f"({kind}, preset {cfg['preset']}{', resized by the model flags' if cfg.get('resized') else ''}) ===",
         _model_line(data),
         f"fused block ops: {data['block_ops']} (silu_mul on the packed gate/up, add_rms_norm)",
     ]
@@ -245,5 +245,5 @@ def format_step(data: dict) -> str:
     if traces:
         lines.append(f"traces: {', '.join(traces)} - open them at https://ui.perfetto.dev")
     env = data["env"]
-    lines.append(f"card: {card_name(env)}, torch {env.get('torch')}, triton {env.get('triton')}")
+    lines.append(describe(env))
     return "\n".join(line.rstrip() if line else line for line in lines)
