@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -383,7 +384,10 @@ def test_results_round_trip_through_json_and_the_report(eager_vs_fused, tmp_path
     data["config"]["resized"] = False  # files written before the field, and runs at the preset
     assert format_step(data).splitlines()[0].endswith("(cpu, preset lab) ===")
     assert any(line.startswith("same math (blockops eager") and line.endswith("ok") for line in lines)
-    assert any(line.strip().startswith("fused ") and "x (" in line for line in lines)
+    # eager stand-ins: about 1.0x, so the verdict may go either way ("1.02x (..." or "1.02x slower (...")
+    assert any(
+        line.strip().startswith("fused ") and re.search(r"\d\.\d\dx (slower )?\(", line) for line in lines
+    )
     assert any("predicted step gain" in line for line in lines)
     assert any("measured step gain (fused vs eager)" in line for line in lines)
     assert "peak memory: not measured on a CPU" in text
