@@ -127,6 +127,11 @@ def _nvidia_smi(device: torch.device) -> dict[str, str]:
     return dict(zip(fields, values)) if len(values) == len(fields) else {}
 
 
+def interpreting() -> bool:
+    """Does Triton run its kernels through the interpreter (on CPU tensors)?"""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def environment(device: torch.device) -> dict:
     """What a result needs beside it to be compared later: card, clocks, driver, versions."""
     info: dict = {
@@ -140,7 +145,7 @@ def environment(device: torch.device) -> dict:
         "cpu_count": os.cpu_count(),
         "argv": sys.argv[1:],
         # Triton's kernels ran through its interpreter: their times are the interpreter's.
-        "triton_interpret": device.type != "cuda" and os.environ.get("TRITON_INTERPRET") == "1",
+        "triton_interpret": device.type != "cuda" and interpreting(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)

@@ -49,9 +49,8 @@ from profuse import __version__, fusion
 from profuse import compile as _compile
 from profuse import model as M
 from profuse.bench.stats import Speedup, speedup_ci
-from profuse.bench.tail import interpreting
 from profuse.bench.timing import Comparison, compare
-from profuse.env import check_fits, dtype_name, environment
+from profuse.env import check_fits, dtype_name, environment, interpreting
 from profuse.errors import UsageError
 from profuse.kernels import HAS_TRITON, TRITON_MISSING
 from profuse.model import GPT, GPTConfig, random_batch
@@ -146,7 +145,7 @@ class StepConfig:
 
     @property
     def tokens(self) -> int:
-        return self.model.batch_size * self.model.seq_len
+        return self.model.tokens
 
     def to_dict(self) -> dict:
         return {
@@ -388,7 +387,9 @@ def _check_first_step(first: FirstStep, dtype: torch.dtype) -> None:
             )
 
 
-def _first_step(v: _Variant, idx, targets, autocast, device, eager: dict | None) -> tuple[FirstStep, dict]:
+def _first_step(
+    v: _Variant, idx, targets, autocast, device, dtype: torch.dtype, eager: dict | None
+) -> tuple[FirstStep, dict]:
     """The first step, timed whole; its loss and gradients compared with eager's (`eager`), or
     returned to compare the others with (for eager itself)."""
     _sync(device)
@@ -413,8 +414,7 @@ def _first_step(v: _Variant, idx, targets, autocast, device, eager: dict | None)
         )
         den = sum(torch.linalg.vector_norm(e.float()).item() ** 2 for e in eager["grads"])
         first.grad_rel_diff = math.sqrt(num / den) if den > 0 else math.nan
-        # The branches' dtype, as StepConfig.dtype: bf16 under CUDA autocast, else fp32.
-        _check_first_step(first, torch.bfloat16 if device.type == "cuda" else torch.float32)
+        _check_first_step(first, dtype)
     del grads
     t1 = time.perf_counter()
     v.optimizer.step()
@@ -744,7 +744,7 @@ def _math_stage(cfg, names, block_ops, failed, tell) -> tuple[MathCheck | None, 
     return check, [n for n in names if n not in failed]
 
 
-def _first_steps(variants, idx, targets, autocast, dev, failed, tell) -> dict[str, FirstStep]:
+def _first_steps(variants, idx, targets, autocast, dev, dtype, failed, tell) -> dict[str, FirstStep]:
     """Step 3's first half: every variant's first step, eager's first (the others are compared
     with it); a variant that raises goes to `failed`."""
     first_steps: dict[str, FirstStep] = {}
@@ -753,7 +753,7 @@ def _first_steps(variants, idx, targets, autocast, dev, failed, tell) -> dict[st
         what = ", compiling" if v.name in COMPILED_VARIANTS else ""
         tell(f"first step: {v.name}{what}", i, len(variants))
         try:
-            first, kept = _first_step(v, idx, targets, autocast, dev, eager_kept)
+            first, kept = _first_step(v, idx, targets, autocast, dev, dtype, eager_kept)
         except Exception as err:  # a variant that cannot run here is a failed row, not a crash
             failed[v.name] = _first_line(err)
             continue
@@ -826,7 +826,7 @@ def run_step(
     autocast = _autocast(dev)
     idx, targets = random_batch(cfg.model, torch.Generator().manual_seed(cfg.seed), dev)
     variants = _build_variants(cfg, names, block_ops)
-    first_steps = _first_steps(variants, idx, targets, autocast, dev, failed, tell)
+    first_steps = _first_steps(variants, idx, targets, autocast, dev, cfg.dtype, failed, tell)
     variants = [v for v in variants if v.name in first_steps]
     steps = {v.name: _train_step(v, idx, targets, autocast) for v in variants}
     comparison, memory = (

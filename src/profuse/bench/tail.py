@@ -8,7 +8,6 @@ the lab prints). A variant outside its tolerance is reported as failed and never
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -19,7 +18,7 @@ from profuse import compile as _compile
 from profuse import tail as T
 from profuse.bench import traffic as B
 from profuse.bench.timing import Comparison, compare, timed_call
-from profuse.env import check_fits, dtype_name, environment
+from profuse.env import check_fits, dtype_name, environment, interpreting
 from profuse.errors import UsageError
 from profuse.kernels import HAS_TRITON, TRITON_MISSING
 from profuse.timers import TIMINGS
@@ -357,11 +356,6 @@ def run_tail_bench(
         comparison=comparison,
         kernel_configs=_kernel_configs(cfg) if "triton" in keys else {},
     )
-
-
-def interpreting() -> bool:
-    """Does Triton run its kernels through the interpreter (on CPU tensors)?"""
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _kernel_configs(cfg: TailBenchConfig) -> dict:
