@@ -96,6 +96,19 @@ def time_candidates(kind, cands, default, run, error, floor_s, device) -> list[d
     return sorted(rows, key=lambda c: c["ms"])
 
 
+def show(what: str, rows: list[dict]) -> None:
+    """The fastest candidate of each kernel kind, fastest first."""
+    seen = set()
+    for row in rows:
+        if row["kernel"] in seen:
+            continue
+        seen.add(row["kernel"])
+        launch = f"{row['kernel']} {row['block_m']}x{row['block_n']} w{row['num_warps']} s{row['num_stages']}"
+        launch += f" p{row['programs']} x{row['splits']}{' stash' if row['stash_h'] else ''}"
+        print(f"{what}: {row['ms'] * 1e3:8.1f} us {row['frac']:6.1%}  {launch}  regs {row['regs']}"
+              f" spills {row['spills']} err {row['rel_err']:.1e}", flush=True)  # fmt: skip
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cols", default=",".join(map(str, GRID)))
@@ -105,6 +118,7 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=300, help="stop starting new shapes after this")
     p.add_argument("--explore", action="store_true", help="also try pipelining depths and grid sizes")
     p.add_argument("--l2", action="store_true", help="also try each candidate's other L2 hints")
+    p.add_argument("--kinds", default="", help="only these kernels, e.g. team,pipelined (default: all)")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -127,6 +141,8 @@ def main() -> int:
         shape = {"rows": n_rows, "cols": n_cols, "fwd": [], "bwd": []}
 
         def widen(cands: list[KernelConfig], n_rows: int = n_rows) -> list[KernelConfig]:
+            if args.kinds:
+                cands = [c for c in cands if c.kernel in args.kinds.split(",")]
             cands = explore(cands, n_rows, sms) if args.explore else cands
             return l2_variants(cands) if args.l2 else cands
 
@@ -140,7 +156,7 @@ def main() -> int:
                 4 * nbytes / ceiling,
                 dev,
             )
-            print(f"{n_rows}x{n_cols} fwd best {shape['fwd'][0] if shape['fwd'] else None}", flush=True)
+            show(f"{n_rows}x{n_cols} fwd", shape["fwd"])
         if "bwd" in args.which:
             _, rstd = tail_forward(g, u, r, w, 1e-6)
             needs = (True, True, True, True)
@@ -155,7 +171,7 @@ def main() -> int:
                 7 * nbytes / ceiling,
                 dev,
             )
-            print(f"{n_rows}x{n_cols} bwd best {shape['bwd'][0] if shape['bwd'] else None}", flush=True)
+            show(f"{n_rows}x{n_cols} bwd", shape["bwd"])
         results["shapes"].append(shape)
         write_json(args.out, results)
         torch.cuda.empty_cache()

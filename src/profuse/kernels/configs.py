@@ -21,14 +21,18 @@ class KernelConfig:
     # "fused" (whole rows in registers), "chunked" (rows in chunks, two passes each),
     # "pipelined" (chunked, with pass 1 of a program's next row overlapping pass 2 of its
     # current one) or "split" (backward: a row-dot pass, then the gradients in column slabs);
+    # "team" (a row shared by `splits` co-resident programs of block_n columns each, which swap
+    # partial sums through global memory: kernels/teams.py; GPU only);
     # "tiled" (elementwise: block_m rows x block_n columns, no whole row needed; silu_mul)
     kernel: str
     block_m: int  # rows per tile (fused; chunked backward: 1 or 2); 1 for the others
-    block_n: int  # whole row (fused), chunk (chunked, pipelined) or slab (split): a power of two
+    block_n: (
+        int  # whole row (fused), chunk (chunked, pipelined), slab (split) or share (team): a power of two
+    )
     num_warps: int
     num_stages: int = 1  # pipelining depth of the tile loop of a persistent program
     programs: int = 0  # persistent grid size; 0 = one program per tile (forward only)
-    splits: int = 1  # split backward: programs per row in its row-dot pass (when rows are few)
+    splits: int = 1  # programs per row: the split backward's row-dot pass (when rows are few), a team
     # The fused kernels' hint on their read-once inputs: "stream" marks them evict_first in L2,
     # "plain" gives none (the chunked and split kernels take no choice).
     l2: str = "stream"
@@ -46,6 +50,29 @@ BWD_MAX_FUSED = 16384
 
 def pow2_rows(n_rows: int) -> int:
     return triton.next_power_of_2(max(n_rows, 1))
+
+
+# Team launches (kernels/teams.py), as (share of the row, warps, programs per SM): the share
+# held in registers at 8-16 columns a thread, and ~8-16K columns in flight per SM, so that while a
+# team waits for its partial sums the next row's loads keep the DRAM busy (Little's law at
+# ~4.3 TB/s and ~1-2 us per exchange: ~4-8 MB in flight over 132 SMs). The forward holds h and the
+# next row's g, u, r a column; the backward x_hat, w * dy, g, u, s and the next row's four inputs.
+FWD_TEAM_SHARES = ((4096, 8, 2), (4096, 16, 1), (2048, 4, 4), (2048, 8, 2), (8192, 16, 1), (1024, 4, 4))
+BWD_TEAM_SHARES = ((2048, 8, 2), (4096, 16, 1), (1024, 4, 4), (2048, 4, 4), (4096, 8, 2))
+
+
+def team_candidates(n_cols: int, n_sms: int, shares) -> list[KernelConfig]:
+    """Team launches for rows of `n_cols` wider than 2048 (narrower rows fit one program), each
+    share narrower than the row; the grid is at most `per_sm` programs an SM (fewer where the
+    compiled kernel does not fit that many: kernels/teams.py sizes it)."""
+    out = []
+    if n_cols <= 2048:
+        return out
+    for share, warps, per_sm in shares:
+        if share < n_cols:
+            members = triton.cdiv(n_cols, share)
+            out.append(KernelConfig("team", 1, share, warps, 1, n_sms * per_sm, members, l2="plain"))
+    return out
 
 
 def forward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int = 132) -> list[KernelConfig]:
@@ -98,6 +125,7 @@ def forward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int 
             # The same, with pass 2 of each row overlapped with pass 1 of the next (87.0 us).
             for chunk, w, per_sm in ((16384, 32, 1), (8192, 32, 1), (8192, 16, 2)):
                 out.append(KernelConfig("pipelined", 1, chunk, w, 1, n_sms * per_sm, l2="plain"))
+    out += team_candidates(n_cols, n_sms, FWD_TEAM_SHARES)
     if FWD_MAX_FUSED < bn <= 2 * FWD_MAX_FUSED and torch.finfo(dtype).bits <= 16:
         # 16-bit rows up to 64K: 32 warps hold h (64 fp32 values per thread) once g, u, r are
         # folded into it; worth a try against the two-pass chunked kernel.
@@ -178,6 +206,7 @@ def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int
                     cfg = KernelConfig("split", 1, 2048, 8, 2, programs, splits, l2="plain")
                     if cfg not in out:
                         out.append(cfg)
+    out += team_candidates(n_cols, n_sms, BWD_TEAM_SHARES)
     if BWD_MAX_FUSED < bn <= 2 * BWD_MAX_FUSED and torch.finfo(dtype).bits <= 16:
         # 32K 16-bit columns: 32 elements per thread at 32 warps, if the compiler keeps the live
         # values (x_hat, w * dy, g, u) in registers.

@@ -48,6 +48,7 @@ from profuse.kernels import configs as C
 from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing
 from profuse.kernels.colsum import col_sum_launch
 from profuse.kernels.configs import KernelConfig
+from profuse.kernels.teams import TeamLaunch, gather, publish, slots_for, team_size
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -278,6 +279,75 @@ def _tail_fwd_pipelined_kernel(
         _finish_chunk(Y_ptr + row * y_row_stride, W_ptr, cols, cols < n_cols, rstd)
     if STORE_RSTD:
         tl.store(RSTD_ptr + row, rstd)
+
+
+@triton.jit
+def _tail_fwd_team_kernel(
+    G_ptr,
+    U_ptr,
+    R_ptr,
+    W_ptr,
+    Y_ptr,
+    RSTD_ptr,
+    g_row_stride,
+    u_row_stride,
+    r_row_stride,
+    y_row_stride,
+    n_rows,
+    n_cols,
+    eps,
+    SLOT_ptr,  # (teams, 2, SLOTS) int64: kernels/teams.py
+    SEQ_ptr,  # (programs,) int32: rows each program has published, over all calls
+    MEMBERS: tl.constexpr,  # programs per row: cdiv(n_cols, BLOCK_N)
+    SLOTS: tl.constexpr,  # MEMBERS rounded up to a power of two
+    BLOCK_N: tl.constexpr,  # each member's share of the row
+    STORE_RSTD: tl.constexpr,
+):
+    """Wide rows read once: a team of MEMBERS co-resident programs shares each row, member m
+    holding columns [m * BLOCK_N, (m + 1) * BLOCK_N) of it in registers. Each member sums its
+    share's h^2, swaps the partial sums with its team (kernels/teams.py), and writes its share
+    of y; the next row's loads are issued before the wait, so the DRAM keeps reading while the
+    team waits. Team t takes rows t, t + T, ... (T teams: a persistent grid that is resident at
+    once). Moves the 4 tensors once, plus 8 bytes per member per row of L2 traffic."""
+    eps = tl.cast(eps, tl.float32)
+    pid = tl.program_id(0)
+    n_teams = tl.num_programs(0) // MEMBERS
+    team = pid // MEMBERS
+    member = pid % MEMBERS
+    cols = member * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = tl.load(W_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    slots = SLOT_ptr + team.to(tl.int64) * (2 * SLOTS)
+    seq = tl.load(SEQ_ptr + pid)
+    row = tl.cast(team, tl.int64)
+    # Masks built as vector compares (the interpreter rejects a vector mask and-ed with a scalar).
+    mask = cols < tl.where(row < n_rows, n_cols, 0)
+    g_row, u_row, r_row, y_row = _row_starts(G_ptr, U_ptr, R_ptr, Y_ptr, row, g_row_stride,
+                                             u_row_stride, r_row_stride, y_row_stride)  # fmt: skip
+    g = tl.load(g_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    u = tl.load(u_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    r = tl.load(r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    for _ in range(team, n_rows, n_teams):
+        gf = g.to(tl.float32)
+        h = gf * tl.sigmoid(gf) * u.to(tl.float32) + r.to(tl.float32)
+        seq += 1
+        publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS)
+        # The next row's loads go out before the wait.
+        nxt = row + n_teams
+        mask = cols < tl.where(nxt < n_rows, n_cols, 0)
+        g_n, u_n, r_n, y_n = _row_starts(G_ptr, U_ptr, R_ptr, Y_ptr, nxt, g_row_stride, u_row_stride,
+                                         r_row_stride, y_row_stride)  # fmt: skip
+        g = tl.load(g_n + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        u = tl.load(u_n + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        r = tl.load(r_n + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        rstd = tl.rsqrt(gather(slots, seq, MEMBERS, SLOTS) / n_cols + eps)
+        tl.store(y_row + cols, (h * rstd * w).to(Y_ptr.dtype.element_ty), mask=col_mask,
+                 eviction_policy="evict_first")  # fmt: skip
+        if STORE_RSTD:
+            tl.store(RSTD_ptr + row, rstd, mask=member == 0)
+        row = nxt
+        y_row = y_n
+    tl.store(SEQ_ptr + pid, seq)
 
 
 @triton.jit
@@ -586,6 +656,95 @@ def _tail_bwd_pipelined_kernel(
 
 
 @triton.jit
+def _tail_bwd_team_kernel(
+    DY_ptr,
+    G_ptr,
+    U_ptr,
+    R_ptr,
+    W_ptr,
+    RSTD_ptr,
+    DG_ptr,
+    DU_ptr,
+    DR_ptr,
+    DW_ptr,  # (teams, n_cols) fp32: team t's sum of dy * x_hat over its rows
+    dy_row_stride,
+    g_row_stride,
+    u_row_stride,
+    r_row_stride,
+    n_rows,
+    n_cols,
+    SLOT_ptr,  # (teams, 2, SLOTS) int64: kernels/teams.py
+    SEQ_ptr,  # (programs,) int32
+    MEMBERS: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # each member's share of the row
+    COMPUTE_DG: tl.constexpr,
+    COMPUTE_DU: tl.constexpr,
+    COMPUTE_DR: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+):
+    """Wide rows read once, as the team forward: member m of a team holds columns
+    [m * BLOCK_N, (m + 1) * BLOCK_N) of each of its team's rows, sums its share of
+    x_hat * w * dy, swaps it with its team for the row's c, and writes its share of dg, du, dr.
+    A member always holds the same columns, so its dw partial is BLOCK_N wide and stays in
+    registers over all its rows: the partials are (teams, N), written once at the end. The next
+    row's loads are issued before the wait."""
+    pid = tl.program_id(0)
+    n_teams = tl.num_programs(0) // MEMBERS
+    team = pid // MEMBERS
+    member = pid % MEMBERS
+    cols = member * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = tl.load(W_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    NEED_DH: tl.constexpr = COMPUTE_DG or COMPUTE_DU or COMPUTE_DR
+    slots = SLOT_ptr + team.to(tl.int64) * (2 * SLOTS)
+    seq = tl.load(SEQ_ptr + pid)
+    row = tl.cast(team, tl.int64)
+    mask = cols < tl.where(row < n_rows, n_cols, 0)
+    dy_row, g_row, u_row, r_row = _row_starts(DY_ptr, G_ptr, U_ptr, R_ptr, row, dy_row_stride, g_row_stride,
+                                              u_row_stride, r_row_stride)  # fmt: skip
+    dy = tl.load(dy_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    g = tl.load(g_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    u = tl.load(u_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    r = tl.load(r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    rstd = tl.load(RSTD_ptr + tl.minimum(row, n_rows - 1))
+    for _ in range(team, n_rows, n_teams):
+        dyf = dy.to(tl.float32)
+        gf = g.to(tl.float32)
+        uf = u.to(tl.float32)
+        s = tl.sigmoid(gf)
+        silu = gf * s
+        x_hat = (silu * uf + r.to(tl.float32)) * rstd
+        wdy = w * dyf
+        if NEED_DH:
+            seq += 1
+            publish(slots, seq, member, tl.sum(x_hat * wdy, axis=0), SLOTS)
+        if COMPUTE_DW:
+            dw_acc += dyf * x_hat
+        # The next row's loads go out before the wait.
+        nxt = row + n_teams
+        mask = cols < tl.where(nxt < n_rows, n_cols, 0)
+        dy_n, g_n, u_n, r_n = _row_starts(DY_ptr, G_ptr, U_ptr, R_ptr, nxt, dy_row_stride, g_row_stride,
+                                          u_row_stride, r_row_stride)  # fmt: skip
+        dy = tl.load(dy_n + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        g = tl.load(g_n + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        u = tl.load(u_n + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        r = tl.load(r_n + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        rstd_next = tl.load(RSTD_ptr + tl.minimum(nxt, n_rows - 1))
+        if NEED_DH:
+            c = gather(slots, seq, MEMBERS, SLOTS) / n_cols
+            dh = (wdy - x_hat * c) * rstd
+            _store_input_grads(DG_ptr, DU_ptr, DR_ptr, row * n_cols + cols, col_mask, dh, gf, uf, s, silu,
+                               COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
+        row = nxt
+        rstd = rstd_next
+    if COMPUTE_DW:
+        tl.store(DW_ptr + team.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
+    tl.store(SEQ_ptr + pid, seq)
+
+
+@triton.jit
 def _tail_bwd_rowdot_kernel(
     DY_ptr,
     G_ptr,
@@ -723,7 +882,26 @@ def _check_runnable(device: torch.device) -> None:
         )
 
 
-def _forward_launch(cfg: KernelConfig, n_rows: int, n_cols: int, store_rstd: bool) -> Launch:
+# Team launches by (kernel, config, shape, compile-time arguments): the autotuner builds a
+# candidate's launch once per timed call, and a team launch keeps its grid and scratch.
+_TEAM_LAUNCHES = PlanCache(max_size=256)
+
+
+def _team_launch(kernel, cfg: KernelConfig, kind: str, n_rows: int, n_cols: int, **constants) -> TeamLaunch:
+    """The team kernel `kernel` for this shape, made once (see kernels/teams.py)."""
+    key = (kernel.__name__ if hasattr(kernel, "__name__") else id(kernel), cfg, n_rows, n_cols,
+           tuple(sorted(constants.items())))  # fmt: skip
+    launch = _TEAM_LAUNCHES.get(key)
+    if launch is None:
+        members = team_size(n_cols, cfg.block_n)
+        launch = _TEAM_LAUNCHES.add(key, TeamLaunch(
+            kernel, cfg, kind, members, n_rows,
+            MEMBERS=members, SLOTS=slots_for(members), BLOCK_N=cfg.block_n, **constants,
+        ))  # fmt: skip
+    return launch
+
+
+def _forward_launch(cfg: KernelConfig, n_rows: int, n_cols: int, store_rstd: bool) -> Launch | TeamLaunch:
     """The forward kernel of `cfg`, bound to its grid for this shape. Runtime arguments:
     (g, u, r, w, y, rstd, g/u/r/y row strides, n_rows, n_cols, eps)."""
     if cfg.kernel == "fused":
@@ -734,6 +912,11 @@ def _forward_launch(cfg: KernelConfig, n_rows: int, n_cols: int, store_rstd: boo
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, STORE_RSTD=store_rstd,
             IN_EVICT=_stream_hint(cfg), EVEN=n_cols == cfg.block_n and n_rows % cfg.block_m == 0,
             num_warps=cfg.num_warps,
+        )  # fmt: skip
+    if cfg.kernel == "team":
+        return _team_launch(
+            _tail_fwd_team_kernel, cfg, "fwd", n_rows, n_cols,
+            STORE_RSTD=store_rstd, num_warps=cfg.num_warps,
         )  # fmt: skip
     if cfg.kernel == "pipelined":
         return Launch(
@@ -749,8 +932,8 @@ def _forward_launch(cfg: KernelConfig, n_rows: int, n_cols: int, store_rstd: boo
 
 
 def _backward_launch(
-    cfg: KernelConfig, programs: int, n_cols: int, needs: tuple[bool, ...], n_splits: int
-) -> Launch:
+    cfg: KernelConfig, programs: int, n_rows: int, n_cols: int, needs: tuple[bool, ...], n_splits: int
+) -> Launch | TeamLaunch:
     """The gradient kernel of `cfg` on `programs` row programs (the split path: times the column
     slabs), computing the gradients `needs` asks for. Runtime arguments: (dy, g, u, r, w, rstd,
     [the split path's row dots,] dg, du, dr, dw partials, dy/g/u/r row strides, n_rows, n_cols
@@ -770,6 +953,10 @@ def _backward_launch(
         )  # fmt: skip
     if cfg.kernel == "pipelined":
         return Launch(_tail_bwd_pipelined_kernel, (programs,), cfg, "bwd", **kw, **flags)
+    if cfg.kernel == "team":
+        return _team_launch(
+            _tail_bwd_team_kernel, cfg, "bwd", n_rows, n_cols, num_warps=cfg.num_warps, **flags
+        )
     return Launch(
         _tail_bwd_slab_kernel, (programs, triton.cdiv(n_cols, cfg.block_n)), cfg, "bwd",
         SPLITS=triton.next_power_of_2(n_splits), NUM_STAGES=cfg.num_stages, **kw, **flags,
@@ -803,7 +990,9 @@ class _BackwardPlan:
                     _tail_bwd_rowdot_kernel, (n_rows, self.n_splits), cfg, "bwd row dot",
                     BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
                 )  # fmt: skip
-        self.main = _backward_launch(cfg, self.programs, n_cols, needs, self.n_splits)
+        self.main = _backward_launch(cfg, self.programs, n_rows, n_cols, needs, self.n_splits)
+        if cfg.kernel == "team":
+            self.programs = 0  # the teams: one dw partial row each, known once the grid is sized
         self.col_sum = col_sum_launch(n_cols) if need_w else None
 
     def __call__(self, rows, w, rstd, gate) -> tuple[torch.Tensor | None, ...]:
@@ -822,7 +1011,17 @@ class _BackwardPlan:
         outs = (g if dg is None else dg, g if du is None else du, g if dr is None else dr,
                 g if partial is None else partial)  # fmt: skip
         strides = (dy_stride, g_stride, u_stride, r_stride)
-        if self.n_splits:
+        if self.config.kernel == "team":
+            if not self.programs:  # size the grid (one compile) before the partials are made
+                probe = torch.empty(1, dtype=torch.float32, device=g.device)
+                self.programs = self.main.prepare(
+                    (dy, g, u, r, w, rstd, *outs[:3], probe, *strides, n_rows, n_cols)
+                )
+                if need_w:
+                    partial = torch.empty((self.programs, n_cols), dtype=torch.float32, device=g.device)
+                    outs = (*outs[:3], partial)
+            self.main(dy, g, u, r, w, rstd, *outs, *strides, n_rows, n_cols)
+        elif self.n_splits:
             c = torch.empty((n_rows, self.n_splits), dtype=torch.float32, device=g.device)
             if self.rowdot is not None:
                 self.rowdot(dy, g, u, r, w, rstd, c, *strides, n_cols, self.span)

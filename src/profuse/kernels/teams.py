@@ -1,0 +1,163 @@
+"""Rows shared by a team of programs: each holds a share of the row, and they swap partial sums.
+
+A row too wide for one program's registers is either read twice (kernels/tail.py's chunked
+kernels: the second pass from the L2, which held them near 75-80% of the copy rate) or split
+over a team of co-resident programs, each holding `BLOCK_N` columns of it in registers. Triton
+has no cluster reduction, so a team swaps its partial sums through global memory:
+
+    publish   a member stores its partial sum for the row, tagged with the row's sequence number,
+              in its slot: one 64-bit word (the number in the high half, the fp32 bits in the
+              low), so the value and the flag that says it is there arrive together;
+    gather    a member polls the team's slots until every one carries the row's number, then
+              takes the values in member order: every member adds them up in the same order and
+              gets the same bits, run after run.
+
+Slots are double-buffered by the number's parity: a member cannot publish row i + 2 before every
+member has published row i + 1, which each does only after it has read row i. The numbers keep
+counting across calls (each member stores where it got to, and every member of a team handles
+the same rows, so a team's members agree), so the scratch is zeroed once, when it is made, and a
+CUDA graph replay finds it as the last call left it.
+
+A member waits for its partners, so the whole grid must be resident at once: `TeamLaunch` sizes
+the persistent grid from the compiled kernel's registers, shared memory and warps, never more
+programs than the SMs hold together. Triton's interpreter runs one program after another, so
+there a team has one member (nothing to wait for); teams of several run only on a GPU.
+
+Scratch belongs to a launch plan and a stream: calls of one shape that overlap on two streams
+each have their own.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from profuse.env import sm_count
+from profuse.kernels import autotune
+from profuse.kernels.configs import KernelConfig
+
+
+@triton.jit
+def publish(slots, seq, member, value, SLOTS: tl.constexpr):
+    """Store this member's fp32 `value` for the row numbered `seq` (int32) in its slot of that
+    number's parity. `slots`: the team's (2, SLOTS) int64 words."""
+    bits = value.to(tl.uint32, bitcast=True).to(tl.int64)
+    word = (seq.to(tl.int64) << 32) | bits
+    tl.atomic_xchg(slots + (seq & 1) * SLOTS + member, word, sem="release")
+
+
+@triton.jit
+def gather(slots, seq, n_members, SLOTS: tl.constexpr):
+    """Wait until all `n_members` members have published row `seq`; their fp32 values summed in
+    member order (the same bits in every member)."""
+    members = tl.arange(0, SLOTS)
+    ptrs = slots + (seq & 1) * SLOTS + members
+    present = members < n_members
+    words = tl.load(ptrs, mask=present, other=0, volatile=True)
+    missing = present & ((words >> 32).to(tl.int32) != seq)
+    while tl.max(missing.to(tl.int32), axis=0) > 0:
+        words = tl.load(ptrs, mask=present, other=0, volatile=True)
+        missing = present & ((words >> 32).to(tl.int32) != seq)
+    values = words.to(tl.int32).to(tl.float32, bitcast=True)
+    return tl.sum(tl.where(present, values, 0.0), axis=0)
+
+
+def team_size(n_cols: int, block_n: int) -> int:
+    """Members per row: one per `block_n` columns."""
+    return triton.cdiv(n_cols, block_n)
+
+
+def slots_for(members: int) -> int:
+    """Slot words per parity: the team size rounded up to a power of two (a Triton range)."""
+    return triton.next_power_of_2(members)
+
+
+def resident_per_sm(n_regs: int, num_warps: int, shared: int, device: torch.device) -> int:
+    """How many programs of a compiled kernel one SM holds at once (registers are given out per
+    warp in blocks of 256; 1 KB of shared memory per block is the runtime's)."""
+    props = torch.cuda.get_device_properties(device)
+    regs_per_sm = getattr(props, "regs_per_multiprocessor", 65536)
+    threads_per_sm = getattr(props, "max_threads_per_multi_processor", 2048)
+    shared_per_sm = getattr(props, "shared_memory_per_multiprocessor", 233472)
+    regs_per_warp = triton.cdiv(max(n_regs, 1) * 32, 256) * 256
+    fits = min(regs_per_sm // (regs_per_warp * num_warps), threads_per_sm // (32 * num_warps), 32)
+    if shared:
+        fits = min(fits, shared_per_sm // (shared + 1024))
+    return fits
+
+
+class TeamLaunch:
+    """A team kernel bound to its persistent grid: teams of `members` programs, as many teams
+    as fit on the device at once (at most `config.programs` programs, at most one team per row).
+
+    The grid is sized per input dtype and device on the first call there (or `prepare`), from
+    the compiled kernel; each stream gets its scratch on its first call there: (teams, 2, slots)
+    int64 slot words and one int32 count per program. Runtime arguments: the kernel's own
+    without its two scratch pointers, which come last.
+    """
+
+    __slots__ = ("kernel", "config", "kind", "members", "n_rows", "meta", "constants", "sized")
+
+    def __init__(self, kernel, config: KernelConfig, kind: str, members: int, n_rows: int, **constants):
+        self.kernel = kernel
+        self.config = config
+        self.kind = kind
+        self.members = members
+        self.n_rows = n_rows
+        self.meta = {}  # the call site passes launch.meta back: everything is bound already
+        self.constants = constants
+        # (dtype, device) -> [grid, the kernel bound to it, {stream: scratch}]
+        self.sized: dict[tuple, list] = {}
+
+    def prepare(self, args) -> int:
+        """The teams for calls like `args`, sizing the grid (one compile) the first time."""
+        return self._sized(args)[0][0] // self.members
+
+    def _sized(self, args) -> list:
+        key = (args[0].dtype, args[0].device)
+        sized = self.sized.get(key)
+        if sized is None:
+            grid = (self._teams(args) * self.members,)
+            sized = self.sized[key] = [grid, self.kernel[grid], {}]
+        return sized
+
+    def _teams(self, args) -> int:
+        device = args[0].device
+        teams = min(max(1, self.config.programs // self.members), max(self.n_rows, 1))
+        if device.type != "cuda":
+            if self.members > 1:
+                raise ValueError("a team of several programs waits for its partners: it needs a GPU")
+            return teams
+        probe = (*args, *self._new_scratch(1, device))
+        compiled = self.kernel.warmup(*probe, grid=(self.members,), **self.constants)
+        _ = compiled.run  # loads the binary: its registers are known from here on
+        fits = resident_per_sm(compiled.n_regs, self.constants["num_warps"], compiled.metadata.shared, device)
+        teams = min(teams, fits * sm_count(device) // self.members)
+        if teams < 1:
+            raise RuntimeError(f"a team of {self.members} programs does not fit on {device} at once")
+        return teams
+
+    def _new_scratch(self, teams: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        slots = torch.zeros((teams, 2, slots_for(self.members)), dtype=torch.int64, device=device)
+        return slots, torch.zeros(teams * self.members, dtype=torch.int32, device=device)
+
+    def scratch(self, args) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots and counts for calls like `args` on the current stream."""
+        grid, _bound, by_stream = self._sized(args)
+        device = args[0].device
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        scratch = by_stream.get(stream)
+        if scratch is None:
+            scratch = by_stream[stream] = self._new_scratch(grid[0] // self.members, device)
+        return scratch
+
+    def run(self, *args, **_bound) -> None:
+        """Launch on `args` (as the call site's `launch.run(*args, **launch.meta)`)."""
+        bound = self._sized(args)[1]
+        compiled = bound(*args, *self.scratch(args), **self.constants)
+        if autotune.LAUNCH_LOG is not None:
+            regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
+            autotune.LAUNCH_LOG.append((self.kind, self.config, regs, spills))
+
+    __call__ = run

@@ -1,0 +1,239 @@
+"""Rows shared by a team of programs (profuse.kernels.teams, the tail's team kernels).
+
+On a CPU the interpreter runs one program after another, so a team has one member there: the
+tests below check the bookkeeping (sequence numbers kept across calls, the grid's size, the
+candidates) and the kernels with teams of one. Teams of several, whose members wait for each
+other, are tested on a GPU: every team candidate at odd shapes against float64 and eager, bitwise
+repeatable, inside a CUDA graph, and on two streams at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from cases import DTYPES, EPS, GRADS, tail_inputs
+
+from profuse import tail as T
+from profuse.kernels import HAS_TRITON
+
+if not HAS_TRITON:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+from profuse.kernels import configs as C  # noqa: E402
+from profuse.kernels import tail as K  # noqa: E402
+from profuse.kernels import teams  # noqa: E402
+from profuse.kernels.configs import KernelConfig  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+ALL = (True, True, True, True)
+
+
+def _reference(xs, dy):
+    x64 = [t.detach().double().requires_grad_() for t in xs]
+    y = T.tail_reference(*x64, EPS)
+    return (y, *torch.autograd.grad(y, x64, dy.double()))
+
+
+def _check(xs, dy, cfg, dtype):
+    """The team config's forward and gradients against float64, within the dtype's tolerance."""
+    g, u, r, w = xs
+    y, rstd = K.tail_forward(g, u, r, w, EPS, config=cfg)
+    got = K.tail_backward(dy, g, u, r, w, rstd, ALL, config=cfg)
+    ref = _reference(xs, dy)
+    assert torch.isfinite(y).all(), "an output element was never written"
+    assert T.relative_error(y, ref[0]) <= T.FORWARD_TOL[dtype]
+    for name, t, want in zip(GRADS, got, ref[1:], strict=True):
+        assert t.shape == want.shape and t.dtype == dtype, name
+        assert T.relative_error(t, want) <= T.BACKWARD_TOL[dtype], f"d{name}"
+    return y, got
+
+
+# --------------------------------------------------------------------------------------------
+# Anywhere (teams of one on a CPU)
+# --------------------------------------------------------------------------------------------
+
+
+def test_team_candidates_split_only_wide_rows():
+    for n in (100, 2048):
+        assert not C.team_candidates(n, 132, C.FWD_TEAM_SHARES)
+    for n in (2049, 5120, 11008, 65536):
+        for shares in (C.FWD_TEAM_SHARES, C.BWD_TEAM_SHARES):
+            cands = C.team_candidates(n, 132, shares)
+            assert cands
+            for c in cands:
+                assert c.kernel == "team" and c.block_n < n and c.block_n & (c.block_n - 1) == 0
+                # splits names the members: every column has one, no member is idle
+                assert c.splits == -(-n // c.block_n) and (c.splits - 1) * c.block_n < n
+                assert c.programs % 132 == 0
+    # Every wide-row candidate list holds teams, after the favourite.
+    for n in (8192, 65536):
+        fwd = C.forward_candidates(2048, n, torch.bfloat16, 132)
+        bwd = C.backward_candidates(2048, n, torch.bfloat16, 132)
+        assert fwd[0].kernel != "team" and any(c.kernel == "team" for c in fwd)
+        assert bwd[0].kernel != "team" and any(c.kernel == "team" for c in bwd)
+
+
+def test_slots_and_members():
+    assert teams.team_size(65536, 4096) == 16 and teams.team_size(5120, 2048) == 3
+    assert teams.slots_for(3) == 4 and teams.slots_for(16) == 16 and teams.slots_for(1) == 1
+
+
+def test_registers_and_threads_bound_the_programs_an_sm_holds(monkeypatch):
+    class Props:
+        regs_per_multiprocessor = 65536
+        max_threads_per_multi_processor = 2048
+        shared_memory_per_multiprocessor = 233472
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: Props())
+    dev = torch.device("cuda")
+    assert teams.resident_per_sm(32, 8, 0, dev) == 8  # threads: 2048 / 256
+    assert teams.resident_per_sm(64, 8, 0, dev) == 4  # registers: 65536 / (64 x 256)
+    assert teams.resident_per_sm(65, 8, 0, dev) == 3  # 72 registers a thread, in blocks of 8
+    assert teams.resident_per_sm(128, 16, 0, dev) == 1
+    assert teams.resident_per_sm(32, 4, 100_000, dev) == 2  # shared memory
+    assert teams.resident_per_sm(255, 32, 0, dev) == 0  # cannot be resident at all
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU teams of several run")
+def test_a_team_of_several_needs_a_gpu(device):
+    xs = tail_inputs((3, 40), torch.float32, device)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        K.tail_forward(*xs, EPS, config=KernelConfig("team", 1, 16, num_warps=1, programs=6, splits=3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_sequence_numbers_carry_over_between_calls(dtype, device):
+    """A team launch keeps its scratch: each call's numbers start where the last call's ended,
+    so every call (forward and backward, different values each time) is right, and the
+    counts grow by each team's rows."""
+    cfg = KernelConfig("team", 1, 64, num_warps=2, programs=4)  # 4 teams of one over 9 rows
+    shape = (9, 50)
+    for seed in range(3):
+        xs, dy = tail_inputs(shape, dtype, device, seed=seed, dy=True)
+        _check(xs, dy, cfg, dtype)
+    fwd = K._team_launch(K._tail_fwd_team_kernel, cfg, "fwd", 9, 50, STORE_RSTD=True, num_warps=2)
+    _slots, counts = fwd.scratch(xs)
+    assert fwd.prepare(xs) == 4
+    assert counts.tolist() == [3 * 3, 3 * 2, 3 * 2, 3 * 2]  # rows 0,4,8 / 1,5 / 2,6 / 3,7, three calls
+
+
+# --------------------------------------------------------------------------------------------
+# Teams of several: a GPU
+# --------------------------------------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not CUDA, reason="a team of several programs waits for its partners: needs a GPU")
+
+# Odd shapes: a last member with a few columns, teams with one row more than others, fewer rows
+# than teams, one row.
+GPU_SHAPES = [(37, 5000), (301, 11008), (5, 65536), (1, 20000), (1000, 2100)]
+
+
+def _team_configs(n_cols):
+    cands = C.team_candidates(n_cols, 132, C.FWD_TEAM_SHARES) + C.team_candidates(
+        n_cols, 132, C.BWD_TEAM_SHARES
+    )
+    return list(dict.fromkeys(cands))
+
+
+@gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=str)
+def test_every_team_candidate_is_right_and_repeatable(shape, dtype):
+    xs, dy = tail_inputs(shape, dtype, "cuda", seed=21, dy=True)
+    for cfg in _team_configs(shape[1]):
+        y, grads = _check(xs, dy, cfg, dtype)
+        y2, rstd = K.tail_forward(*xs, EPS, config=cfg)
+        grads2 = K.tail_backward(dy, *xs, rstd, ALL, config=cfg)
+        assert torch.equal(y, y2), f"{cfg}: y differs between two runs"
+        for name, a, b in zip(GRADS, grads, grads2, strict=True):
+            assert torch.equal(a, b), f"{cfg}: d{name} differs between two runs"
+
+
+@gpu
+def test_teams_match_eager_as_closely_as_the_chunked_kernel():
+    """At a real width the team kernels' error against float64 is no worse than the kernel they
+    replace (the pipelined forward and the chunked backward) by more than a rounding."""
+    shape, dtype = (64, 32768), torch.bfloat16
+    xs, dy = tail_inputs(shape, dtype, "cuda", seed=22, dy=True)
+    ref = _reference(xs, dy)
+    old = KernelConfig("chunked", 1, 4096, 16, programs=132)
+    _, rstd = K.tail_forward(*xs, EPS, config=old)
+    base = [K.tail_forward(*xs, EPS, config=old)[0], *K.tail_backward(dy, *xs, rstd, ALL, config=old)]
+    for cfg in _team_configs(shape[1]):
+        _, rstd = K.tail_forward(*xs, EPS, config=cfg)
+        got = [K.tail_forward(*xs, EPS, config=cfg)[0], *K.tail_backward(dy, *xs, rstd, ALL, config=cfg)]
+        for name, a, b, want in zip(("y",) + GRADS, got, base, ref, strict=True):
+            unit = T.UNIT_ROUNDOFF[dtype]
+            assert T.relative_error(a, want) <= T.relative_error(b, want) + 2 * unit, f"{cfg}: {name}"
+
+
+@gpu
+def test_teams_replay_in_a_cuda_graph_and_beside_eager_calls():
+    """A graph replays the team kernels with the scratch it captured; eager calls on the same
+    stream between replays keep the sequence numbers in step."""
+    shape, dtype = (300, 16384), torch.bfloat16
+    cfg = C.team_candidates(shape[1], 132, C.FWD_TEAM_SHARES)[0]
+    bcfg = C.team_candidates(shape[1], 132, C.BWD_TEAM_SHARES)[0]
+    xs, dy = tail_inputs(shape, dtype, "cuda", seed=23, dy=True)
+    g, u, r, w = xs
+
+    def step():
+        y, rstd = K.tail_forward(g, u, r, w, EPS, config=cfg)
+        return (y, *K.tail_backward(dy, g, u, r, w, rstd, ALL, config=bcfg))
+
+    step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for seed in (1, 2, 3):
+        new, new_dy = tail_inputs(shape, dtype, "cuda", seed=seed, dy=True)
+        for t, v in zip((g, u, r, w, dy), (*new, new_dy)):
+            t.copy_(v)
+        graph.replay()
+        eager = step()  # on the default stream, between replays
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = _reference(xs, dy)
+        assert T.relative_error(outs[0], ref[0]) <= T.FORWARD_TOL[dtype]
+        for got, want in zip(outs[1:], ref[1:]):
+            assert T.relative_error(got, want) <= T.BACKWARD_TOL[dtype]
+        for a, b in zip(outs, eager):
+            assert torch.equal(a, b)
+
+
+@gpu
+def test_two_streams_at_once_each_have_their_own_scratch():
+    shape, dtype = (2000, 16384), torch.bfloat16
+    cfg = C.team_candidates(shape[1], 132, C.FWD_TEAM_SHARES)[0]
+    inputs = [tail_inputs(shape, dtype, "cuda", seed=s) for s in (31, 32)]
+    want = [K.tail_forward(*xs, EPS, config=cfg)[0] for xs in inputs]
+    streams = [torch.cuda.Stream() for _ in inputs]
+    for s in streams:
+        s.wait_stream(torch.cuda.current_stream())
+    outs = []
+    for _ in range(5):
+        for s, xs in zip(streams, inputs):
+            with torch.cuda.stream(s):
+                outs.append((s, K.tail_forward(*xs, EPS, config=cfg)[0]))
+    torch.cuda.synchronize()
+    for i, (_s, y) in enumerate(outs):
+        assert torch.equal(y, want[i % 2])
+
+
+@gpu
+def test_the_tuned_path_through_autograd_is_right_at_wide_rows():
+    """Whatever the autotuner picks at a wide shape (a team kernel or not) is right."""
+    shape, dtype = (512, 24576), torch.bfloat16
+    xs, dy = tail_inputs(shape, dtype, "cuda", seed=24, dy=True)
+    leaves = [t.clone().requires_grad_() for t in xs]
+    y = T.tail_triton(*leaves, EPS)
+    got = (y, *torch.autograd.grad(y, leaves, dy))
+    ref = _reference(xs, dy)
+    assert T.relative_error(got[0], ref[0]) <= T.FORWARD_TOL[dtype]
+    for name, a, want in zip(GRADS, got[1:], ref[1:], strict=True):
+        assert T.relative_error(a, want) <= T.BACKWARD_TOL[dtype], name
