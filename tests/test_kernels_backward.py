@@ -196,6 +196,7 @@ CONFIG_CASES = {
     "split, row dot in column ranges": KernelConfig("split", 1, 16, num_warps=4, programs=2, splits=3),
     # 7 rows over 3 teams of one program: each team's dw partial sums 2-3 rows.
     "team of one": KernelConfig("team", 1, 64, num_warps=2, programs=3),
+    "team of one, two stages": KernelConfig("team", 1, 64, num_warps=2, num_stages=2, programs=3),
 }
 
 
@@ -248,6 +249,11 @@ FORWARD_CONFIGS = {
     # N = 37 in a 64-wide share; more teams than rows.
     "team of one, 7 rows over 3 teams": (7, 37, KernelConfig("team", 1, 64, num_warps=2, programs=3)),
     "team of one, more teams than rows": (2, 40, KernelConfig("team", 1, 64, num_warps=4, programs=5)),
+    # Two stages: a row's exchange is read after the next row's is published.
+    "team of one, two stages, 7 rows over 3 teams": (
+        7, 37, KernelConfig("team", 1, 64, num_warps=2, num_stages=2, programs=3)),
+    "team of one, two stages, one row per team": (
+        3, 37, KernelConfig("team", 1, 64, num_warps=2, num_stages=2, programs=3)),
 }  # fmt: skip
 
 
@@ -307,6 +313,10 @@ BACKWARD_CONFIGS = {
     # Teams of one program: each team's dw partial is one row; more teams than rows.
     "team of one, 7 rows over 3 teams": (7, 37, KernelConfig("team", 1, 64, num_warps=2, programs=3)),
     "team of one, more teams than rows": (2, 40, KernelConfig("team", 1, 64, num_warps=4, programs=5)),
+    "team of one, two stages, 7 rows over 3 teams": (
+        7, 37, KernelConfig("team", 1, 64, num_warps=2, num_stages=2, programs=3)),
+    "team of one, two stages, one row per team": (
+        3, 37, KernelConfig("team", 1, 64, num_warps=2, num_stages=2, programs=3)),
     # 5 ranges asked, but N = 40 holds 3 chunks: 3 ranges of one chunk, the last short.
     "split, row dot in more ranges than chunks": (
         2, 40, KernelConfig("split", 1, 16, num_warps=4, num_stages=1, programs=1, splits=5)),

@@ -52,13 +52,20 @@ def pow2_rows(n_rows: int) -> int:
     return triton.next_power_of_2(max(n_rows, 1))
 
 
-# Team launches (kernels/teams.py), as (share of the row, warps, programs per SM): the share
-# held in registers at 8-16 columns a thread, and ~8-16K columns in flight per SM, so that while a
-# team waits for its partial sums the next row's loads keep the DRAM busy (Little's law at
-# ~4.3 TB/s and ~1-2 us per exchange: ~4-8 MB in flight over 132 SMs). The forward holds h and the
-# next row's g, u, r a column; the backward x_hat, w * dy, g, u, s and the next row's four inputs.
-FWD_TEAM_SHARES = ((4096, 8, 2), (4096, 16, 1), (2048, 4, 4), (2048, 8, 2), (8192, 16, 1), (1024, 4, 4))
-BWD_TEAM_SHARES = ((2048, 8, 2), (4096, 16, 1), (1024, 4, 4), (2048, 4, 4), (4096, 8, 2))
+# Team launches (kernels/teams.py), as (share of the row, warps, programs per SM, stages): the
+# share held in registers at 8-16 columns a thread, and ~4-8K columns in flight per SM, so that
+# while a team waits for its partial sums the next row's loads keep the DRAM busy (Little's law
+# at ~4.3 TB/s and ~1-2 us per exchange: ~4-8 MB in flight over 132 SMs). Two stages: a row's
+# exchange overlaps the next row's work (twice the rows held). The forward holds h and the next
+# row's g, u, r a column; the backward x_hat, w * dy, g, u and the next row's four inputs.
+FWD_TEAM_SHARES = (
+    (4096, 8, 2, 1), (4096, 8, 2, 2), (8192, 16, 1, 1), (8192, 16, 1, 2), (2048, 4, 4, 1),
+    (2048, 4, 4, 2), (4096, 16, 1, 2), (2048, 8, 2, 2), (1024, 4, 4, 2),
+)  # fmt: skip
+BWD_TEAM_SHARES = (
+    (2048, 8, 2, 1), (2048, 8, 2, 2), (4096, 16, 1, 1), (4096, 16, 1, 2), (1024, 4, 4, 1),
+    (1024, 4, 4, 2), (2048, 4, 4, 2),
+)  # fmt: skip
 
 
 def team_candidates(n_cols: int, n_sms: int, shares) -> list[KernelConfig]:
@@ -68,10 +75,10 @@ def team_candidates(n_cols: int, n_sms: int, shares) -> list[KernelConfig]:
     out = []
     if n_cols <= 2048:
         return out
-    for share, warps, per_sm in shares:
+    for share, warps, per_sm, stages in shares:
         if share < n_cols:
             members = triton.cdiv(n_cols, share)
-            out.append(KernelConfig("team", 1, share, warps, 1, n_sms * per_sm, members, l2="plain"))
+            out.append(KernelConfig("team", 1, share, warps, stages, n_sms * per_sm, members, l2="plain"))
     return out
 
 

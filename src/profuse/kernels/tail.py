@@ -48,7 +48,7 @@ from profuse.kernels import configs as C
 from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing
 from profuse.kernels.colsum import col_sum_launch
 from profuse.kernels.configs import KernelConfig
-from profuse.kernels.teams import TeamLaunch, gather, publish, slots_for, team_size
+from profuse.kernels.teams import TeamLaunch, buffers_for, gather, publish, slots_for, team_size
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -282,6 +282,20 @@ def _tail_fwd_pipelined_kernel(
 
 
 @triton.jit
+def _team_row_y(
+    Y_ptr, RSTD_ptr, slots, seq, row, y_row_stride, cols, col_mask, member, h, w, n_cols, eps,
+    MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BUFFERS: tl.constexpr, STORE_RSTD: tl.constexpr,
+):  # fmt: skip
+    """A team forward's second half of a row: the team's sum of squares (waiting for it), then
+    this member's share of y, and rstd (member 0)."""
+    rstd = tl.rsqrt(gather(slots, seq, MEMBERS, SLOTS, BUFFERS) / n_cols + eps)
+    tl.store(Y_ptr + row * y_row_stride + cols, (h * rstd * w).to(Y_ptr.dtype.element_ty), mask=col_mask,
+             eviction_policy="evict_first")  # fmt: skip
+    if STORE_RSTD:
+        tl.store(RSTD_ptr + row, rstd, mask=member == 0)
+
+
+@triton.jit
 def _tail_fwd_team_kernel(
     G_ptr,
     U_ptr,
@@ -296,19 +310,24 @@ def _tail_fwd_team_kernel(
     n_rows,
     n_cols,
     eps,
-    SLOT_ptr,  # (teams, 2, SLOTS) int64: kernels/teams.py
+    SLOT_ptr,  # (teams, BUFFERS, SLOTS) int64: kernels/teams.py
     SEQ_ptr,  # (programs,) int32: rows each program has published, over all calls
     MEMBERS: tl.constexpr,  # programs per row: cdiv(n_cols, BLOCK_N)
     SLOTS: tl.constexpr,  # MEMBERS rounded up to a power of two
     BLOCK_N: tl.constexpr,  # each member's share of the row
+    LAG: tl.constexpr,  # 1: a row's sums are read after the next row's are published
+    BUFFERS: tl.constexpr,  # slot buffers: teams.buffers_for(LAG)
     STORE_RSTD: tl.constexpr,
 ):
     """Wide rows read once: a team of MEMBERS co-resident programs shares each row, member m
     holding columns [m * BLOCK_N, (m + 1) * BLOCK_N) of it in registers. Each member sums its
     share's h^2, swaps the partial sums with its team (kernels/teams.py), and writes its share
     of y; the next row's loads are issued before the wait, so the DRAM keeps reading while the
-    team waits. Team t takes rows t, t + T, ... (T teams: a persistent grid that is resident at
-    once). Moves the 4 tensors once, plus 8 bytes per member per row of L2 traffic."""
+    team waits. With LAG the wait for a row's sums comes one row later, after the next row's
+    sums are published: the exchange's latency is hidden behind a row of work, for twice the
+    registers (two rows of h). Team t takes rows t, t + T, ... (T teams: a persistent grid that
+    is resident at once). Moves the 4 tensors once, plus 8 bytes per member per row of L2
+    traffic."""
     eps = tl.cast(eps, tl.float32)
     pid = tl.program_id(0)
     n_teams = tl.num_programs(0) // MEMBERS
@@ -317,36 +336,42 @@ def _tail_fwd_team_kernel(
     cols = member * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
     w = tl.load(W_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    slots = SLOT_ptr + team.to(tl.int64) * (2 * SLOTS)
-    seq = tl.load(SEQ_ptr + pid)
+    slots = SLOT_ptr + team.to(tl.int64) * (BUFFERS * SLOTS)
+    first = tl.load(SEQ_ptr + pid)
+    seq = first
     row = tl.cast(team, tl.int64)
     # Masks built as vector compares (the interpreter rejects a vector mask and-ed with a scalar).
     mask = cols < tl.where(row < n_rows, n_cols, 0)
-    g_row, u_row, r_row, y_row = _row_starts(G_ptr, U_ptr, R_ptr, Y_ptr, row, g_row_stride,
-                                             u_row_stride, r_row_stride, y_row_stride)  # fmt: skip
-    g = tl.load(g_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    u = tl.load(u_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    r = tl.load(r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    g = tl.load(G_ptr + row * g_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    u = tl.load(U_ptr + row * u_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    r = tl.load(R_ptr + row * r_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    h_prev = tl.zeros([BLOCK_N], dtype=tl.float32)
+    prev = row
     for _ in range(team, n_rows, n_teams):
         gf = g.to(tl.float32)
         h = gf * tl.sigmoid(gf) * u.to(tl.float32) + r.to(tl.float32)
         seq += 1
-        publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS)
+        publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS, BUFFERS)
         # The next row's loads go out before the wait.
         nxt = row + n_teams
         mask = cols < tl.where(nxt < n_rows, n_cols, 0)
-        g_n, u_n, r_n, y_n = _row_starts(G_ptr, U_ptr, R_ptr, Y_ptr, nxt, g_row_stride, u_row_stride,
-                                         r_row_stride, y_row_stride)  # fmt: skip
-        g = tl.load(g_n + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        u = tl.load(u_n + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        r = tl.load(r_n + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        rstd = tl.rsqrt(gather(slots, seq, MEMBERS, SLOTS) / n_cols + eps)
-        tl.store(y_row + cols, (h * rstd * w).to(Y_ptr.dtype.element_ty), mask=col_mask,
-                 eviction_policy="evict_first")  # fmt: skip
-        if STORE_RSTD:
-            tl.store(RSTD_ptr + row, rstd, mask=member == 0)
+        g = tl.load(G_ptr + nxt * g_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        u = tl.load(U_ptr + nxt * u_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        r = tl.load(R_ptr + nxt * r_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        if LAG:
+            if seq - first > 1:  # the row before this one, whose sums had a row's time to arrive
+                _team_row_y(Y_ptr, RSTD_ptr, slots, seq - 1, prev, y_row_stride, cols, col_mask, member,
+                            h_prev, w, n_cols, eps, MEMBERS, SLOTS, BUFFERS, STORE_RSTD)  # fmt: skip
+            h_prev = h
+            prev = row
+        else:
+            _team_row_y(Y_ptr, RSTD_ptr, slots, seq, row, y_row_stride, cols, col_mask, member, h, w, n_cols,
+                        eps, MEMBERS, SLOTS, BUFFERS, STORE_RSTD)  # fmt: skip
         row = nxt
-        y_row = y_n
+    if LAG:
+        if seq != first:
+            _team_row_y(Y_ptr, RSTD_ptr, slots, seq, prev, y_row_stride, cols, col_mask, member, h_prev, w,
+                        n_cols, eps, MEMBERS, SLOTS, BUFFERS, STORE_RSTD)  # fmt: skip
     tl.store(SEQ_ptr + pid, seq)
 
 
@@ -656,6 +681,23 @@ def _tail_bwd_pipelined_kernel(
 
 
 @triton.jit
+def _team_row_grads(
+    DG_ptr, DU_ptr, DR_ptr, slots, seq, row, cols, col_mask, dy, g, u, x_hat, w, rstd, n_cols,
+    MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BUFFERS: tl.constexpr,
+    COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr,
+):  # fmt: skip
+    """A team backward's second half of a row: the row's c (waiting for the team's parts), then
+    this member's share of dg, du, dr from the row's raw dy, g, u and its x_hat."""
+    c = gather(slots, seq, MEMBERS, SLOTS, BUFFERS) / n_cols
+    gf = g.to(tl.float32)
+    s = tl.sigmoid(gf)
+    silu = gf * s
+    dh = (w * dy.to(tl.float32) - x_hat * c) * rstd
+    _store_input_grads(DG_ptr, DU_ptr, DR_ptr, row * n_cols + cols, col_mask, dh, gf, u.to(tl.float32), s,
+                       silu, COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
+
+
+@triton.jit
 def _tail_bwd_team_kernel(
     DY_ptr,
     G_ptr,
@@ -673,11 +715,13 @@ def _tail_bwd_team_kernel(
     r_row_stride,
     n_rows,
     n_cols,
-    SLOT_ptr,  # (teams, 2, SLOTS) int64: kernels/teams.py
+    SLOT_ptr,  # (teams, BUFFERS, SLOTS) int64: kernels/teams.py
     SEQ_ptr,  # (programs,) int32
     MEMBERS: tl.constexpr,
     SLOTS: tl.constexpr,
     BLOCK_N: tl.constexpr,  # each member's share of the row
+    LAG: tl.constexpr,  # 1: a row's c is read after the next row's parts are published
+    BUFFERS: tl.constexpr,
     COMPUTE_DG: tl.constexpr,
     COMPUTE_DU: tl.constexpr,
     COMPUTE_DR: tl.constexpr,
@@ -688,7 +732,8 @@ def _tail_bwd_team_kernel(
     x_hat * w * dy, swaps it with its team for the row's c, and writes its share of dg, du, dr.
     A member always holds the same columns, so its dw partial is BLOCK_N wide and stays in
     registers over all its rows: the partials are (teams, N), written once at the end. The next
-    row's loads are issued before the wait."""
+    row's loads are issued before the wait; with LAG the wait comes a row later (the previous
+    row's raw dy, g, u and x_hat held meanwhile)."""
     pid = tl.program_id(0)
     n_teams = tl.num_programs(0) // MEMBERS
     team = pid // MEMBERS
@@ -698,47 +743,58 @@ def _tail_bwd_team_kernel(
     w = tl.load(W_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     NEED_DH: tl.constexpr = COMPUTE_DG or COMPUTE_DU or COMPUTE_DR
-    slots = SLOT_ptr + team.to(tl.int64) * (2 * SLOTS)
-    seq = tl.load(SEQ_ptr + pid)
+    slots = SLOT_ptr + team.to(tl.int64) * (BUFFERS * SLOTS)
+    first = tl.load(SEQ_ptr + pid)
+    seq = first
     row = tl.cast(team, tl.int64)
     mask = cols < tl.where(row < n_rows, n_cols, 0)
-    dy_row, g_row, u_row, r_row = _row_starts(DY_ptr, G_ptr, U_ptr, R_ptr, row, dy_row_stride, g_row_stride,
-                                              u_row_stride, r_row_stride)  # fmt: skip
-    dy = tl.load(dy_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    g = tl.load(g_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    u = tl.load(u_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    r = tl.load(r_row + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    dy = tl.load(DY_ptr + row * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    g = tl.load(G_ptr + row * g_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    u = tl.load(U_ptr + row * u_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    r = tl.load(R_ptr + row * r_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
     rstd = tl.load(RSTD_ptr + tl.minimum(row, n_rows - 1))
+    # The previous row (LAG): its raw dy, g, u, its x_hat and rstd.
+    dy_p, g_p, u_p = dy, g, u
+    xh_p = tl.zeros([BLOCK_N], dtype=tl.float32)
+    rstd_p = rstd
+    prev = row
     for _ in range(team, n_rows, n_teams):
         dyf = dy.to(tl.float32)
         gf = g.to(tl.float32)
-        uf = u.to(tl.float32)
-        s = tl.sigmoid(gf)
-        silu = gf * s
-        x_hat = (silu * uf + r.to(tl.float32)) * rstd
-        wdy = w * dyf
+        x_hat = (gf * tl.sigmoid(gf) * u.to(tl.float32) + r.to(tl.float32)) * rstd
         if NEED_DH:
             seq += 1
-            publish(slots, seq, member, tl.sum(x_hat * wdy, axis=0), SLOTS)
+            publish(slots, seq, member, tl.sum(x_hat * w * dyf, axis=0), SLOTS, BUFFERS)
         if COMPUTE_DW:
             dw_acc += dyf * x_hat
+        dy_c, g_c, u_c = dy, g, u
         # The next row's loads go out before the wait.
         nxt = row + n_teams
         mask = cols < tl.where(nxt < n_rows, n_cols, 0)
-        dy_n, g_n, u_n, r_n = _row_starts(DY_ptr, G_ptr, U_ptr, R_ptr, nxt, dy_row_stride, g_row_stride,
-                                          u_row_stride, r_row_stride)  # fmt: skip
-        dy = tl.load(dy_n + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        g = tl.load(g_n + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        u = tl.load(u_n + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        r = tl.load(r_n + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        dy = tl.load(DY_ptr + nxt * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        g = tl.load(G_ptr + nxt * g_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        u = tl.load(U_ptr + nxt * u_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+        r = tl.load(R_ptr + nxt * r_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
         rstd_next = tl.load(RSTD_ptr + tl.minimum(nxt, n_rows - 1))
         if NEED_DH:
-            c = gather(slots, seq, MEMBERS, SLOTS) / n_cols
-            dh = (wdy - x_hat * c) * rstd
-            _store_input_grads(DG_ptr, DU_ptr, DR_ptr, row * n_cols + cols, col_mask, dh, gf, uf, s, silu,
-                               COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
+            if LAG:
+                if seq - first > 1:
+                    _team_row_grads(DG_ptr, DU_ptr, DR_ptr, slots, seq - 1, prev, cols, col_mask, dy_p, g_p,
+                                    u_p, xh_p, w, rstd_p, n_cols, MEMBERS, SLOTS, BUFFERS,
+                                    COMPUTE_DG, COMPUTE_DU, COMPUTE_DR)  # fmt: skip
+                dy_p, g_p, u_p, xh_p, rstd_p, prev = dy_c, g_c, u_c, x_hat, rstd, row
+            else:
+                _team_row_grads(DG_ptr, DU_ptr, DR_ptr, slots, seq, row, cols, col_mask, dy_c, g_c, u_c,
+                                x_hat, w, rstd, n_cols, MEMBERS, SLOTS, BUFFERS,
+                                COMPUTE_DG, COMPUTE_DU, COMPUTE_DR)  # fmt: skip
         row = nxt
         rstd = rstd_next
+    if NEED_DH:
+        if LAG:
+            if seq != first:
+                _team_row_grads(DG_ptr, DU_ptr, DR_ptr, slots, seq, prev, cols, col_mask, dy_p, g_p, u_p,
+                                xh_p, w, rstd_p, n_cols, MEMBERS, SLOTS, BUFFERS,
+                                COMPUTE_DG, COMPUTE_DU, COMPUTE_DR)  # fmt: skip
     if COMPUTE_DW:
         tl.store(DW_ptr + team.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
     tl.store(SEQ_ptr + pid, seq)
@@ -894,9 +950,10 @@ def _team_launch(kernel, cfg: KernelConfig, kind: str, n_rows: int, n_cols: int,
     launch = _TEAM_LAUNCHES.get(key)
     if launch is None:
         members = team_size(n_cols, cfg.block_n)
+        lag = 1 if cfg.num_stages > 1 else 0  # two stages: a row's exchange overlaps the next row
         launch = _TEAM_LAUNCHES.add(key, TeamLaunch(
-            kernel, cfg, kind, members, n_rows,
-            MEMBERS=members, SLOTS=slots_for(members), BLOCK_N=cfg.block_n, **constants,
+            kernel, cfg, kind, members, n_rows, MEMBERS=members, SLOTS=slots_for(members),
+            BLOCK_N=cfg.block_n, LAG=lag, BUFFERS=buffers_for(lag), **constants,
         ))  # fmt: skip
     return launch
 

@@ -13,7 +13,10 @@ has no cluster reduction, so a team swaps its partial sums through global memory
               gets the same bits, run after run.
 
 Slots are double-buffered by the number's parity: a member cannot publish row i + 2 before every
-member has published row i + 1, which each does only after it has read row i. The numbers keep
+member has published row i + 1, which each does only after it has read row i. A kernel that
+reads row i's sums only after publishing row i + 1 (its exchange overlapped with the next row's
+work) needs four buffers: row i + 4 is published after row i + 2 is read, which needs every
+member's row i + 2, published after that member read row i. The numbers keep
 counting across calls (each member stores where it got to, and every member of a team handles
 the same rows, so a team's members agree), so the scratch is zeroed once, when it is made, and a
 CUDA graph replay finds it as the last call left it.
@@ -39,20 +42,20 @@ from profuse.kernels.configs import KernelConfig
 
 
 @triton.jit
-def publish(slots, seq, member, value, SLOTS: tl.constexpr):
-    """Store this member's fp32 `value` for the row numbered `seq` (int32) in its slot of that
-    number's parity. `slots`: the team's (2, SLOTS) int64 words."""
+def publish(slots, seq, member, value, SLOTS: tl.constexpr, BUFFERS: tl.constexpr):
+    """Store this member's fp32 `value` for the row numbered `seq` (int32) in its slot of buffer
+    seq mod BUFFERS. `slots`: the team's (BUFFERS, SLOTS) int64 words."""
     bits = value.to(tl.uint32, bitcast=True).to(tl.int64)
     word = (seq.to(tl.int64) << 32) | bits
-    tl.atomic_xchg(slots + (seq & 1) * SLOTS + member, word, sem="release")
+    tl.atomic_xchg(slots + (seq & (BUFFERS - 1)) * SLOTS + member, word, sem="release")
 
 
 @triton.jit
-def gather(slots, seq, n_members, SLOTS: tl.constexpr):
+def gather(slots, seq, n_members, SLOTS: tl.constexpr, BUFFERS: tl.constexpr):
     """Wait until all `n_members` members have published row `seq`; their fp32 values summed in
     member order (the same bits in every member)."""
     members = tl.arange(0, SLOTS)
-    ptrs = slots + (seq & 1) * SLOTS + members
+    ptrs = slots + (seq & (BUFFERS - 1)) * SLOTS + members
     present = members < n_members
     words = tl.load(ptrs, mask=present, other=0, volatile=True)
     missing = present & ((words >> 32).to(tl.int32) != seq)
@@ -61,6 +64,12 @@ def gather(slots, seq, n_members, SLOTS: tl.constexpr):
         missing = present & ((words >> 32).to(tl.int32) != seq)
     values = words.to(tl.int32).to(tl.float32, bitcast=True)
     return tl.sum(tl.where(present, values, 0.0), axis=0)
+
+
+def buffers_for(lag: int) -> int:
+    """Slot buffers a team needs when a member may read row i - lag after publishing row i: a
+    member overwrites row i's buffer only once every member has read row i (see the module)."""
+    return 2 if lag == 0 else 4
 
 
 def team_size(n_cols: int, block_n: int) -> int:
@@ -92,7 +101,7 @@ class TeamLaunch:
     as fit on the device at once (at most `config.programs` programs, at most one team per row).
 
     The grid is sized per input dtype and device on the first call there (or `prepare`), from
-    the compiled kernel; each stream gets its scratch on its first call there: (teams, 2, slots)
+    the compiled kernel; each stream gets its scratch on its first call there: (teams, buffers, slots)
     int64 slot words and one int32 count per program. Runtime arguments: the kernel's own
     without its two scratch pointers, which come last.
     """
@@ -139,7 +148,8 @@ class TeamLaunch:
         return teams
 
     def _new_scratch(self, teams: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        slots = torch.zeros((teams, 2, slots_for(self.members)), dtype=torch.int64, device=device)
+        buffers = self.constants.get("BUFFERS", 2)
+        slots = torch.zeros((teams, buffers, slots_for(self.members)), dtype=torch.int64, device=device)
         return slots, torch.zeros(teams * self.members, dtype=torch.int32, device=device)
 
     def scratch(self, args) -> tuple[torch.Tensor, torch.Tensor]:
