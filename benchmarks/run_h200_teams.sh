@@ -2,12 +2,13 @@
 # Team kernels (issue 18) on one GPU:
 #   bash benchmarks/run_h200_teams.sh OUTDIR tune   # GPU tests of the team kernels, then every team
 #                                                   # candidate timed per width (tune_tail --kinds team)
+#   bash benchmarks/run_h200_teams.sh OUTDIR tests  # the kernels' GPU tests, every candidate
 #   bash benchmarks/run_h200_teams.sh OUTDIR bwd    # the forward + backward grid (as run_h200_grid.sh)
 #   bash benchmarks/run_h200_teams.sh OUTDIR fwd    # the forward grid
 # A team waits for its partners: every step runs under a timeout, so a hang costs its step only.
 set -uo pipefail
-out=${1:?usage: run_h200_teams.sh OUTDIR tune|bwd|fwd}
-what=${2:?usage: run_h200_teams.sh OUTDIR tune|bwd|fwd}
+out=${1:?usage: run_h200_teams.sh OUTDIR tune|tests|bwd|fwd}
+what=${2:?usage: run_h200_teams.sh OUTDIR tune|tests|bwd|fwd}
 mkdir -p "$out"
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src PYTHONUNBUFFERED=1
 step() { echo; echo "### $*"; timeout -s KILL "${STEP_TIMEOUT:-300}" "$@" || echo "### step failed or timed out: $*"; }
@@ -16,12 +17,14 @@ wide=5120,8192,11008,16384,32768,65536
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,driver_version --format=csv
 case "$what" in
   tune)
-    STEP_TIMEOUT=120 step python3 -m pytest -q -x -p no:cacheprovider tests/test_teams.py
-    STEP_TIMEOUT=240 step python3 benchmarks/tune_tail.py --kinds team --which fwd,bwd --elements 33554432 --budget-s 200 \
-      --cols $wide --out "$out/tune_team_32M.json"
-    STEP_TIMEOUT=100 step python3 benchmarks/tune_tail.py --kinds team --which fwd,bwd --elements 134217728 \
+    STEP_TIMEOUT=230 step python3 benchmarks/tune_tail.py --kinds team --which fwd,bwd --elements 33554432 \
+      --budget-s 200 --cols $wide --out "$out/tune_team_32M.json"
+    STEP_TIMEOUT=90 step python3 benchmarks/tune_tail.py --kinds team --which fwd,bwd --elements 134217728 \
       --cols 32768,65536 --out "$out/tune_team_128M.json"
-    STEP_TIMEOUT=120 step python3 -m pytest -q -x -p no:cacheprovider tests/test_graphs.py \
+    STEP_TIMEOUT=170 step python3 -m pytest -q -x -p no:cacheprovider tests/test_teams.py
+    ;;
+  tests)
+    STEP_TIMEOUT=300 step python3 -m pytest -q -x -p no:cacheprovider tests/test_graphs.py \
       tests/test_kernels_backward.py -k "candidate or explicit or deterministic or replay or capture"
     ;;
   bwd)
