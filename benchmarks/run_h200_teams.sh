@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Team kernels (issue 18) on one GPU:
-#   bash benchmarks/run_h200_teams.sh OUTDIR tune   # GPU tests of the team kernels, then every team
-#                                                   # candidate timed per width (tune_tail --kinds team)
+#   bash benchmarks/run_h200_teams.sh OUTDIR tune   # every team candidate timed per width
+#                                                   # (tune_tail --kinds team), then test_teams.py
 #   bash benchmarks/run_h200_teams.sh OUTDIR tests  # the kernels' GPU tests, every candidate
 #   bash benchmarks/run_h200_teams.sh OUTDIR bwd    # the forward + backward grid (as run_h200_grid.sh)
 #   bash benchmarks/run_h200_teams.sh OUTDIR fwd    # the forward grid
