@@ -62,9 +62,12 @@ FWD_TEAM_SHARES = (
     (4096, 8, 2, 1), (4096, 8, 2, 2), (8192, 16, 1, 1), (8192, 16, 1, 2), (2048, 4, 4, 1),
     (2048, 4, 4, 2), (4096, 16, 1, 2), (2048, 8, 2, 2), (1024, 4, 4, 2),
 )  # fmt: skip
+# The backward holds ~13 registers a column (sm_90 PTX through ptxas: 108 at 8 columns a thread,
+# 64 at 4; two stages 126-161 at 8): ~4K columns an SM whatever the shape, so its candidates
+# keep to 4-8 columns a thread and 4K columns an SM.
 BWD_TEAM_SHARES = (
-    (2048, 8, 2, 1), (2048, 8, 2, 2), (4096, 16, 1, 1), (4096, 16, 1, 2), (1024, 4, 4, 1),
-    (1024, 4, 4, 2), (2048, 4, 4, 2),
+    (2048, 8, 2, 1), (4096, 16, 1, 1), (4096, 16, 1, 2), (1024, 4, 4, 1), (1024, 4, 4, 2),
+    (1024, 8, 4, 1), (1024, 8, 4, 2),
 )  # fmt: skip
 
 
