@@ -10,7 +10,8 @@ set -uo pipefail
 out=${1:?usage: run_h200_teams.sh OUTDIR tune|tests|bwd|fwd}
 what=${2:?usage: run_h200_teams.sh OUTDIR tune|tests|bwd|fwd}
 mkdir -p "$out"
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src PYTHONUNBUFFERED=1
+# Team launches join the autotuner's candidates (configs.teams_enabled).
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src PYTHONUNBUFFERED=1 PROFUSE_TEAMS=1
 step() { echo; echo "### $*"; timeout -s KILL "${STEP_TIMEOUT:-300}" "$@" || echo "### step failed or timed out: $*"; }
 grid=1024,2048,4096,5120,8192,11008,14336,16384,32768,65536
 wide=5120,8192,11008,16384,32768,65536

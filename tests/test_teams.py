@@ -53,7 +53,7 @@ def _check(xs, dy, cfg, dtype):
 # --------------------------------------------------------------------------------------------
 
 
-def test_team_candidates_split_only_wide_rows():
+def test_team_candidates_split_only_wide_rows(monkeypatch):
     for n in (100, 2048):
         assert not C.team_candidates(n, 132, C.FWD_TEAM_SHARES)
     for n in (2049, 5120, 11008, 65536):
@@ -65,7 +65,12 @@ def test_team_candidates_split_only_wide_rows():
                 # splits names the members: every column has one, no member is idle
                 assert c.splits == -(-n // c.block_n) and (c.splits - 1) * c.block_n < n
                 assert c.programs % 132 == 0
-    # Every wide-row candidate list holds teams, after the favourite.
+    # Not in the autotuner's lists unless asked for (PROFUSE_TEAMS=1); then in every wide-row
+    # list, after the favourite.
+    monkeypatch.delenv("PROFUSE_TEAMS", raising=False)
+    assert not any(c.kernel == "team" for c in C.forward_candidates(2048, 65536, torch.bfloat16, 132))
+    assert not any(c.kernel == "team" for c in C.backward_candidates(2048, 65536, torch.bfloat16, 132))
+    monkeypatch.setenv("PROFUSE_TEAMS", "1")
     for n in (8192, 65536):
         fwd = C.forward_candidates(2048, n, torch.bfloat16, 132)
         bwd = C.backward_candidates(2048, n, torch.bfloat16, 132)

@@ -8,6 +8,7 @@ heuristic's favourite first, each choice with the measurement behind it. The aut
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, replace
 
 import torch
@@ -69,6 +70,13 @@ BWD_TEAM_SHARES = (
     (2048, 8, 2, 1), (4096, 16, 1, 1), (4096, 16, 1, 2), (1024, 4, 4, 1), (1024, 4, 4, 2),
     (1024, 8, 4, 1), (1024, 8, 4, 2),
 )  # fmt: skip
+
+
+def teams_enabled() -> bool:
+    """Team launches join the autotuner's candidates only with PROFUSE_TEAMS=1: they have run in
+    the interpreter (teams of one) but not yet on a GPU, where a team's members wait for each
+    other (benchmarks/run_h200_teams.sh sets it)."""
+    return os.environ.get("PROFUSE_TEAMS") == "1"
 
 
 def team_candidates(n_cols: int, n_sms: int, shares) -> list[KernelConfig]:
@@ -135,7 +143,8 @@ def forward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int 
             # The same, with pass 2 of each row overlapped with pass 1 of the next (87.0 us).
             for chunk, w, per_sm in ((16384, 32, 1), (8192, 32, 1), (8192, 16, 2)):
                 out.append(KernelConfig("pipelined", 1, chunk, w, 1, n_sms * per_sm, l2="plain"))
-    out += team_candidates(n_cols, n_sms, FWD_TEAM_SHARES)
+    if teams_enabled():
+        out += team_candidates(n_cols, n_sms, FWD_TEAM_SHARES)
     if FWD_MAX_FUSED < bn <= 2 * FWD_MAX_FUSED and torch.finfo(dtype).bits <= 16:
         # 16-bit rows up to 64K: 32 warps hold h (64 fp32 values per thread) once g, u, r are
         # folded into it; worth a try against the two-pass chunked kernel.
@@ -216,7 +225,8 @@ def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int
                     cfg = KernelConfig("split", 1, 2048, 8, 2, programs, splits, l2="plain")
                     if cfg not in out:
                         out.append(cfg)
-    out += team_candidates(n_cols, n_sms, BWD_TEAM_SHARES)
+    if teams_enabled():
+        out += team_candidates(n_cols, n_sms, BWD_TEAM_SHARES)
     if BWD_MAX_FUSED < bn <= 2 * BWD_MAX_FUSED and torch.finfo(dtype).bits <= 16:
         # 32K 16-bit columns: 32 elements per thread at 32 warps, if the compiler keeps the live
         # values (x_hat, w * dy, g, u) in registers.
