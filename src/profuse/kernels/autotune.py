@@ -61,6 +61,13 @@ HAS_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "
 _TRACING = False
 
 
+def log_launch(launch, compiled) -> None:
+    """Record a launch's kind, config, registers and spills in LAUNCH_LOG, when it is on."""
+    if LAUNCH_LOG is not None:
+        regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
+        LAUNCH_LOG.append((launch.kind, launch.config, regs, spills))
+
+
 class Launch:
     """One kernel bound to its grid and compile-time arguments: calling it with the runtime
     arguments launches it. `config` and `kind` name what runs, for results and logs."""
@@ -79,10 +86,7 @@ class Launch:
         if _TRACING:
             torch.library.wrap_triton(self.kernel)[self.grid](*args, **self.meta)
             return
-        compiled = self.run(*args, **self.meta)
-        if LAUNCH_LOG is not None:
-            regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
-            LAUNCH_LOG.append((self.kind, self.config, regs, spills))
+        log_launch(self, self.run(*args, **self.meta))
 
 
 def _real_like(a):

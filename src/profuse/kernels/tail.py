@@ -945,8 +945,7 @@ _TEAM_LAUNCHES = PlanCache(max_size=256)
 
 def _team_launch(kernel, cfg: KernelConfig, kind: str, n_rows: int, n_cols: int, **constants) -> TeamLaunch:
     """The team kernel `kernel` for this shape, made once (see kernels/teams.py)."""
-    key = (kernel.__name__ if hasattr(kernel, "__name__") else id(kernel), cfg, n_rows, n_cols,
-           tuple(sorted(constants.items())))  # fmt: skip
+    key = (id(kernel), cfg, n_rows, n_cols, tuple(sorted(constants.items())))
     launch = _TEAM_LAUNCHES.get(key)
     if launch is None:
         members = team_size(n_cols, cfg.block_n)
@@ -1061,29 +1060,22 @@ class _BackwardPlan:
         dg = _contiguous_like(gate) if need_g else None
         du = _contiguous_like(gate) if need_u else None
         dr = _contiguous_like(gate) if need_r else None
+        strides = (dy_stride, g_stride, u_stride, r_stride)
+        # Outputs not asked for get any tensor: their COMPUTE_ flag is off, the kernel never touches it.
+        dgur = (g if dg is None else dg, g if du is None else du, g if dr is None else dr)
+        if self.config.kernel == "team" and not self.programs:  # its grid (one compile) gives the dw rows
+            probe = torch.empty(1, dtype=torch.float32, device=g.device)
+            self.programs = self.main.prepare((dy, g, u, r, w, rstd, *dgur, probe, *strides, n_rows, n_cols))
         partial = (
             torch.empty((self.programs, n_cols), dtype=torch.float32, device=g.device) if need_w else None
         )
-        # Outputs not asked for get any tensor: their COMPUTE_ flag is off, the kernel never touches it.
-        outs = (g if dg is None else dg, g if du is None else du, g if dr is None else dr,
-                g if partial is None else partial)  # fmt: skip
-        strides = (dy_stride, g_stride, u_stride, r_stride)
-        if self.config.kernel == "team":
-            if not self.programs:  # size the grid (one compile) before the partials are made
-                probe = torch.empty(1, dtype=torch.float32, device=g.device)
-                self.programs = self.main.prepare(
-                    (dy, g, u, r, w, rstd, *outs[:3], probe, *strides, n_rows, n_cols)
-                )
-                if need_w:
-                    partial = torch.empty((self.programs, n_cols), dtype=torch.float32, device=g.device)
-                    outs = (*outs[:3], partial)
-            self.main(dy, g, u, r, w, rstd, *outs, *strides, n_rows, n_cols)
-        elif self.n_splits:
+        outs = (*dgur, g if partial is None else partial)
+        if self.n_splits:
             c = torch.empty((n_rows, self.n_splits), dtype=torch.float32, device=g.device)
             if self.rowdot is not None:
                 self.rowdot(dy, g, u, r, w, rstd, c, *strides, n_cols, self.span)
             self.main(dy, g, u, r, w, rstd, c, *outs, *strides, n_rows, n_cols, self.n_splits)
-        else:
+        else:  # the fused, chunked, pipelined and team kernels take the same arguments
             self.main(dy, g, u, r, w, rstd, *outs, *strides, n_rows, n_cols)
         dw = None
         if need_w:

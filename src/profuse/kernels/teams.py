@@ -101,8 +101,8 @@ class TeamLaunch:
     as fit on the device at once (at most `config.programs` programs, at most one team per row).
 
     The grid is sized per input dtype and device on the first call there (or `prepare`), from
-    the compiled kernel; each stream gets its scratch on its first call there: (teams, buffers, slots)
-    int64 slot words and one int32 count per program. Runtime arguments: the kernel's own
+    the compiled kernel; each stream gets its scratch on its first call there: (teams, buffers,
+    slots) int64 slot words and one int32 count per program. Runtime arguments: the kernel's own
     without its two scratch pointers, which come last.
     """
 
@@ -154,8 +154,10 @@ class TeamLaunch:
 
     def scratch(self, args) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots and counts for calls like `args` on the current stream."""
-        grid, _bound, by_stream = self._sized(args)
-        device = args[0].device
+        return self._scratch(self._sized(args), args[0].device)
+
+    def _scratch(self, sized: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        grid, _bound, by_stream = sized
         stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
         scratch = by_stream.get(stream)
         if scratch is None:
@@ -163,11 +165,9 @@ class TeamLaunch:
         return scratch
 
     def run(self, *args, **_bound) -> None:
-        """Launch on `args` (as the call site's `launch.run(*args, **launch.meta)`)."""
-        bound = self._sized(args)[1]
-        compiled = bound(*args, *self.scratch(args), **self.constants)
-        if autotune.LAUNCH_LOG is not None:
-            regs, spills = getattr(compiled, "n_regs", None), getattr(compiled, "n_spills", None)
-            autotune.LAUNCH_LOG.append((self.kind, self.config, regs, spills))
+        """Launch on `args` (as the call site's `launch.run(*args, **launch.meta)`): one lookup of
+        the sized grid, one of the stream's scratch, the launch."""
+        sized = self._sized(args)
+        autotune.log_launch(self, sized[1](*args, *self._scratch(sized, args[0].device), **self.constants))
 
     __call__ = run
