@@ -282,6 +282,24 @@ def _tail_fwd_pipelined_kernel(
 
 
 @triton.jit
+def _team_loads(G_ptr, U_ptr, R_ptr, row, g_row_stride, u_row_stride, r_row_stride, cols, n_rows, n_cols):
+    """A member's share of row `row` of g, u, r (zeros past the last row)."""
+    # A vector compare: the interpreter rejects a vector mask and-ed with a scalar.
+    mask = cols < tl.where(row < n_rows, n_cols, 0)
+    g = tl.load(G_ptr + row * g_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    u = tl.load(U_ptr + row * u_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    r = tl.load(R_ptr + row * r_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    return g, u, r
+
+
+@triton.jit
+def _team_h(g, u, r):
+    """h = silu(g) * u + r in fp32."""
+    gf = g.to(tl.float32)
+    return gf * tl.sigmoid(gf) * u.to(tl.float32) + r.to(tl.float32)
+
+
+@triton.jit
 def _team_row_y(
     Y_ptr, RSTD_ptr, slots, seq, row, y_row_stride, cols, col_mask, member, h, w, n_cols, eps,
     MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BUFFERS: tl.constexpr, STORE_RSTD: tl.constexpr,
@@ -337,41 +355,47 @@ def _tail_fwd_team_kernel(
     col_mask = cols < n_cols
     w = tl.load(W_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     slots = SLOT_ptr + team.to(tl.int64) * (BUFFERS * SLOTS)
-    first = tl.load(SEQ_ptr + pid)
-    seq = first
-    row = tl.cast(team, tl.int64)
-    # Masks built as vector compares (the interpreter rejects a vector mask and-ed with a scalar).
-    mask = cols < tl.where(row < n_rows, n_cols, 0)
-    g = tl.load(G_ptr + row * g_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    u = tl.load(U_ptr + row * u_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    r = tl.load(R_ptr + row * r_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    h_prev = tl.zeros([BLOCK_N], dtype=tl.float32)
-    prev = row
-    for _ in range(team, n_rows, n_teams):
-        gf = g.to(tl.float32)
-        h = gf * tl.sigmoid(gf) * u.to(tl.float32) + r.to(tl.float32)
+    seq = tl.load(SEQ_ptr + pid)
+    row = tl.cast(team, tl.int64)  # every team has a row: the launch makes at most n_rows teams
+    g, u, r = _team_loads(
+        G_ptr, U_ptr, R_ptr, row, g_row_stride, u_row_stride, r_row_stride, cols, n_rows, n_cols
+    )
+    if LAG:
+        # The first row is peeled off the loop and the last row's y follows it, so the loop has
+        # no branch: each turn publishes row i, issues row i + 1's loads, then finishes row i - 1.
+        h_prev = _team_h(g, u, r)
         seq += 1
-        publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS, BUFFERS)
-        # The next row's loads go out before the wait.
-        nxt = row + n_teams
-        mask = cols < tl.where(nxt < n_rows, n_cols, 0)
-        g = tl.load(G_ptr + nxt * g_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        u = tl.load(U_ptr + nxt * u_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        r = tl.load(R_ptr + nxt * r_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        if LAG:
-            if seq - first > 1:  # the row before this one, whose sums had a row's time to arrive
-                _team_row_y(Y_ptr, RSTD_ptr, slots, seq - 1, prev, y_row_stride, cols, col_mask, member,
-                            h_prev, w, n_cols, eps, MEMBERS, SLOTS, BUFFERS, STORE_RSTD)  # fmt: skip
+        publish(slots, seq, member, tl.sum(h_prev * h_prev, axis=0), SLOTS, BUFFERS)
+        prev = row
+        row = row + n_teams
+        g, u, r = _team_loads(G_ptr, U_ptr, R_ptr, row, g_row_stride, u_row_stride, r_row_stride, cols,
+                              n_rows, n_cols)  # fmt: skip
+        for _ in range(team + n_teams, n_rows, n_teams):
+            h = _team_h(g, u, r)
+            seq += 1
+            publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS, BUFFERS)
+            nxt = row + n_teams
+            g, u, r = _team_loads(G_ptr, U_ptr, R_ptr, nxt, g_row_stride, u_row_stride, r_row_stride, cols,
+                                  n_rows, n_cols)  # fmt: skip
+            _team_row_y(Y_ptr, RSTD_ptr, slots, seq - 1, prev, y_row_stride, cols, col_mask, member, h_prev,
+                        w, n_cols, eps, MEMBERS, SLOTS, BUFFERS, STORE_RSTD)  # fmt: skip
             h_prev = h
             prev = row
-        else:
+            row = nxt
+        _team_row_y(Y_ptr, RSTD_ptr, slots, seq, prev, y_row_stride, cols, col_mask, member, h_prev, w,
+                    n_cols, eps, MEMBERS, SLOTS, BUFFERS, STORE_RSTD)  # fmt: skip
+    else:
+        for _ in range(team, n_rows, n_teams):
+            h = _team_h(g, u, r)
+            seq += 1
+            publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS, BUFFERS)
+            # The next row's loads go out before the wait.
+            nxt = row + n_teams
+            g, u, r = _team_loads(G_ptr, U_ptr, R_ptr, nxt, g_row_stride, u_row_stride, r_row_stride, cols,
+                                  n_rows, n_cols)  # fmt: skip
             _team_row_y(Y_ptr, RSTD_ptr, slots, seq, row, y_row_stride, cols, col_mask, member, h, w, n_cols,
                         eps, MEMBERS, SLOTS, BUFFERS, STORE_RSTD)  # fmt: skip
-        row = nxt
-    if LAG:
-        if seq != first:
-            _team_row_y(Y_ptr, RSTD_ptr, slots, seq, prev, y_row_stride, cols, col_mask, member, h_prev, w,
-                        n_cols, eps, MEMBERS, SLOTS, BUFFERS, STORE_RSTD)  # fmt: skip
+            row = nxt
     tl.store(SEQ_ptr + pid, seq)
 
 
@@ -681,6 +705,22 @@ def _tail_bwd_pipelined_kernel(
 
 
 @triton.jit
+def _team_bwd_loads(
+    DY_ptr, G_ptr, U_ptr, R_ptr, RSTD_ptr, row, dy_row_stride, g_row_stride, u_row_stride, r_row_stride, cols,
+    n_rows, n_cols,
+):  # fmt: skip
+    """A member's share of row `row` for the backward: raw dy, g, u, r and the row's rstd (zeros
+    past the last row; rstd of the last row). Nothing here waits for the loads to land."""
+    mask = cols < tl.where(row < n_rows, n_cols, 0)
+    dy = tl.load(DY_ptr + row * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
+    g, u, r = _team_loads(
+        G_ptr, U_ptr, R_ptr, row, g_row_stride, u_row_stride, r_row_stride, cols, n_rows, n_cols
+    )
+    rstd = tl.load(RSTD_ptr + tl.minimum(row, n_rows - 1))
+    return dy, g, u, r, rstd
+
+
+@triton.jit
 def _team_row_grads(
     DG_ptr, DU_ptr, DR_ptr, slots, seq, row, cols, col_mask, dy, g, u, x_hat, w, rstd, n_cols,
     MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BUFFERS: tl.constexpr,
@@ -744,57 +784,61 @@ def _tail_bwd_team_kernel(
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     NEED_DH: tl.constexpr = COMPUTE_DG or COMPUTE_DU or COMPUTE_DR
     slots = SLOT_ptr + team.to(tl.int64) * (BUFFERS * SLOTS)
-    first = tl.load(SEQ_ptr + pid)
-    seq = first
-    row = tl.cast(team, tl.int64)
-    mask = cols < tl.where(row < n_rows, n_cols, 0)
-    dy = tl.load(DY_ptr + row * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    g = tl.load(G_ptr + row * g_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    u = tl.load(U_ptr + row * u_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    r = tl.load(R_ptr + row * r_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-    rstd = tl.load(RSTD_ptr + tl.minimum(row, n_rows - 1))
-    # The previous row (LAG): its raw dy, g, u, its x_hat and rstd.
-    dy_p, g_p, u_p = dy, g, u
-    xh_p = tl.zeros([BLOCK_N], dtype=tl.float32)
-    rstd_p = rstd
-    prev = row
-    for _ in range(team, n_rows, n_teams):
-        dyf = dy.to(tl.float32)
-        gf = g.to(tl.float32)
-        x_hat = (gf * tl.sigmoid(gf) * u.to(tl.float32) + r.to(tl.float32)) * rstd
-        if NEED_DH:
-            seq += 1
-            publish(slots, seq, member, tl.sum(x_hat * w * dyf, axis=0), SLOTS, BUFFERS)
+    seq = tl.load(SEQ_ptr + pid)
+    row = tl.cast(team, tl.int64)  # every team has a row: the launch makes at most n_rows teams
+    dy, g, u, r, rstd = _team_bwd_loads(DY_ptr, G_ptr, U_ptr, R_ptr, RSTD_ptr, row, dy_row_stride,
+                                        g_row_stride, u_row_stride, r_row_stride, cols, n_rows,
+                                        n_cols)  # fmt: skip
+    if LAG and NEED_DH:
+        # As the lagged forward: the first row peeled off, the last row's grads after the loop.
+        x_hat = _team_h(g, u, r) * rstd
+        seq += 1
+        publish(slots, seq, member, tl.sum(x_hat * w * dy.to(tl.float32), axis=0), SLOTS, BUFFERS)
         if COMPUTE_DW:
-            dw_acc += dyf * x_hat
-        dy_c, g_c, u_c = dy, g, u
-        # The next row's loads go out before the wait.
-        nxt = row + n_teams
-        mask = cols < tl.where(nxt < n_rows, n_cols, 0)
-        dy = tl.load(DY_ptr + nxt * dy_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        g = tl.load(G_ptr + nxt * g_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        u = tl.load(U_ptr + nxt * u_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        r = tl.load(R_ptr + nxt * r_row_stride + cols, mask=mask, other=0.0, eviction_policy="evict_first")
-        rstd_next = tl.load(RSTD_ptr + tl.minimum(nxt, n_rows - 1))
-        if NEED_DH:
-            if LAG:
-                if seq - first > 1:
-                    _team_row_grads(DG_ptr, DU_ptr, DR_ptr, slots, seq - 1, prev, cols, col_mask, dy_p, g_p,
-                                    u_p, xh_p, w, rstd_p, n_cols, MEMBERS, SLOTS, BUFFERS,
-                                    COMPUTE_DG, COMPUTE_DU, COMPUTE_DR)  # fmt: skip
-                dy_p, g_p, u_p, xh_p, rstd_p, prev = dy_c, g_c, u_c, x_hat, rstd, row
-            else:
+            dw_acc += dy.to(tl.float32) * x_hat
+        dy_p, g_p, u_p, xh_p, rstd_p, prev = dy, g, u, x_hat, rstd, row
+        row = row + n_teams
+        dy, g, u, r, rstd = _team_bwd_loads(DY_ptr, G_ptr, U_ptr, R_ptr, RSTD_ptr, row, dy_row_stride,
+                                            g_row_stride, u_row_stride, r_row_stride, cols, n_rows,
+                                            n_cols)  # fmt: skip
+        for _ in range(team + n_teams, n_rows, n_teams):
+            x_hat = _team_h(g, u, r) * rstd
+            seq += 1
+            publish(slots, seq, member, tl.sum(x_hat * w * dy.to(tl.float32), axis=0), SLOTS, BUFFERS)
+            if COMPUTE_DW:
+                dw_acc += dy.to(tl.float32) * x_hat
+            dy_c, g_c, u_c, rstd_c = dy, g, u, rstd
+            nxt = row + n_teams
+            dy, g, u, r, rstd = _team_bwd_loads(DY_ptr, G_ptr, U_ptr, R_ptr, RSTD_ptr, nxt, dy_row_stride,
+                                                g_row_stride, u_row_stride, r_row_stride, cols, n_rows,
+                                                n_cols)  # fmt: skip
+            _team_row_grads(DG_ptr, DU_ptr, DR_ptr, slots, seq - 1, prev, cols, col_mask, dy_p, g_p, u_p,
+                            xh_p, w, rstd_p, n_cols, MEMBERS, SLOTS, BUFFERS, COMPUTE_DG, COMPUTE_DU,
+                            COMPUTE_DR)  # fmt: skip
+            dy_p, g_p, u_p, xh_p, rstd_p, prev = dy_c, g_c, u_c, x_hat, rstd_c, row
+            row = nxt
+        _team_row_grads(DG_ptr, DU_ptr, DR_ptr, slots, seq, prev, cols, col_mask, dy_p, g_p, u_p, xh_p,
+                        w, rstd_p, n_cols, MEMBERS, SLOTS, BUFFERS, COMPUTE_DG, COMPUTE_DU,
+                        COMPUTE_DR)  # fmt: skip
+    else:
+        for _ in range(team, n_rows, n_teams):
+            x_hat = _team_h(g, u, r) * rstd
+            if NEED_DH:
+                seq += 1
+                publish(slots, seq, member, tl.sum(x_hat * w * dy.to(tl.float32), axis=0), SLOTS, BUFFERS)
+            if COMPUTE_DW:
+                dw_acc += dy.to(tl.float32) * x_hat
+            dy_c, g_c, u_c, rstd_c = dy, g, u, rstd
+            # The next row's loads go out before the wait.
+            nxt = row + n_teams
+            dy, g, u, r, rstd = _team_bwd_loads(DY_ptr, G_ptr, U_ptr, R_ptr, RSTD_ptr, nxt, dy_row_stride,
+                                                g_row_stride, u_row_stride, r_row_stride, cols, n_rows,
+                                                n_cols)  # fmt: skip
+            if NEED_DH:
                 _team_row_grads(DG_ptr, DU_ptr, DR_ptr, slots, seq, row, cols, col_mask, dy_c, g_c, u_c,
-                                x_hat, w, rstd, n_cols, MEMBERS, SLOTS, BUFFERS,
-                                COMPUTE_DG, COMPUTE_DU, COMPUTE_DR)  # fmt: skip
-        row = nxt
-        rstd = rstd_next
-    if NEED_DH:
-        if LAG:
-            if seq != first:
-                _team_row_grads(DG_ptr, DU_ptr, DR_ptr, slots, seq, prev, cols, col_mask, dy_p, g_p, u_p,
-                                xh_p, w, rstd_p, n_cols, MEMBERS, SLOTS, BUFFERS,
-                                COMPUTE_DG, COMPUTE_DU, COMPUTE_DR)  # fmt: skip
+                                x_hat, w, rstd_c, n_cols, MEMBERS, SLOTS, BUFFERS, COMPUTE_DG,
+                                COMPUTE_DU, COMPUTE_DR)  # fmt: skip
+            row = nxt
     if COMPUTE_DW:
         tl.store(DW_ptr + team.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
     tl.store(SEQ_ptr + pid, seq)

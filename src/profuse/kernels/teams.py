@@ -44,10 +44,15 @@ from profuse.kernels.configs import KernelConfig
 @triton.jit
 def publish(slots, seq, member, value, SLOTS: tl.constexpr, BUFFERS: tl.constexpr):
     """Store this member's fp32 `value` for the row numbered `seq` (int32) in its slot of buffer
-    seq mod BUFFERS. `slots`: the team's (BUFFERS, SLOTS) int64 words."""
+    seq mod BUFFERS. `slots`: the team's (BUFFERS, SLOTS) int64 words.
+
+    Relaxed, not release: the word carries its own value, so no earlier write needs ordering
+    before it, and a release would first wait for the member's outstanding stores of the
+    previous row (a DRAM round trip a row; on the H200 the one-stage team forward ran at 71% of
+    copy with it and 79% without, 4096 x 8192)."""
     bits = value.to(tl.uint32, bitcast=True).to(tl.int64)
     word = (seq.to(tl.int64) << 32) | bits
-    tl.atomic_xchg(slots + (seq & (BUFFERS - 1)) * SLOTS + member, word, sem="release")
+    tl.atomic_xchg(slots + (seq & (BUFFERS - 1)) * SLOTS + member, word, sem="relaxed")
 
 
 @triton.jit
