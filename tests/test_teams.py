@@ -65,12 +65,12 @@ def test_team_candidates_split_only_wide_rows(monkeypatch):
                 # splits names the members: every column has one, no member is idle
                 assert c.splits == -(-n // c.block_n) and (c.splits - 1) * c.block_n < n
                 assert c.programs % 132 == 0
-    # Not in the autotuner's lists unless asked for (PROFUSE_TEAMS=1); then in every wide-row
-    # list, after the favourite.
-    monkeypatch.delenv("PROFUSE_TEAMS", raising=False)
+    # Out of the autotuner's lists with PROFUSE_TEAMS=0; by default in every wide-row list,
+    # after the favourite.
+    monkeypatch.setenv("PROFUSE_TEAMS", "0")
     assert not any(c.kernel == "team" for c in C.forward_candidates(2048, 65536, torch.bfloat16, 132))
     assert not any(c.kernel == "team" for c in C.backward_candidates(2048, 65536, torch.bfloat16, 132))
-    monkeypatch.setenv("PROFUSE_TEAMS", "1")
+    monkeypatch.delenv("PROFUSE_TEAMS")
     for n in (8192, 65536):
         fwd = C.forward_candidates(2048, n, torch.bfloat16, 132)
         bwd = C.backward_candidates(2048, n, torch.bfloat16, 132)

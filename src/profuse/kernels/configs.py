@@ -54,29 +54,23 @@ def pow2_rows(n_rows: int) -> int:
 
 
 # Team launches (kernels/teams.py), as (share of the row, warps, programs per SM, stages): the
-# share held in registers at 8-16 columns a thread, and ~4-8K columns in flight per SM, so that
-# while a team waits for its partial sums the next row's loads keep the DRAM busy (Little's law
-# at ~4.3 TB/s and ~1-2 us per exchange: ~4-8 MB in flight over 132 SMs). Two stages: a row's
-# exchange overlaps the next row's work (twice the rows held). The forward holds h and the next
-# row's g, u, r a column; the backward x_hat, w * dy, g, u and the next row's four inputs.
-FWD_TEAM_SHARES = (
-    (4096, 8, 2, 1), (4096, 8, 2, 2), (8192, 16, 1, 1), (8192, 16, 1, 2), (2048, 4, 4, 1),
-    (2048, 4, 4, 2), (4096, 16, 1, 2), (2048, 8, 2, 2), (1024, 4, 4, 2),
-)  # fmt: skip
-# The backward holds ~13 registers a column (sm_90 PTX through ptxas: 108 at 8 columns a thread,
-# 64 at 4; two stages 126-161 at 8): ~4K columns an SM whatever the shape, so its candidates
-# keep to 4-8 columns a thread and 4K columns an SM.
-BWD_TEAM_SHARES = (
-    (2048, 8, 2, 1), (4096, 16, 1, 1), (4096, 16, 1, 2), (1024, 4, 4, 1), (1024, 4, 4, 2),
-    (1024, 8, 4, 1), (1024, 8, 4, 2),
-)  # fmt: skip
+# share held in registers at 4-16 columns a thread, and ~4-8K columns in flight per SM, so that
+# while a team waits for its partial sums the next row's loads keep the DRAM busy. Two stages: a
+# row's exchange overlaps the next row's work (twice the rows held). The forward holds h and the
+# next row's g, u, r a column; the backward x_hat, dy, g, u and the next row's four inputs, ~13
+# registers a column (sm_90 ptxas), so ~4K columns an SM whatever the shape. Measured on the
+# H200 (benchmarks/NOTES.md, session 8): the forward's first shape won at every width from 5120
+# to 65536, the backward's first up to 16384 columns and its second at 32768-65536; the others
+# came within 1-10% somewhere and stay for the tuner (seven shapes never within 5% were dropped).
+FWD_TEAM_SHARES = ((2048, 4, 4, 2), (2048, 4, 4, 1), (4096, 8, 2, 2), (8192, 16, 1, 2))
+BWD_TEAM_SHARES = ((1024, 4, 4, 1), (1024, 4, 4, 2), (2048, 8, 2, 1), (4096, 16, 1, 1), (4096, 16, 1, 2))
 
 
 def teams_enabled() -> bool:
-    """Team launches join the autotuner's candidates only with PROFUSE_TEAMS=1: they have run in
-    the interpreter (teams of one) but not yet on a GPU, where a team's members wait for each
-    other (benchmarks/run_h200_teams.sh sets it)."""
-    return os.environ.get("PROFUSE_TEAMS") == "1"
+    """Team launches are autotune candidates unless PROFUSE_TEAMS=0. A team's members wait for
+    each other, so the whole grid must run at once (kernels/teams.py sizes it to what the GPU
+    holds at once); the switch is there for a GPU shared with another kernel that waits too."""
+    return os.environ.get("PROFUSE_TEAMS", "1") != "0"
 
 
 def team_candidates(n_cols: int, n_sms: int, shares) -> list[KernelConfig]:
