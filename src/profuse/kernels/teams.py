@@ -35,6 +35,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.runtime import driver
 
 from profuse.env import sm_count
 from profuse.kernels import autotune
@@ -163,7 +164,9 @@ class TeamLaunch:
 
     def _scratch(self, sized: list, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         grid, _bound, by_stream = sized
-        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        # The raw handle, as Triton's own launch reads it: torch.cuda.current_stream builds a
+        # Stream object each call (a few microseconds of host time a launch).
+        stream = driver.active.get_current_stream(device.index) if device.type == "cuda" else None
         scratch = by_stream.get(stream)
         if scratch is None:
             scratch = by_stream[stream] = self._new_scratch(grid[0] // self.members, device)
