@@ -15,6 +15,7 @@ if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
 
 from profuse import tail as T  # noqa: E402
+from profuse.env import sm_count  # noqa: E402
 from profuse.kernels import autotune as A  # noqa: E402
 from profuse.kernels import configs as C  # noqa: E402
 from profuse.kernels import tail as K  # noqa: E402
@@ -123,6 +124,93 @@ def test_while_a_cuda_graph_is_captured_nothing_is_timed(monkeypatch):
     launched = []
     assert t.pick(("fwd", 8), CONFIGS, launched.append, CUDA) == CONFIGS[0]
     assert launched == [] and not t.chosen
+
+
+def test_a_candidate_with_a_wrong_answer_is_never_picked(tuner):
+    """Each candidate's answer is compared with the first one's before the timing: one off by
+    far more than rounding (or NaN) is left out however fast it is, and reported; one that
+    differs by a rounding is timed as usual."""
+    t, speeds, launched, _ = tuner
+    gen = torch.Generator().manual_seed(torch.seed())
+    ref = torch.randn(37, 301, generator=gen).to(torch.bfloat16)
+    nan = ref.clone()
+    nan[5, 7] = float("nan")
+    rounded = (ref.float() * (1 + 2**-9)).to(torch.bfloat16)  # an ulp off in some elements
+    answers = {CONFIGS[0]: ref, CONFIGS[1]: ref * 1.25, CONFIGS[2]: nan, CONFIGS[3]: rounded}
+    for i, cfg in enumerate(CONFIGS):
+        speeds[cfg] = float(len(CONFIGS) - i)  # the later, the faster
+
+    def launch(cfg):
+        launched.append(cfg)
+        return (answers[cfg].clone(), None)
+
+    key = ("fwd", 64, 301, torch.bfloat16)
+    with pytest.warns(UserWarning, match="not timed") as caught:
+        assert t.pick(key, CONFIGS, launch, CUDA) == CONFIGS[3]
+    assert len(caught) == 2
+    assert [c for c, _ in t.rejected[key]] == [CONFIGS[1], CONFIGS[2]]
+    err_wrong, err_nan = (e for _, e in t.rejected[key])
+    assert 0.2 < err_wrong < 0.3 and err_nan != err_nan
+    # Only the agreeing configs were timed.
+    assert set(launched[len(CONFIGS) :]) == {CONFIGS[0], CONFIGS[3]}
+
+
+def test_disagreement_reads_chunks_and_edge_cases():
+    gen = torch.Generator().manual_seed(torch.seed())
+    a = torch.randn(1001, generator=gen)
+    b = a + 1e-3 * torch.randn(1001, generator=gen)
+    whole = A.disagreement([a], [b])
+    assert whole == pytest.approx(A.disagreement([a], [b], chunk=7), rel=1e-9)
+    assert whole == pytest.approx(((a - b).norm() / b.norm()).item(), rel=1e-5)
+    assert A.disagreement([a], [b[:1000]]) == float("inf")
+    assert A.disagreement([a], [torch.full_like(b, float("inf"))]) == 0.0  # nothing to compare
+    assert A.agreement_tolerance([a.to(torch.bfloat16)]) == 4 * 2**-7
+    assert A.agreement_tolerance([a]) == 1e-4
+
+
+def test_the_tail_tuner_leaves_out_a_wrong_kernel(counted, device, monkeypatch):
+    """Through the real forward and backward launchers: a config whose kernel writes a wrong
+    answer is never the plan, even when the timer calls it the fastest."""
+    monkeypatch.setattr(A, "autotune_enabled", lambda device: True)
+    monkeypatch.setattr(A, "capturing", lambda device: False)
+    shape = (6, 300)
+    fwd_list, bwd_list = C.forward_candidates, C.backward_candidates
+    monkeypatch.setattr(C, "forward_candidates", lambda *a: fwd_list(*a)[:3])  # three each: quick
+    monkeypatch.setattr(C, "backward_candidates", lambda *a: bwd_list(*a)[:3])
+    cands = C.forward_candidates(shape[0], shape[1], torch.float32, sm_count(device))
+    bcands = C.backward_candidates(shape[0], shape[1], torch.float32, sm_count(device))
+    assert len(cands) == 3 and len(bcands) == 3
+    bad_fwd, bad_bwd = cands[-1], bcands[-1]
+    real_fwd, real_plan = K._forward_launch, K._BackwardPlan.__call__
+
+    def forward_launch(cfg, *a):
+        launch = real_fwd(cfg, *a)
+        if cfg != bad_fwd:
+            return launch
+        return lambda *args: (launch(*args), args[4].mul_(1.5))  # y scaled: wrong
+
+    def plan_call(self, *a):
+        grads = real_plan(self, *a)
+        return tuple(g * 3 if g is not None and self.config == bad_bwd else g for g in grads)
+
+    monkeypatch.setattr(K, "_forward_launch", forward_launch)
+    monkeypatch.setattr(K._BackwardPlan, "__call__", plan_call)
+
+    class LastIsFastest:
+        def time_calls(self, calls):
+            return [float(len(calls) - i) for i in range(len(calls))]
+
+    monkeypatch.setattr(K, "TUNER", A.Autotuner(make_timer=lambda d: LastIsFastest(), trials=2))
+    g, u, r, w = _leaves(shape, torch.float32, device, seed=torch.seed() % 2**31)
+    with pytest.warns(UserWarning, match="not timed"):
+        y = T.tail_triton(g, u, r, w)
+        y.sum().backward()
+    assert K.TUNER.chosen[("fwd", C.pow2_rows(6), 300, torch.float32)] != bad_fwd
+    assert [c for c, _ in K.TUNER.rejected[("fwd", C.pow2_rows(6), 300, torch.float32)]] == [bad_fwd]
+    bwd_keys = [k for k in K.TUNER.chosen if k[0] == "bwd"]
+    assert bwd_keys and all(K.TUNER.chosen[k] != bad_bwd for k in bwd_keys)
+    assert all([c for c, _ in K.TUNER.rejected[k]] == [bad_bwd] for k in bwd_keys)
+    assert T.relative_error(y, T.tail_reference(g, u, r, w)) <= T.FORWARD_TOL[torch.float32]
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,6 +11,10 @@ Two caches, each with one job:
   device queries. On the H200's host, rebuilding the candidates per call was about 44% of the
   tail forward's host time (255 us a call against 32 us for a bare launch).
 
+Before any timing, each candidate's answer is compared with the first runnable candidate's
+(where the launch returns its outputs, as the tail's do): one off by more than rounding is
+left out and warned about, so a fast wrong kernel is never the pick.
+
 The timer is injected (`Autotuner(make_timer=...)`): by default profuse.timers.CudaTimer, device
 time with the L2 flushed; tests give a fake. Tuning is skipped (the favourite runs, and is not
 remembered as tuned) where it cannot time: autotuning off (PROFUSE_AUTOTUNE=0), not on CUDA (the
@@ -28,8 +32,10 @@ shaped like the traced ones, so they are tuned as an eager call's would be.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import statistics
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -154,6 +160,50 @@ class PlanCache(dict):
         return plan
 
 
+def _tensors(out) -> list[torch.Tensor]:
+    """The tensors a launch returned: none, one, or those in a tuple."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for t in out if isinstance(t, torch.Tensor)]
+    return []
+
+
+def agreement_tolerance(outputs: Sequence[torch.Tensor]) -> float:
+    """How far two launch configs' answers may differ (relative, the norm of the difference over
+    the norm): a few roundings in the widest-rounding output dtype, at least 1e-4 (fp32 sums in
+    another order). A kernel that skips or mixes up rows is off by far more."""
+    return max(max(4 * torch.finfo(t.dtype).eps for t in outputs if t.is_floating_point()), 1e-4)
+
+
+def disagreement(
+    outputs: Sequence[torch.Tensor], reference: Sequence[torch.Tensor], chunk: int = 1 << 24
+) -> float:
+    """The largest relative difference ||a - b|| / ||b|| between matching tensors, in float32
+    chunks of `chunk` elements (no full-size temporaries). Infinite where the shapes differ;
+    0 where the reference itself is not finite (nothing to compare against)."""
+    worst = 0.0
+    for a, b in zip(outputs, reference, strict=True):
+        if a.shape != b.shape:
+            return math.inf
+        a, b = a.reshape(-1), b.reshape(-1)
+        diff = ref = torch.zeros((), dtype=torch.float64, device=b.device)
+        finite = torch.ones((), dtype=torch.bool, device=b.device)
+        for i in range(0, b.numel(), chunk):
+            bf = b[i : i + chunk].float()
+            finite &= torch.isfinite(bf).all()
+            diff = diff + (a[i : i + chunk].float() - bf).square().sum(dtype=torch.float64)
+            ref = ref + bf.square().sum(dtype=torch.float64)
+        if not bool(finite):
+            continue
+        worst = max(worst, math.sqrt(diff.item()) / max(math.sqrt(ref.item()), 1e-30), key=_nan_first)
+    return worst
+
+
+def _nan_first(x: float) -> float:
+    return math.inf if math.isnan(x) else x
+
+
 class Autotuner:
     """The fastest candidate per tuning key, timed on the device with an injected timer."""
 
@@ -163,6 +213,8 @@ class Autotuner:
         self.make_timer = make_timer  # device -> an object with time_calls(list of calls) -> seconds
         self.trials = trials
         self.chosen: dict[tuple, KernelConfig] = {}
+        # key -> [(config, relative error)] of the candidates whose answer disagreed
+        self.rejected: dict[tuple, list[tuple[KernelConfig, float]]] = {}
 
     def time_configs(self, launch, configs: Sequence[KernelConfig], device: torch.device) -> list[float]:
         """Median seconds of `launch(cfg)` per config over `trials` trials.
@@ -181,18 +233,36 @@ class Autotuner:
         self, key: tuple, candidates: Sequence[KernelConfig], launch, device: torch.device
     ) -> KernelConfig:
         """The config for `key`: the one chosen before, else the fastest candidate that launches
-        (each is built before the timing), else the favourite where nothing can be timed."""
+        (each is built before the timing) and agrees with the first one's answer, else the
+        favourite where nothing can be timed.
+
+        Where `launch(cfg)` returns its outputs (a tensor or a tuple with tensors), each
+        candidate's are compared with the first runnable candidate's before any timing: one off
+        by more than rounding (`agreement_tolerance`) is left out, warned about and kept in
+        `rejected`, never picked for its speed. The comparison holds a copy of the first
+        answer while the candidates run."""
         if key in self.chosen:
             return self.chosen[key]
         if len(candidates) == 1 or not autotune_enabled(device) or capturing(device):
             return candidates[0]
-        runnable = []
+        runnable, reference = [], None
         for cfg in candidates:
             try:
-                launch(cfg)  # builds the kernel outside the timing
-                runnable.append(cfg)
+                out = _tensors(launch(cfg))  # builds the kernel outside the timing
             except Exception:  # e.g. out of resources: that shape is not a candidate here
                 continue
+            if out and reference is None:
+                reference = [t.clone() for t in out]  # the first that runs: the favourite, mostly
+            elif out:
+                err = disagreement(out, reference)
+                if not err <= agreement_tolerance(out):  # NaN disagrees too
+                    self.rejected.setdefault(key, []).append((cfg, err))
+                    msg = (
+                        f"profuse: launch config {cfg} of {key} is off by {err:.2g} (relative) from the first"
+                    )
+                    warnings.warn(msg + " config's answer; it is not timed", stacklevel=2)
+                    continue
+            runnable.append(cfg)
         if not runnable:
             raise RuntimeError(f"no launch config of the Triton kernel runs for {key}")
         times = self.time_configs(launch, runnable, device)

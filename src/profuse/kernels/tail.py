@@ -1181,8 +1181,12 @@ def _forward_plan(n_rows, n_cols, dtype, device, store_rstd, args) -> Launch:
     _check_runnable(device)
     candidates = C.forward_candidates(n_rows, n_cols, dtype, sm_count(device))
     key = ("fwd", C.pow2_rows(n_rows), n_cols, dtype)
-    cfg = TUNER.pick(key, candidates, lambda c: _forward_launch(c, n_rows, n_cols, store_rstd)(*args), device)
-    return _forward_launch(cfg, n_rows, n_cols, store_rstd)
+
+    def run(c: KernelConfig) -> tuple[torch.Tensor, ...]:
+        _forward_launch(c, n_rows, n_cols, store_rstd)(*args)
+        return args[4:6] if store_rstd else args[4:5]  # y (and rstd): the tuner compares them
+
+    return _forward_launch(TUNER.pick(key, candidates, run, device), n_rows, n_cols, store_rstd)
 
 
 def tail_backward(
@@ -1219,7 +1223,8 @@ def tail_backward(
 
 def _backward_plan(rows, w, rstd, gate, needs) -> _BackwardPlan:
     """The backward's plan for a new signature: the tuned config (timed now if its tuning key
-    is new; each candidate's run includes its dw column sum), for this shape and `needs`."""
+    is new; each candidate's run includes its dw column sum, and returns the gradients the tuner
+    compares), for this shape and `needs`."""
     device = gate.device
     _check_runnable(device)
     n_rows, n_cols = rows[1][0].shape
