@@ -196,12 +196,11 @@ def disagreement(
             ref = ref + bf.square().sum(dtype=torch.float64)
         if not bool(finite):
             continue
-        worst = max(worst, math.sqrt(diff.item()) / max(math.sqrt(ref.item()), 1e-30), key=_nan_first)
+        err = math.sqrt(diff.item()) / max(math.sqrt(ref.item()), 1e-30)
+        if math.isnan(err):  # a NaN in the answer: nothing after it can make it agree
+            return err
+        worst = max(worst, err)
     return worst
-
-
-def _nan_first(x: float) -> float:
-    return math.inf if math.isnan(x) else x
 
 
 class Autotuner:
@@ -257,10 +256,11 @@ class Autotuner:
                 err = disagreement(out, reference)
                 if not err <= agreement_tolerance(out):  # NaN disagrees too
                     self.rejected.setdefault(key, []).append((cfg, err))
-                    msg = (
-                        f"profuse: launch config {cfg} of {key} is off by {err:.2g} (relative) from the first"
+                    warnings.warn(
+                        f"profuse: launch config {cfg} of {key} is off by {err:.2g} (relative) from the "
+                        "first config's answer; it is not timed",
+                        stacklevel=2,
                     )
-                    warnings.warn(msg + " config's answer; it is not timed", stacklevel=2)
                     continue
             runnable.append(cfg)
         if not runnable:

@@ -129,8 +129,8 @@ class TeamLaunch:
         """The teams for calls like `args`, sizing the grid (one compile) the first time."""
         return self._sized(args)[0][0] // self.members
 
-    def _sized(self, args) -> list:
-        key = (args[0].dtype, args[0].device)
+    def _sized(self, args, device: torch.device | None = None) -> list:
+        key = (args[0].dtype, args[0].device if device is None else device)
         sized = self.sized.get(key)
         if sized is None:
             grid = (self._teams(args) * self.members,)
@@ -175,7 +175,8 @@ class TeamLaunch:
     def run(self, *args, **_bound) -> None:
         """Launch on `args` (as the call site's `launch.run(*args, **launch.meta)`): one lookup of
         the sized grid, one of the stream's scratch, the launch."""
-        sized = self._sized(args)
-        autotune.log_launch(self, sized[1](*args, *self._scratch(sized, args[0].device), **self.constants))
+        device = args[0].device  # read once: a tensor builds its device object on every read
+        sized = self._sized(args, device)
+        autotune.log_launch(self, sized[1](*args, *self._scratch(sized, device), **self.constants))
 
     __call__ = run
