@@ -19,9 +19,12 @@ from profuse.kernels import HAS_TRITON
 if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+from profuse.kernels import (
+    autotune,  # noqa: E402
+    teams,  # noqa: E402
+)
 from profuse.kernels import configs as C  # noqa: E402
 from profuse.kernels import tail as K  # noqa: E402
-from profuse.kernels import teams  # noqa: E402
 from profuse.kernels.configs import KernelConfig  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -172,6 +175,52 @@ def test_teams_in_every_dtype(dtype, stages):
     xs, dy = tail_inputs(shape, dtype, "cuda", seed=25, dy=True)
     _check_forward(xs, KernelConfig("team", 1, 2048, 8, stages, 264, 5), dtype)
     _check_backward(xs, dy, KernelConfig("team", 1, 2048, 8, stages, 264, 5), dtype)
+
+
+@pytest.mark.parametrize("depth, stages", [(2, 1), (3, 1), (3, 2)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_staged_team_kernels_match_the_unstaged_ones(dtype, depth, stages, device):
+    """The staged team kernels (rows loaded ahead by Triton's software pipeliner, the wait in
+    inline assembly on a GPU) compute what the unstaged ones do: the same sums in the same order,
+    so the same bits; right against float64; the same again on a second call (whose first wait is
+    for the last number the first call published). Two stages: the lagged exchange."""
+    if device == "cuda":
+        shape, plain = (301, 11008), KernelConfig("team", 1, 1024, 4, stages, 132 * 8, 11)
+    else:
+        shape, plain = (9, 50), KernelConfig("team", 1, 64, num_warps=2, num_stages=stages, programs=4)
+    staged = KernelConfig(**{**plain.to_dict(), "pipeline": depth})
+    xs, dy = tail_inputs(shape, dtype, device, seed=27, dy=True)
+    y, grads = _check(xs, dy, plain, dtype)
+    for _ in range(2):
+        y_st, grads_st = _check(xs, dy, staged, dtype)
+        assert torch.equal(y, y_st)
+        for name, a, b in zip(GRADS, grads, grads_st, strict=True):
+            assert torch.equal(a, b), f"d{name}"
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_register_cap_changes_where_values_live_not_the_answer(stages, device):
+    """A capped team kernel computes what the uncapped one does, bit for bit (only ptxas's
+    register allocation differs; on a GPU some values spill), and its compiled kernel keeps
+    under the cap."""
+    if device == "cuda":
+        shape, free = (301, 11008), KernelConfig("team", 1, 1024, 4, stages, 132 * 8, 11)
+    else:
+        shape, free = (9, 50), KernelConfig("team", 1, 64, num_warps=2, num_stages=stages, programs=4)
+    capped = KernelConfig(**{**free.to_dict(), "maxnreg": 64})
+    xs, dy = tail_inputs(shape, torch.bfloat16, device, seed=26, dy=True)
+    y, grads = _check(xs, dy, free, torch.bfloat16)
+    autotune.LAUNCH_LOG = []
+    try:
+        y_cap, grads_cap = _check(xs, dy, capped, torch.bfloat16)
+        regs = [e[2] for e in autotune.LAUNCH_LOG if e[1] == capped]
+    finally:
+        autotune.LAUNCH_LOG = None
+    assert torch.equal(y, y_cap)
+    for name, a, b in zip(GRADS, grads, grads_cap, strict=True):
+        assert torch.equal(a, b), f"d{name}"
+    if device == "cuda":
+        assert regs and max(regs) <= 64, regs
 
 
 @gpu

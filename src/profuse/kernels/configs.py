@@ -39,6 +39,15 @@ class KernelConfig:
     l2: str = "stream"
     # Chunked forward: h kept in y between the passes (STASH_H) instead of re-reading g, u, r.
     stash_h: bool = False
+    # Team kernels: registers a thread at most, handed to ptxas (0: its own choice). A lower cap
+    # lets more programs share an SM (kernels/teams.py sizes the grid from the compiled kernel),
+    # so more of each row is in flight while a team waits, at the cost of some spills.
+    maxnreg: int = 0
+    # Team kernels: 0 loads the next row into registers before the wait (and num_stages 2 lags
+    # the wait a row); n >= 2 lets Triton's software pipeliner load rows n - 1 ahead into shared
+    # memory instead (tl.range's num_stages), so the DRAM keeps reading during the wait without
+    # registers held for it (kernels/tail.py's staged team kernels).
+    pipeline: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -53,17 +62,29 @@ def pow2_rows(n_rows: int) -> int:
     return triton.next_power_of_2(max(n_rows, 1))
 
 
-# Team launches (kernels/teams.py), as (share of the row, warps, programs per SM, stages): the
-# share held in registers at 4-16 columns a thread, and ~4-8K columns in flight per SM, so that
-# while a team waits for its partial sums the next row's loads keep the DRAM busy. Two stages: a
-# row's exchange overlaps the next row's work (twice the rows held). The forward holds h and the
-# next row's g, u, r a column; the backward x_hat, dy, g, u and the next row's four inputs, ~13
-# registers a column (sm_90 ptxas), so ~4K columns an SM whatever the shape. Measured on the
-# H200 (benchmarks/NOTES.md, session 8): the forward's first shape won at every width from 5120
-# to 65536, the backward's first up to 16384 columns and its second at 32768-65536; the others
-# came within 1-10% somewhere and stay for the tuner (seven shapes never within 5% were dropped).
-FWD_TEAM_SHARES = ((2048, 4, 4, 2), (2048, 4, 4, 1), (4096, 8, 2, 2), (8192, 16, 1, 2))
-BWD_TEAM_SHARES = ((1024, 4, 4, 1), (1024, 4, 4, 2), (2048, 8, 2, 1), (4096, 16, 1, 1), (4096, 16, 1, 2))
+# Team launches (kernels/teams.py), as (share of the row, warps, programs per SM, stages[, register
+# cap[, pipelining depth]]). A share is held in registers at 8-16 columns a thread; two stages lag
+# a row's exchange behind the next row's work. With a pipelining depth (the staged kernels) the
+# next rows load into shared memory through Triton's software pipeliner, so the DRAM keeps
+# reading during a team's wait without registers held for it; the grid is then as many programs
+# as the compiled kernel lets share an SM (at most 8). Measured on the H200 at 32M elements
+# (benchmarks/NOTES.md, session 9): the staged, lagged shapes won at every width from 5120 to
+# 65536 (forward 84-87% of copy, backward kernel 77-80%); the unstaged shapes that won in
+# session 8 stay for the tuner.
+FWD_TEAM_SHARES = (
+    (2048, 4, 8, 2, 128, 3),
+    (2048, 4, 8, 2, 0, 3),
+    (4096, 8, 8, 2, 0, 3),
+    (2048, 4, 4, 2),
+    (2048, 4, 4, 1),
+)
+BWD_TEAM_SHARES = (
+    (1024, 4, 8, 2, 0, 3),
+    (1024, 4, 8, 2, 128, 3),
+    (1024, 4, 8, 1, 0, 3),
+    (1024, 4, 4, 1),
+    (1024, 4, 4, 2),
+)
 
 
 def teams_enabled() -> bool:
@@ -80,10 +101,14 @@ def team_candidates(n_cols: int, n_sms: int, shares) -> list[KernelConfig]:
     out = []
     if n_cols <= 2048:
         return out
-    for share, warps, per_sm, stages in shares:
+    for share, warps, per_sm, stages, *extra in shares:
+        maxnreg, pipeline = (*extra, 0, 0)[:2]
         if share < n_cols:
             members = triton.cdiv(n_cols, share)
-            out.append(KernelConfig("team", 1, share, warps, stages, n_sms * per_sm, members, l2="plain"))
+            out.append(KernelConfig(
+                "team", 1, share, warps, stages, n_sms * per_sm, members, l2="plain", maxnreg=maxnreg,
+                pipeline=pipeline,
+            ))  # fmt: skip
     return out
 
 

@@ -43,12 +43,20 @@ import torch
 import triton
 import triton.language as tl
 
-from profuse.env import sm_count
+from profuse.env import interpreting, sm_count
 from profuse.kernels import configs as C
 from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing
 from profuse.kernels.colsum import col_sum_launch
 from profuse.kernels.configs import KernelConfig
-from profuse.kernels.teams import TeamLaunch, buffers_for, gather, publish, slots_for, team_size
+from profuse.kernels.teams import (
+    TeamLaunch,
+    buffers_for,
+    gather,
+    gather_spinning,
+    publish,
+    slots_for,
+    team_size,
+)
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -396,6 +404,81 @@ def _tail_fwd_team_kernel(
             _team_row_y(Y_ptr, RSTD_ptr, slots, seq, row, y_row_stride, cols, col_mask, member, h, w, n_cols,
                         eps, MEMBERS, SLOTS, BUFFERS, STORE_RSTD)  # fmt: skip
             row = nxt
+    tl.store(SEQ_ptr + pid, seq)
+
+
+@triton.jit
+def _team_total(
+    slots, seq, MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BUFFERS: tl.constexpr, SPIN: tl.constexpr
+):
+    """The team's sum for row number `seq`, waiting in inline assembly (SPIN, on a GPU) or in
+    `gather`'s loop (the interpreter)."""
+    if SPIN:
+        total = gather_spinning(slots, seq, MEMBERS, SLOTS, BUFFERS)
+    else:
+        total = gather(slots, seq, MEMBERS, SLOTS, BUFFERS)
+    return total
+
+
+@triton.jit
+def _tail_fwd_team_staged_kernel(
+    G_ptr, U_ptr, R_ptr, W_ptr, Y_ptr, RSTD_ptr, g_row_stride, u_row_stride, r_row_stride, y_row_stride,
+    n_rows, n_cols, eps, SLOT_ptr, SEQ_ptr,
+    MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, LAG: tl.constexpr,
+    BUFFERS: tl.constexpr, STORE_RSTD: tl.constexpr,
+    STAGES: tl.constexpr,  # tl.range's num_stages: rows STAGES - 1 ahead load into shared memory
+    SPIN: tl.constexpr,  # wait in inline assembly (a GPU); the interpreter takes `gather`'s loop
+):  # fmt: skip
+    """The team forward (arguments as `_tail_fwd_team_kernel`'s) with its row loop left to
+    Triton's software pipeliner: each turn loads its row, publishes, waits and writes y, while
+    the loads of the next STAGES - 1 rows land in shared memory. A loop inside the loop (the
+    wait's polling) would stop the pipeliner, so the wait polls in inline assembly. The bytes in
+    flight during a wait no longer cost registers."""
+    eps = tl.cast(eps, tl.float32)
+    pid = tl.program_id(0)
+    n_teams = tl.num_programs(0) // MEMBERS
+    team = pid // MEMBERS
+    member = pid % MEMBERS
+    cols = member * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = tl.load(W_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    slots = SLOT_ptr + team.to(tl.int64) * (BUFFERS * SLOTS)
+    seq = tl.load(SEQ_ptr + pid)
+    if LAG:
+        # One turn more than the team's rows, and no branch: each turn publishes its row's part
+        # (the extra turn's row is past the end: a zero part, published by every member alike)
+        # and finishes the row before. The first turn's row before is none (its stores masked
+        # off) and the sums it waits for are the last number the previous call published.
+        h_p = tl.zeros([BLOCK_N], dtype=tl.float32)
+        row_p = tl.cast(team, tl.int64) - n_teams
+        for i in tl.range(team, n_rows + n_teams, n_teams, num_stages=STAGES):
+            row = tl.cast(i, tl.int64)
+            g, u, r = _team_loads(G_ptr, U_ptr, R_ptr, row, g_row_stride, u_row_stride, r_row_stride, cols,
+                                  n_rows, n_cols)  # fmt: skip
+            h = _team_h(g, u, r)
+            seq += 1
+            publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS, BUFFERS)
+            rstd = tl.rsqrt(_team_total(slots, seq - 1, MEMBERS, SLOTS, BUFFERS, SPIN) / n_cols + eps)
+            mask = cols < tl.where(row_p >= 0, n_cols, 0)
+            tl.store(Y_ptr + row_p * y_row_stride + cols, (h_p * rstd * w).to(Y_ptr.dtype.element_ty),
+                     mask=mask, eviction_policy="evict_first")  # fmt: skip
+            if STORE_RSTD:
+                tl.store(RSTD_ptr + row_p, rstd, mask=(member == 0) & (row_p >= 0))
+            h_p = h
+            row_p = row
+    else:
+        for i in tl.range(team, n_rows, n_teams, num_stages=STAGES):
+            row = tl.cast(i, tl.int64)
+            g, u, r = _team_loads(G_ptr, U_ptr, R_ptr, row, g_row_stride, u_row_stride, r_row_stride, cols,
+                                  n_rows, n_cols)  # fmt: skip
+            h = _team_h(g, u, r)
+            seq += 1
+            publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS, BUFFERS)
+            rstd = tl.rsqrt(_team_total(slots, seq, MEMBERS, SLOTS, BUFFERS, SPIN) / n_cols + eps)
+            tl.store(Y_ptr + row * y_row_stride + cols, (h * rstd * w).to(Y_ptr.dtype.element_ty),
+                     mask=col_mask, eviction_policy="evict_first")  # fmt: skip
+            if STORE_RSTD:
+                tl.store(RSTD_ptr + row, rstd, mask=member == 0)
     tl.store(SEQ_ptr + pid, seq)
 
 
@@ -845,6 +928,91 @@ def _tail_bwd_team_kernel(
 
 
 @triton.jit
+def _staged_row_grads(
+    DG_ptr, DU_ptr, DR_ptr, row, cols, mask, dy, g, u, x_hat, w, rstd, total, n_cols,
+    COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr,
+):  # fmt: skip
+    """A member's share of dg, du, dr for row `row` from its raw dy, g, u, its x_hat and the
+    team's sum of x_hat * w * dy (`total`)."""
+    gf = g.to(tl.float32)
+    s = tl.sigmoid(gf)
+    dh = (w * dy.to(tl.float32) - x_hat * (total / n_cols)) * rstd
+    _store_input_grads(DG_ptr, DU_ptr, DR_ptr, row * n_cols + cols, mask, dh, gf, u.to(tl.float32), s, gf * s,
+                       COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
+
+
+@triton.jit
+def _tail_bwd_team_staged_kernel(
+    DY_ptr, G_ptr, U_ptr, R_ptr, W_ptr, RSTD_ptr, DG_ptr, DU_ptr, DR_ptr, DW_ptr,
+    dy_row_stride, g_row_stride, u_row_stride, r_row_stride, n_rows, n_cols, SLOT_ptr, SEQ_ptr,
+    MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, LAG: tl.constexpr,
+    BUFFERS: tl.constexpr, COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr,
+    COMPUTE_DW: tl.constexpr,
+    STAGES: tl.constexpr,  # tl.range's num_stages: rows STAGES - 1 ahead load into shared memory
+    SPIN: tl.constexpr,  # wait in inline assembly (a GPU); the interpreter takes `gather`'s loop
+):  # fmt: skip
+    """The team backward (arguments as `_tail_bwd_team_kernel`'s) with its row loop left to
+    Triton's software pipeliner, as the staged team forward: each turn loads its row, publishes
+    its part of the row's dot, waits and writes its share of dg, du, dr, while the next rows'
+    loads land in shared memory."""
+    pid = tl.program_id(0)
+    n_teams = tl.num_programs(0) // MEMBERS
+    team = pid // MEMBERS
+    member = pid % MEMBERS
+    cols = member * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    w = tl.load(W_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    NEED_DH: tl.constexpr = COMPUTE_DG or COMPUTE_DU or COMPUTE_DR
+    slots = SLOT_ptr + team.to(tl.int64) * (BUFFERS * SLOTS)
+    seq = tl.load(SEQ_ptr + pid)
+    if LAG and NEED_DH:
+        # As the staged forward's lag: one turn more than the team's rows, the row before
+        # finished after this row's part is published.
+        dy_p = tl.zeros([BLOCK_N], dtype=DY_ptr.dtype.element_ty)
+        g_p = tl.zeros([BLOCK_N], dtype=G_ptr.dtype.element_ty)
+        u_p = tl.zeros([BLOCK_N], dtype=U_ptr.dtype.element_ty)
+        xh_p = tl.zeros([BLOCK_N], dtype=tl.float32)
+        rstd_p = tl.zeros([], dtype=tl.float32)
+        row_p = tl.cast(team, tl.int64) - n_teams
+        for i in tl.range(team, n_rows + n_teams, n_teams, num_stages=STAGES):
+            row = tl.cast(i, tl.int64)
+            dy, g, u, r, rstd = _team_bwd_loads(DY_ptr, G_ptr, U_ptr, R_ptr, RSTD_ptr, row, dy_row_stride,
+                                                g_row_stride, u_row_stride, r_row_stride, cols, n_rows,
+                                                n_cols)  # fmt: skip
+            x_hat = _team_h(g, u, r) * rstd
+            dyf = dy.to(tl.float32)
+            if COMPUTE_DW:
+                dw_acc += dyf * x_hat
+            seq += 1
+            publish(slots, seq, member, tl.sum(x_hat * w * dyf, axis=0), SLOTS, BUFFERS)
+            total = _team_total(slots, seq - 1, MEMBERS, SLOTS, BUFFERS, SPIN)
+            mask = cols < tl.where(row_p >= 0, n_cols, 0)
+            _staged_row_grads(DG_ptr, DU_ptr, DR_ptr, row_p, cols, mask, dy_p, g_p, u_p, xh_p, w, rstd_p,
+                              total, n_cols, COMPUTE_DG, COMPUTE_DU, COMPUTE_DR)  # fmt: skip
+            dy_p, g_p, u_p, xh_p, rstd_p, row_p = dy, g, u, x_hat, rstd, row
+    else:
+        for i in tl.range(team, n_rows, n_teams, num_stages=STAGES):
+            row = tl.cast(i, tl.int64)
+            dy, g, u, r, rstd = _team_bwd_loads(DY_ptr, G_ptr, U_ptr, R_ptr, RSTD_ptr, row, dy_row_stride,
+                                                g_row_stride, u_row_stride, r_row_stride, cols, n_rows,
+                                                n_cols)  # fmt: skip
+            x_hat = _team_h(g, u, r) * rstd
+            dyf = dy.to(tl.float32)
+            if COMPUTE_DW:
+                dw_acc += dyf * x_hat
+            if NEED_DH:
+                seq += 1
+                publish(slots, seq, member, tl.sum(x_hat * w * dyf, axis=0), SLOTS, BUFFERS)
+                total = _team_total(slots, seq, MEMBERS, SLOTS, BUFFERS, SPIN)
+                _staged_row_grads(DG_ptr, DU_ptr, DR_ptr, row, cols, col_mask, dy, g, u, x_hat, w, rstd,
+                                  total, n_cols, COMPUTE_DG, COMPUTE_DU, COMPUTE_DR)  # fmt: skip
+    if COMPUTE_DW:
+        tl.store(DW_ptr + team.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
+    tl.store(SEQ_ptr + pid, seq)
+
+
+@triton.jit
 def _tail_bwd_rowdot_kernel(
     DY_ptr,
     G_ptr,
@@ -994,6 +1162,11 @@ def _team_launch(kernel, cfg: KernelConfig, kind: str, n_rows: int, n_cols: int,
     if launch is None:
         members = team_size(n_cols, cfg.block_n)
         lag = 1 if cfg.num_stages > 1 else 0  # two stages: a row's exchange overlaps the next row
+        if cfg.maxnreg:
+            constants["maxnreg"] = cfg.maxnreg
+        if cfg.pipeline:
+            # The staged kernels: a spinning wait in inline assembly, which the interpreter lacks.
+            constants.update(STAGES=cfg.pipeline, SPIN=not interpreting())
         launch = _TEAM_LAUNCHES.add(key, TeamLaunch(
             kernel, cfg, kind, members, n_rows, MEMBERS=members, SLOTS=slots_for(members),
             BLOCK_N=cfg.block_n, LAG=lag, BUFFERS=buffers_for(lag), **constants,
@@ -1014,10 +1187,10 @@ def _forward_launch(cfg: KernelConfig, n_rows: int, n_cols: int, store_rstd: boo
             num_warps=cfg.num_warps,
         )  # fmt: skip
     if cfg.kernel == "team":
+        kernel = _tail_fwd_team_staged_kernel if cfg.pipeline else _tail_fwd_team_kernel
         return _team_launch(
-            _tail_fwd_team_kernel, cfg, "fwd", n_rows, n_cols,
-            STORE_RSTD=store_rstd, num_warps=cfg.num_warps,
-        )  # fmt: skip
+            kernel, cfg, "fwd", n_rows, n_cols, STORE_RSTD=store_rstd, num_warps=cfg.num_warps
+        )
     if cfg.kernel == "pipelined":
         return Launch(
             _tail_fwd_pipelined_kernel, (min(cfg.programs, n_rows),), cfg, "fwd",
@@ -1054,9 +1227,8 @@ def _backward_launch(
     if cfg.kernel == "pipelined":
         return Launch(_tail_bwd_pipelined_kernel, (programs,), cfg, "bwd", **kw, **flags)
     if cfg.kernel == "team":
-        return _team_launch(
-            _tail_bwd_team_kernel, cfg, "bwd", n_rows, n_cols, num_warps=cfg.num_warps, **flags
-        )
+        kernel = _tail_bwd_team_staged_kernel if cfg.pipeline else _tail_bwd_team_kernel
+        return _team_launch(kernel, cfg, "bwd", n_rows, n_cols, num_warps=cfg.num_warps, **flags)
     return Launch(
         _tail_bwd_slab_kernel, (programs, triton.cdiv(n_cols, cfg.block_n)), cfg, "bwd",
         SPLITS=triton.next_power_of_2(n_splits), NUM_STAGES=cfg.num_stages, **kw, **flags,
