@@ -64,6 +64,23 @@ def l2_variants(cands: list[KernelConfig]) -> list[KernelConfig]:
     return out
 
 
+def team_variants(
+    cands: list[KernelConfig], caps: list[int], depths: list[int], sms: int
+) -> list[KernelConfig]:
+    """Each team candidate also with each register cap and each software-pipelining depth (the
+    staged team kernels), its grid allowed up to 8 programs an SM (the launch fits what the
+    compiled kernel lets share an SM)."""
+    out = list(cands)
+    for c in cands:
+        if c.kernel != "team" or c.maxnreg or c.pipeline:
+            continue
+        for cap, depth in itertools.product([0, *caps], [0, *depths]):
+            v = replace(c, maxnreg=cap, pipeline=depth, programs=8 * sms if cap or depth else c.programs)
+            if v not in out:
+                out.append(v)
+    return out
+
+
 def forward_error(ref, out) -> float:
     return T.relative_error(out[0], ref)
 
@@ -81,7 +98,8 @@ def time_candidates(kind, cands, default, run, error, floor_s, device) -> list[d
         try:
             A.LAUNCH_LOG = []
             err = error(run(cfg))  # the first call also builds the kernel, outside the timing
-            regs, spills = A.LAUNCH_LOG[-1][2:]
+            # the main kernel's (the backward's column sum launches after it)
+            regs, spills = ([e for e in A.LAUNCH_LOG if e[1] == cfg] or A.LAUNCH_LOG)[-1][2:]
         except Exception as e:  # noqa: BLE001 - a config that cannot compile is just skipped
             print(f"  {kind} {cfg} failed: {str(e).splitlines()[0][:100]}", flush=True)
             continue
@@ -105,6 +123,8 @@ def show(what: str, rows: list[dict]) -> None:
         seen.add(row["kernel"])
         launch = f"{row['kernel']} {row['block_m']}x{row['block_n']} w{row['num_warps']} s{row['num_stages']}"
         launch += f" p{row['programs']} x{row['splits']}{' stash' if row['stash_h'] else ''}"
+        launch += f" maxnreg {row['maxnreg']}" if row.get("maxnreg") else ""
+        launch += f" pipeline {row['pipeline']}" if row.get("pipeline") else ""
         print(f"{what}: {row['ms'] * 1e3:8.1f} us {row['frac']:6.1%}  {launch}  regs {row['regs']}"
               f" spills {row['spills']} err {row['rel_err']:.1e}", flush=True)  # fmt: skip
 
@@ -119,6 +139,10 @@ def main() -> int:
     p.add_argument("--explore", action="store_true", help="also try pipelining depths and grid sizes")
     p.add_argument("--l2", action="store_true", help="also try each candidate's other L2 hints")
     p.add_argument("--kinds", default="", help="only these kernels, e.g. team,pipelined (default: all)")
+    p.add_argument(
+        "--maxnreg", default="", help="also try each team candidate with these register caps, e.g. 96,80"
+    )
+    p.add_argument("--pipeline", default="", help="also try staged team kernels at these depths, e.g. 2,3")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -144,6 +168,9 @@ def main() -> int:
             if args.kinds:
                 cands = [c for c in cands if c.kernel in args.kinds.split(",")]
             cands = explore(cands, n_rows, sms) if args.explore else cands
+            if args.maxnreg or args.pipeline:
+                caps = [int(x) for x in args.maxnreg.split(",") if x]
+                cands = team_variants(cands, caps, [int(x) for x in args.pipeline.split(",") if x], sms)
             return l2_variants(cands) if args.l2 else cands
 
         if "fwd" in args.which:
