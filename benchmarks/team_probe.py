@@ -45,11 +45,19 @@ from profuse.timers import CudaTimer
 
 
 @triton.jit
-def _rows(ptr, row, row_stride, cols, mask):
-    """Columns `cols` of rows `row` (a vector), read once."""
-    return tl.load(
-        ptr + row[:, None] * row_stride + cols[None, :], mask=mask, other=0.0, eviction_policy="evict_first"
-    )
+def _rows(DY_ptr, G_ptr, U_ptr, R_ptr, RSTD_ptr, row, dy_row_stride, g_row_stride, u_row_stride, r_row_stride,
+          cols, col_mask, n_rows):  # fmt: skip
+    """Columns `cols` of rows `row` (a vector) of dy, g, u, r, read once, and the rows' rstd."""
+    mask = (row[:, None] < n_rows) & col_mask[None, :]
+    at = row[:, None] * dy_row_stride + cols[None, :]
+    dy = tl.load(DY_ptr + at, mask=mask, other=0.0, eviction_policy="evict_first")
+    at = row[:, None] * g_row_stride + cols[None, :]
+    g = tl.load(G_ptr + at, mask=mask, other=0.0, eviction_policy="evict_first")
+    at = row[:, None] * u_row_stride + cols[None, :]
+    u = tl.load(U_ptr + at, mask=mask, other=0.0, eviction_policy="evict_first")
+    at = row[:, None] * r_row_stride + cols[None, :]
+    r = tl.load(R_ptr + at, mask=mask, other=0.0, eviction_policy="evict_first")
+    return dy, g, u, r, tl.load(RSTD_ptr + tl.minimum(row, n_rows - 1)), mask
 
 
 @triton.jit
@@ -75,12 +83,8 @@ def _probe_bwd_kernel(
     rr = tl.arange(0, ROWS)
     step = n_teams * ROWS
     row = (team * ROWS + rr).to(tl.int64)
-    mask = (row[:, None] < n_rows) & col_mask[None, :]
-    dy = _rows(DY_ptr, row, dy_row_stride, cols, mask)
-    g = _rows(G_ptr, row, g_row_stride, cols, mask)
-    u = _rows(U_ptr, row, u_row_stride, cols, mask)
-    r = _rows(R_ptr, row, r_row_stride, cols, mask)
-    rstd = tl.load(RSTD_ptr + tl.minimum(row, n_rows - 1))
+    dy, g, u, r, rstd, mask = _rows(DY_ptr, G_ptr, U_ptr, R_ptr, RSTD_ptr, row, dy_row_stride, g_row_stride,
+                                    u_row_stride, r_row_stride, cols, col_mask, n_rows)  # fmt: skip
     waited = tl.zeros([], dtype=tl.int64)
     t_start = tl.extra.cuda.globaltimer()
     for _ in range(team * ROWS, n_rows, step):
@@ -95,12 +99,9 @@ def _probe_bwd_kernel(
             dw_acc += tl.sum(dy.to(tl.float32) * x_hat, axis=0)
         dy_c, g_c, u_c, rstd_c, row_c, mask_c = dy, g, u, rstd, row, mask
         row = row + step
-        mask = (row[:, None] < n_rows) & col_mask[None, :]
-        dy = _rows(DY_ptr, row, dy_row_stride, cols, mask)
-        g = _rows(G_ptr, row, g_row_stride, cols, mask)
-        u = _rows(U_ptr, row, u_row_stride, cols, mask)
-        r = _rows(R_ptr, row, r_row_stride, cols, mask)
-        rstd = tl.load(RSTD_ptr + tl.minimum(row, n_rows - 1))
+        dy, g, u, r, rstd, mask = _rows(DY_ptr, G_ptr, U_ptr, R_ptr, RSTD_ptr, row, dy_row_stride,
+                                        g_row_stride, u_row_stride, r_row_stride, cols, col_mask,
+                                        n_rows)  # fmt: skip
         t0 = tl.extra.cuda.globaltimer()
         if WAIT:
             c = tl.zeros([ROWS], dtype=tl.float32)

@@ -48,15 +48,7 @@ from profuse.kernels import configs as C
 from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing
 from profuse.kernels.colsum import col_sum_launch
 from profuse.kernels.configs import KernelConfig
-from profuse.kernels.teams import (
-    TeamLaunch,
-    buffers_for,
-    gather,
-    gather_spinning,
-    publish,
-    slots_for,
-    team_size,
-)
+from profuse.kernels.teams import TeamLaunch, buffers_for, gather, publish, slots_for, team_size
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -315,10 +307,17 @@ def _team_row_y(
     """A team forward's second half of a row: the team's sum of squares (waiting for it), then
     this member's share of y, and rstd (member 0)."""
     rstd = tl.rsqrt(gather(slots, seq, MEMBERS, SLOTS, BUFFERS) / n_cols + eps)
-    tl.store(Y_ptr + row * y_row_stride + cols, (h * rstd * w).to(Y_ptr.dtype.element_ty), mask=col_mask,
+    _team_y(Y_ptr, RSTD_ptr, row, y_row_stride, cols, col_mask, member == 0, h, w, rstd, STORE_RSTD)
+
+
+@triton.jit
+def _team_y(Y_ptr, RSTD_ptr, row, y_row_stride, cols, mask, rstd_mask, h, w, rstd, STORE_RSTD: tl.constexpr):
+    """A member's share of row `row` of y = h * rstd * w (where `mask`), and the row's rstd
+    (where `rstd_mask`: one member's)."""
+    tl.store(Y_ptr + row * y_row_stride + cols, (h * rstd * w).to(Y_ptr.dtype.element_ty), mask=mask,
              eviction_policy="evict_first")  # fmt: skip
     if STORE_RSTD:
-        tl.store(RSTD_ptr + row, rstd, mask=member == 0)
+        tl.store(RSTD_ptr + row, rstd, mask=rstd_mask)
 
 
 @triton.jit
@@ -408,19 +407,6 @@ def _tail_fwd_team_kernel(
 
 
 @triton.jit
-def _team_total(
-    slots, seq, MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BUFFERS: tl.constexpr, SPIN: tl.constexpr
-):
-    """The team's sum for row number `seq`, waiting in inline assembly (SPIN, on a GPU) or in
-    `gather`'s loop (the interpreter)."""
-    if SPIN:
-        total = gather_spinning(slots, seq, MEMBERS, SLOTS, BUFFERS)
-    else:
-        total = gather(slots, seq, MEMBERS, SLOTS, BUFFERS)
-    return total
-
-
-@triton.jit
 def _tail_fwd_team_staged_kernel(
     G_ptr, U_ptr, R_ptr, W_ptr, Y_ptr, RSTD_ptr, g_row_stride, u_row_stride, r_row_stride, y_row_stride,
     n_rows, n_cols, eps, SLOT_ptr, SEQ_ptr,
@@ -458,12 +444,10 @@ def _tail_fwd_team_staged_kernel(
             h = _team_h(g, u, r)
             seq += 1
             publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS, BUFFERS)
-            rstd = tl.rsqrt(_team_total(slots, seq - 1, MEMBERS, SLOTS, BUFFERS, SPIN) / n_cols + eps)
+            rstd = tl.rsqrt(gather(slots, seq - 1, MEMBERS, SLOTS, BUFFERS, SPIN) / n_cols + eps)
             mask = cols < tl.where(row_p >= 0, n_cols, 0)
-            tl.store(Y_ptr + row_p * y_row_stride + cols, (h_p * rstd * w).to(Y_ptr.dtype.element_ty),
-                     mask=mask, eviction_policy="evict_first")  # fmt: skip
-            if STORE_RSTD:
-                tl.store(RSTD_ptr + row_p, rstd, mask=(member == 0) & (row_p >= 0))
+            _team_y(Y_ptr, RSTD_ptr, row_p, y_row_stride, cols, mask, (member == 0) & (row_p >= 0), h_p, w,
+                    rstd, STORE_RSTD)  # fmt: skip
             h_p = h
             row_p = row
     else:
@@ -474,11 +458,8 @@ def _tail_fwd_team_staged_kernel(
             h = _team_h(g, u, r)
             seq += 1
             publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS, BUFFERS)
-            rstd = tl.rsqrt(_team_total(slots, seq, MEMBERS, SLOTS, BUFFERS, SPIN) / n_cols + eps)
-            tl.store(Y_ptr + row * y_row_stride + cols, (h * rstd * w).to(Y_ptr.dtype.element_ty),
-                     mask=col_mask, eviction_policy="evict_first")  # fmt: skip
-            if STORE_RSTD:
-                tl.store(RSTD_ptr + row, rstd, mask=member == 0)
+            rstd = tl.rsqrt(gather(slots, seq, MEMBERS, SLOTS, BUFFERS, SPIN) / n_cols + eps)
+            _team_y(Y_ptr, RSTD_ptr, row, y_row_stride, cols, col_mask, member == 0, h, w, rstd, STORE_RSTD)
     tl.store(SEQ_ptr + pid, seq)
 
 
@@ -809,15 +790,25 @@ def _team_row_grads(
     MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BUFFERS: tl.constexpr,
     COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr,
 ):  # fmt: skip
-    """A team backward's second half of a row: the row's c (waiting for the team's parts), then
-    this member's share of dg, du, dr from the row's raw dy, g, u and its x_hat."""
-    c = gather(slots, seq, MEMBERS, SLOTS, BUFFERS) / n_cols
+    """A team backward's second half of a row: the team's sum of x_hat * w * dy (waiting for the
+    team's parts), then this member's share of dg, du, dr."""
+    total = gather(slots, seq, MEMBERS, SLOTS, BUFFERS)
+    _team_grads(DG_ptr, DU_ptr, DR_ptr, row, cols, col_mask, dy, g, u, x_hat, w, rstd, total, n_cols,
+                COMPUTE_DG, COMPUTE_DU, COMPUTE_DR)  # fmt: skip
+
+
+@triton.jit
+def _team_grads(
+    DG_ptr, DU_ptr, DR_ptr, row, cols, mask, dy, g, u, x_hat, w, rstd, total, n_cols,
+    COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr,
+):  # fmt: skip
+    """A member's share of dg, du, dr for row `row` from its raw dy, g, u, its x_hat and the
+    team's sum of x_hat * w * dy (`total`)."""
     gf = g.to(tl.float32)
     s = tl.sigmoid(gf)
-    silu = gf * s
-    dh = (w * dy.to(tl.float32) - x_hat * c) * rstd
-    _store_input_grads(DG_ptr, DU_ptr, DR_ptr, row * n_cols + cols, col_mask, dh, gf, u.to(tl.float32), s,
-                       silu, COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
+    dh = (w * dy.to(tl.float32) - x_hat * (total / n_cols)) * rstd
+    _store_input_grads(DG_ptr, DU_ptr, DR_ptr, row * n_cols + cols, mask, dh, gf, u.to(tl.float32), s, gf * s,
+                       COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
 
 
 @triton.jit
@@ -928,20 +919,6 @@ def _tail_bwd_team_kernel(
 
 
 @triton.jit
-def _staged_row_grads(
-    DG_ptr, DU_ptr, DR_ptr, row, cols, mask, dy, g, u, x_hat, w, rstd, total, n_cols,
-    COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr,
-):  # fmt: skip
-    """A member's share of dg, du, dr for row `row` from its raw dy, g, u, its x_hat and the
-    team's sum of x_hat * w * dy (`total`)."""
-    gf = g.to(tl.float32)
-    s = tl.sigmoid(gf)
-    dh = (w * dy.to(tl.float32) - x_hat * (total / n_cols)) * rstd
-    _store_input_grads(DG_ptr, DU_ptr, DR_ptr, row * n_cols + cols, mask, dh, gf, u.to(tl.float32), s, gf * s,
-                       COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
-
-
-@triton.jit
 def _tail_bwd_team_staged_kernel(
     DY_ptr, G_ptr, U_ptr, R_ptr, W_ptr, RSTD_ptr, DG_ptr, DU_ptr, DR_ptr, DW_ptr,
     dy_row_stride, g_row_stride, u_row_stride, r_row_stride, n_rows, n_cols, SLOT_ptr, SEQ_ptr,
@@ -986,9 +963,9 @@ def _tail_bwd_team_staged_kernel(
                 dw_acc += dyf * x_hat
             seq += 1
             publish(slots, seq, member, tl.sum(x_hat * w * dyf, axis=0), SLOTS, BUFFERS)
-            total = _team_total(slots, seq - 1, MEMBERS, SLOTS, BUFFERS, SPIN)
+            total = gather(slots, seq - 1, MEMBERS, SLOTS, BUFFERS, SPIN)
             mask = cols < tl.where(row_p >= 0, n_cols, 0)
-            _staged_row_grads(DG_ptr, DU_ptr, DR_ptr, row_p, cols, mask, dy_p, g_p, u_p, xh_p, w, rstd_p,
+            _team_grads(DG_ptr, DU_ptr, DR_ptr, row_p, cols, mask, dy_p, g_p, u_p, xh_p, w, rstd_p,
                               total, n_cols, COMPUTE_DG, COMPUTE_DU, COMPUTE_DR)  # fmt: skip
             dy_p, g_p, u_p, xh_p, rstd_p, row_p = dy, g, u, x_hat, rstd, row
     else:
@@ -1004,8 +981,8 @@ def _tail_bwd_team_staged_kernel(
             if NEED_DH:
                 seq += 1
                 publish(slots, seq, member, tl.sum(x_hat * w * dyf, axis=0), SLOTS, BUFFERS)
-                total = _team_total(slots, seq, MEMBERS, SLOTS, BUFFERS, SPIN)
-                _staged_row_grads(DG_ptr, DU_ptr, DR_ptr, row, cols, col_mask, dy, g, u, x_hat, w, rstd,
+                total = gather(slots, seq, MEMBERS, SLOTS, BUFFERS, SPIN)
+                _team_grads(DG_ptr, DU_ptr, DR_ptr, row, cols, col_mask, dy, g, u, x_hat, w, rstd,
                                   total, n_cols, COMPUTE_DG, COMPUTE_DU, COMPUTE_DR)  # fmt: skip
     if COMPUTE_DW:
         tl.store(DW_ptr + team.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)

@@ -10,9 +10,9 @@ has no cluster reduction, so a team swaps its partial sums through global memory
               low), so the value and the flag that says it is there arrive together;
     gather    a member polls the team's slots until every one carries the row's number, then
               takes the values in member order: every member adds them up in the same order and
-              gets the same bits, run after run. `gather_spinning` waits the same way inside one
-              inline-assembly op, so a row loop around it holds no loop of its own and Triton's
-              software pipeliner can stage its loads (kernels/tail.py's staged team kernels).
+              gets the same bits, run after run. With SPIN it waits inside one inline-assembly op,
+              so a row loop around it holds no loop of its own and Triton's software pipeliner
+              can stage its loads (kernels/tail.py's staged team kernels).
 
 Slots are double-buffered by the number's parity: a member cannot publish row i + 2 before every
 member has published row i + 1, which each does only after it has read row i. A kernel that
@@ -59,22 +59,6 @@ def publish(slots, seq, member, value, SLOTS: tl.constexpr, BUFFERS: tl.constexp
 
 
 @triton.jit
-def gather(slots, seq, n_members, SLOTS: tl.constexpr, BUFFERS: tl.constexpr):
-    """Wait until all `n_members` members have published row `seq`; their fp32 values summed in
-    member order (the same bits in every member)."""
-    members = tl.arange(0, SLOTS)
-    ptrs = slots + (seq & (BUFFERS - 1)) * SLOTS + members
-    present = members < n_members
-    words = tl.load(ptrs, mask=present, other=0, volatile=True)
-    missing = present & ((words >> 32).to(tl.int32) != seq)
-    while tl.max(missing.to(tl.int32), axis=0) > 0:
-        words = tl.load(ptrs, mask=present, other=0, volatile=True)
-        missing = present & ((words >> 32).to(tl.int32) != seq)
-    values = words.to(tl.int32).to(tl.float32, bitcast=True)
-    return tl.sum(tl.where(present, values, 0.0), axis=0)
-
-
-@triton.jit
 def _spin(ptrs, seq):
     """Each slot word at `ptrs` once it carries `seq` in its high half: its low half (fp32 bits).
     The polling loop is PTX inside one inline-assembly op, so the kernel around it has no loop of
@@ -96,14 +80,24 @@ def _spin(ptrs, seq):
 
 
 @triton.jit
-def gather_spinning(slots, seq, n_members, SLOTS: tl.constexpr, BUFFERS: tl.constexpr):
-    """`gather`, waiting inside inline assembly (GPU only: the interpreter runs none): the same
-    values summed in the same order."""
+def gather(slots, seq, n_members, SLOTS: tl.constexpr, BUFFERS: tl.constexpr, SPIN: tl.constexpr = False):
+    """Wait until all `n_members` members have published row `seq`; their fp32 values summed in
+    member order (the same bits in every member). SPIN polls inside inline assembly (a GPU only:
+    the interpreter runs none), so the caller's loop holds no loop of its own."""
     members = tl.arange(0, SLOTS)
     present = members < n_members
-    # An absent member's lane waits on member 0's word (there whenever the row's sums are).
-    ptrs = slots + (seq & (BUFFERS - 1)) * SLOTS + tl.where(present, members, 0)
-    values = _spin(ptrs, seq).to(tl.float32, bitcast=True)
+    buffer = slots + (seq & (BUFFERS - 1)) * SLOTS
+    if SPIN:
+        # An absent member's lane waits on member 0's word (there whenever the row's sums are).
+        values = _spin(buffer + tl.where(present, members, 0), seq).to(tl.float32, bitcast=True)
+    else:
+        ptrs = buffer + members
+        words = tl.load(ptrs, mask=present, other=0, volatile=True)
+        missing = present & ((words >> 32).to(tl.int32) != seq)
+        while tl.max(missing.to(tl.int32), axis=0) > 0:
+            words = tl.load(ptrs, mask=present, other=0, volatile=True)
+            missing = present & ((words >> 32).to(tl.int32) != seq)
+        values = words.to(tl.int32).to(tl.float32, bitcast=True)
     return tl.sum(tl.where(present, values, 0.0), axis=0)
 
 
