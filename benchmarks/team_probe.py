@@ -157,6 +157,12 @@ def main(argv=None) -> int:
     p.add_argument("--trials", type=int, default=30)
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
+    try:
+        shares = [tuple(int(x) for x in share.split(":")) for share in a.shares.split(",")]
+    except ValueError:
+        p.error(f"--shares: expected BLOCK_N:warps pairs separated by commas, got {a.shares!r}")
+    if any(len(s) != 2 or min(s) <= 0 for s in shares):
+        p.error(f"--shares: expected BLOCK_N:warps pairs of positive integers, got {a.shares!r}")
     if not torch.cuda.is_available():
         print("error: team_probe.py needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -172,8 +178,8 @@ def main(argv=None) -> int:
     timer = CudaTimer(dev)
     strides = (m, m, m, m, n, m)
     results = []
-    for share in a.shares.split(","):
-        bn, warps = (int(x) for x in share.split(":"))
+    for bn, warps in shares:
+        share = f"{bn}:{warps}"
         cfg = KernelConfig("team", 1, bn, warps, 1, sms * a.per_sm)
         outs = [torch.empty_like(g) for _ in range(3)]
         args = (dy, g, u, r, w, rstd, *outs)

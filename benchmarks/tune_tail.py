@@ -129,6 +129,17 @@ def show(what: str, rows: list[dict]) -> None:
               f" spills {row['spills']} err {row['rel_err']:.1e}", flush=True)  # fmt: skip
 
 
+def int_list(text: str) -> list[int]:
+    """A comma-separated list of positive integers (argparse type: bad input is a one-line error)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from None
+    if any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cols", default=",".join(map(str, GRID)))
@@ -140,9 +151,14 @@ def main() -> int:
     p.add_argument("--l2", action="store_true", help="also try each candidate's other L2 hints")
     p.add_argument("--kinds", default="", help="only these kernels, e.g. team,pipelined (default: all)")
     p.add_argument(
-        "--maxnreg", default="", help="also try each team candidate with these register caps, e.g. 96,80"
+        "--maxnreg",
+        type=int_list,
+        default=[],
+        help="also try each team candidate with these register caps, e.g. 96,80",
     )
-    p.add_argument("--pipeline", default="", help="also try staged team kernels at these depths, e.g. 2,3")
+    p.add_argument(
+        "--pipeline", type=int_list, default=[], help="also try staged team kernels at these depths, e.g. 2,3"
+    )
     p.add_argument("--out", required=True)
     args = p.parse_args()
     dev = torch.device("cuda")
@@ -169,8 +185,7 @@ def main() -> int:
                 cands = [c for c in cands if c.kernel in args.kinds.split(",")]
             cands = explore(cands, n_rows, sms) if args.explore else cands
             if args.maxnreg or args.pipeline:
-                caps = [int(x) for x in args.maxnreg.split(",") if x]
-                cands = team_variants(cands, caps, [int(x) for x in args.pipeline.split(",") if x], sms)
+                cands = team_variants(cands, args.maxnreg, args.pipeline, sms)
             return l2_variants(cands) if args.l2 else cands
 
         if "fwd" in args.which:
