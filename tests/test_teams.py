@@ -86,6 +86,22 @@ def test_slots_and_members():
     assert teams.slots_for(3) == 4 and teams.slots_for(16) == 16 and teams.slots_for(1) == 1
 
 
+@pytest.mark.parametrize("teams_max", [1, 2, 3, 7, 33, 64, 66, 352, 1000])
+@pytest.mark.parametrize("n_rows", [1, 5, 10, 1024, 6553])
+def test_balanced_teams_take_as_many_rounds_with_the_last_as_full_as_it_can_be(teams_max, n_rows):
+    got = teams.balanced(teams_max, n_rows)
+    rounds = -(-n_rows // teams_max)
+    assert 1 <= got <= teams_max
+    assert -(-n_rows // got) == rounds  # no more rounds than the most teams would take
+    assert got == 1 or -(-n_rows // (got - 1)) > rounds  # and one team fewer would take more
+
+
+def test_balanced_teams_at_the_grid_sizes():
+    assert teams.balanced(33, 1024) == 32  # not one team working a 32nd row alone
+    assert teams.balanced(66, 2048) == 64
+    assert teams.balanced(352, 6553) == 345
+
+
 def test_registers_and_threads_bound_the_programs_an_sm_holds(monkeypatch):
     class Props:
         regs_per_multiprocessor = 65536
@@ -115,16 +131,21 @@ def test_sequence_numbers_carry_over_between_calls(dtype, stages, device):
     """A team launch keeps its scratch: each call's numbers start where the last call's ended,
     so every call (forward and backward, different values each time) is right, and the
     counts grow by each team's rows."""
-    cfg = KernelConfig("team", 1, 64, num_warps=2, num_stages=stages, programs=4)  # 4 teams of one, 9 rows
-    shape = (9, 50)
+    cfg = KernelConfig("team", 1, 64, num_warps=2, num_stages=stages, programs=4)  # 4 teams of one, 10 rows
+    shape = (10, 50)
     for seed in range(3):
         xs, dy = tail_inputs(shape, dtype, device, seed=seed, dy=True)
         _check(xs, dy, cfg, dtype)
-    fwd = K._team_launch(K._tail_fwd_team_kernel, cfg, "fwd", 9, 50, STORE_RSTD=True, num_warps=2)
+    fwd = K._team_launch(K._tail_fwd_team_kernel, cfg, "fwd", 10, 50, STORE_RSTD=True, num_warps=2)
     slots, counts = fwd.scratch(xs)
     assert slots.shape == (4, 2 * stages, 1)  # teams, buffers (4 with two stages), slots
     assert fwd.prepare(xs) == 4
-    assert counts.tolist() == [3 * 3, 3 * 2, 3 * 2, 3 * 2]  # rows 0,4,8 / 1,5 / 2,6 / 3,7, three calls
+    # rows 0,4,8 / 1,5,9 / 2,6 / 3,7, three calls; then the dw sum's arrivals, back at 0
+    assert counts.tolist() == [3 * 3, 3 * 3, 3 * 2, 3 * 2, 0]
+    bwd = K._backward_launch(cfg, 0, 10, 50, ALL, 0)
+    _, bwd_counts = bwd.scratch(xs)
+    # the backward's numbers, then its one member's arrivals at the dw sum: back at 0 for the next call
+    assert bwd_counts.tolist() == [3 * 3, 3 * 3, 3 * 2, 3 * 2, 0]
 
 
 # --------------------------------------------------------------------------------------------

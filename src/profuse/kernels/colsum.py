@@ -2,8 +2,12 @@
 
 A backward on a persistent grid sums dy * x_hat over its own rows into one fp32 partial row per
 program; this kernel then adds the (programs, N) partials up column by column, always in the
-same order, and rounds once to the weight's dtype. No atomics: the same bits every run. Shared
-by kernels/tail.py and kernels/add_rms_norm.py.
+same order, and rounds once to the weight's dtype. No atomics on the values: the same bits every
+run. Shared by kernels/tail.py and kernels/add_rms_norm.py.
+
+A team backward (kernels/teams.py) sums its partials itself instead, with no launch of its own:
+`sum_when_last`, called by each program once its partial is stored, lets the last of the
+programs that share a column block add that block up, in the same fixed order whoever is last.
 """
 
 from __future__ import annotations
@@ -34,6 +38,36 @@ def _col_sum_kernel(
         mask = (parts < n_parts)[:, None] & col_mask[None, :]
         acc += tl.load(P_ptr + parts[:, None].to(tl.int64) * n_cols + cols[None, :], mask=mask, other=0.0)
     tl.store(OUT_ptr + cols, tl.sum(acc, axis=0).to(OUT_ptr.dtype.element_ty), mask=col_mask)
+
+
+@triton.jit
+def sum_when_last(
+    P_ptr, OUT_ptr, ARRIVED_ptr, n_parts, n_cols, cols, mask, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
+):
+    """Called by each of the `n_parts` programs that wrote row `part` of the (n_parts, n_cols) fp32
+    partials P at `cols` (where `mask`), after its store: the last to arrive sums the n_parts
+    rows at these columns in part order (BLOCK_P rows at a time, then across the tiles: the same
+    bits whoever is last) and rounds once into OUT. `ARRIVED_ptr`: this column block's int32 count of
+    arrivals, 0 before the call and put back to 0 by the last arrival (so a CUDA graph replay
+    finds it ready).
+
+    The count is the usual cross-program handshake: a barrier (every thread's partial stored),
+    then one acq_rel increment at GPU scope; the last arrival's increment acquires every other's
+    release, and it reads the partials from the L2 (.cg), never a stale L1 line."""
+    tl.debug_barrier()
+    arrived = tl.atomic_add(ARRIVED_ptr, 1, sem="acq_rel")
+    if arrived == n_parts - 1:
+        acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+        # One stage: a software-pipelined loop would take shared memory, and with it programs off
+        # the SM (teams.TeamLaunch sizes the grid from the compiled kernel's shared memory).
+        for start in tl.range(0, n_parts, BLOCK_P, num_stages=1):
+            parts = start + tl.arange(0, BLOCK_P)
+            m = (parts < n_parts)[:, None] & mask[None, :]
+            tile = tl.load(P_ptr + parts[:, None].to(tl.int64) * n_cols + cols[None, :], mask=m, other=0.0,
+                           cache_modifier=".cg")  # fmt: skip
+            acc += tl.sum(tile, axis=0)
+        tl.store(OUT_ptr + cols, acc.to(OUT_ptr.dtype.element_ty), mask=mask)
+        tl.atomic_xchg(ARRIVED_ptr, 0, sem="relaxed")
 
 
 # 64-column blocks: 256 programs at 16384 columns, every SM busy.

@@ -46,7 +46,7 @@ import triton.language as tl
 from profuse.env import interpreting, sm_count
 from profuse.kernels import configs as C
 from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing
-from profuse.kernels.colsum import col_sum_launch
+from profuse.kernels.colsum import col_sum_launch, sum_when_last
 from profuse.kernels.configs import KernelConfig
 from profuse.kernels.teams import TeamLaunch, buffers_for, gather, publish, slots_for, team_size
 
@@ -823,6 +823,7 @@ def _tail_bwd_team_kernel(
     DU_ptr,
     DR_ptr,
     DW_ptr,  # (teams, n_cols) fp32: team t's sum of dy * x_hat over its rows
+    DWSUM_ptr,  # (n_cols,) in the weight's dtype: dw, the teams' partials summed (the last to finish)
     dy_row_stride,
     g_row_stride,
     u_row_stride,
@@ -840,12 +841,14 @@ def _tail_bwd_team_kernel(
     COMPUTE_DU: tl.constexpr,
     COMPUTE_DR: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
+    DW_ROWS: tl.constexpr,  # partial rows the dw sum adds at a time (kernels/colsum.sum_when_last)
 ):
     """Wide rows read once, as the team forward: member m of a team holds columns
     [m * BLOCK_N, (m + 1) * BLOCK_N) of each of its team's rows, sums its share of
     x_hat * w * dy, swaps it with its team for the row's c, and writes its share of dg, du, dr.
     A member always holds the same columns, so its dw partial is BLOCK_N wide and stays in
-    registers over all its rows: the partials are (teams, N), written once at the end. The next
+    registers over all its rows: the partials are (teams, N), written once at the end, and the
+    last team to finish a member's columns sums them into dw (no column-sum launch). The next
     row's loads are issued before the wait; with LAG the wait comes a row later (the previous
     row's raw dy, g, u and x_hat held meanwhile)."""
     pid = tl.program_id(0)
@@ -915,16 +918,19 @@ def _tail_bwd_team_kernel(
             row = nxt
     if COMPUTE_DW:
         tl.store(DW_ptr + team.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
+        # The counts after the programs' own: one per member, the arrivals at its columns' sum.
+        sum_when_last(DW_ptr, DWSUM_ptr, SEQ_ptr + tl.num_programs(0) + member, n_teams, n_cols, cols,
+                      col_mask, DW_ROWS, BLOCK_N)  # fmt: skip
     tl.store(SEQ_ptr + pid, seq)
 
 
 @triton.jit
 def _tail_bwd_team_staged_kernel(
-    DY_ptr, G_ptr, U_ptr, R_ptr, W_ptr, RSTD_ptr, DG_ptr, DU_ptr, DR_ptr, DW_ptr,
+    DY_ptr, G_ptr, U_ptr, R_ptr, W_ptr, RSTD_ptr, DG_ptr, DU_ptr, DR_ptr, DW_ptr, DWSUM_ptr,
     dy_row_stride, g_row_stride, u_row_stride, r_row_stride, n_rows, n_cols, SLOT_ptr, SEQ_ptr,
     MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, LAG: tl.constexpr,
     BUFFERS: tl.constexpr, COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr,
-    COMPUTE_DW: tl.constexpr,
+    COMPUTE_DW: tl.constexpr, DW_ROWS: tl.constexpr,
     STAGES: tl.constexpr,  # tl.range's num_stages: rows STAGES - 1 ahead load into shared memory
     SPIN: tl.constexpr,  # wait in inline assembly (a GPU); the interpreter takes `gather`'s loop
 ):  # fmt: skip
@@ -986,6 +992,9 @@ def _tail_bwd_team_staged_kernel(
                                   total, n_cols, COMPUTE_DG, COMPUTE_DU, COMPUTE_DR)  # fmt: skip
     if COMPUTE_DW:
         tl.store(DW_ptr + team.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
+        # The counts after the programs' own: one per member, the arrivals at its columns' sum.
+        sum_when_last(DW_ptr, DWSUM_ptr, SEQ_ptr + tl.num_programs(0) + member, n_teams, n_cols, cols,
+                      col_mask, DW_ROWS, BLOCK_N)  # fmt: skip
     tl.store(SEQ_ptr + pid, seq)
 
 
@@ -1205,7 +1214,13 @@ def _backward_launch(
         return Launch(_tail_bwd_pipelined_kernel, (programs,), cfg, "bwd", **kw, **flags)
     if cfg.kernel == "team":
         kernel = _tail_bwd_team_staged_kernel if cfg.pipeline else _tail_bwd_team_kernel
-        return _team_launch(kernel, cfg, "bwd", n_rows, n_cols, num_warps=cfg.num_warps, **flags)
+        # The dw sum's tile: 64 fp32 a thread (8 partial rows of a 1024-column share at 4 warps):
+        # four L2 round trips for 32 teams, and the kernel's registers stay the row loop's (ptxas,
+        # sm_90a: 128 capped, 124 uncapped; a 16-row tile takes 158 uncapped).
+        rows = max(1, 64 * 32 * cfg.num_warps // cfg.block_n)
+        return _team_launch(
+            kernel, cfg, "bwd", n_rows, n_cols, num_warps=cfg.num_warps, DW_ROWS=rows, **flags
+        )  # fmt: skip
     return Launch(
         _tail_bwd_slab_kernel, (programs, triton.cdiv(n_cols, cfg.block_n)), cfg, "bwd",
         SPLITS=triton.next_power_of_2(n_splits), NUM_STAGES=cfg.num_stages, **kw, **flags,
@@ -1217,7 +1232,8 @@ class _BackwardPlan:
 
     Calling it allocates what the math needs (the gradients asked for, one fp32 dw partial row
     per program, and for the split path each row's dot parts) and launches: the gradient kernel
-    (the split path: its row-dot pass first), then the column sum of the dw partials.
+    (the split path: its row-dot pass first), then the column sum of the dw partials (the team
+    kernels sum theirs themselves).
     """
 
     __slots__ = ("config", "needs", "programs", "main", "rowdot", "span", "n_splits", "col_sum")
@@ -1242,7 +1258,7 @@ class _BackwardPlan:
         self.main = _backward_launch(cfg, self.programs, n_rows, n_cols, needs, self.n_splits)
         if cfg.kernel == "team":
             self.programs = 0  # the teams: one dw partial row each, known once the grid is sized
-        self.col_sum = col_sum_launch(n_cols) if need_w else None
+        self.col_sum = col_sum_launch(n_cols) if need_w and cfg.kernel != "team" else None
 
     def __call__(self, rows, w, rstd, gate) -> tuple[torch.Tensor | None, ...]:
         """Gradients (dgate, dup, dresidual shaped like `gate`, dweight); None where not asked
@@ -1256,24 +1272,27 @@ class _BackwardPlan:
         strides = (dy_stride, g_stride, u_stride, r_stride)
         # Outputs not asked for get any tensor: their COMPUTE_ flag is off, the kernel never touches it.
         dgur = (g if dg is None else dg, g if du is None else du, g if dr is None else dr)
-        if self.config.kernel == "team" and not self.programs:  # its grid (one compile) gives the dw rows
-            probe = torch.empty(1, dtype=torch.float32, device=g.device)
-            self.programs = self.main.prepare((dy, g, u, r, w, rstd, *dgur, probe, *strides, n_rows, n_cols))
-        partial = (
-            torch.empty((self.programs, n_cols), dtype=torch.float32, device=g.device) if need_w else None
-        )
+        team = self.config.kernel == "team"
+        if team and not self.programs:  # its grid (one compile) gives the dw rows
+            partials, sums = (torch.empty(1, dtype=t, device=g.device) for t in (torch.float32, w.dtype))
+            args = (dy, g, u, r, w, rstd, *dgur, partials, sums, *strides, n_rows, n_cols)
+            self.programs = self.main.prepare(args)
+        partial = dw = None
+        if need_w:
+            partial = torch.empty((self.programs, n_cols), dtype=torch.float32, device=g.device)
+            dw = torch.empty_like(w)
         outs = (*dgur, g if partial is None else partial)
         if self.n_splits:
             c = torch.empty((n_rows, self.n_splits), dtype=torch.float32, device=g.device)
             if self.rowdot is not None:
                 self.rowdot(dy, g, u, r, w, rstd, c, *strides, n_cols, self.span)
             self.main(dy, g, u, r, w, rstd, c, *outs, *strides, n_rows, n_cols, self.n_splits)
-        else:  # the fused, chunked, pipelined and team kernels take the same arguments
+        elif team:  # the team kernels sum their partials into dw themselves
+            self.main(dy, g, u, r, w, rstd, *outs, g if dw is None else dw, *strides, n_rows, n_cols)
+        else:  # the fused, chunked and pipelined kernels take the same arguments
             self.main(dy, g, u, r, w, rstd, *outs, *strides, n_rows, n_cols)
-        dw = None
-        if need_w:
+        if need_w and not team:
             # One reduction over the programs' partials, in a fixed order: the same bits every run.
-            dw = torch.empty_like(w)
             self.col_sum(partial, dw, self.programs, n_cols)
         return dg, du, dr, dw
 

@@ -107,6 +107,15 @@ def buffers_for(lag: int) -> int:
     return 2 if lag == 0 else 4
 
 
+def balanced(teams: int, n_rows: int) -> int:
+    """The fewest teams that finish `n_rows` rows in as many rounds as `teams` teams would (team t
+    takes rows t, t + teams, ...), so the last round is as full as it can be: at 1024 rows, 32
+    teams of 32 rows rather than 33 teams, one of which works its 32nd row alone while the rest
+    of the grid has finished."""
+    rounds = triton.cdiv(n_rows, max(teams, 1))
+    return triton.cdiv(n_rows, max(rounds, 1))
+
+
 def team_size(n_cols: int, block_n: int) -> int:
     """Members per row: one per `block_n` columns."""
     return triton.cdiv(n_cols, block_n)
@@ -137,8 +146,10 @@ class TeamLaunch:
 
     The grid is sized per input dtype and device on the first call there (or `prepare`), from
     the compiled kernel; each stream gets its scratch on its first call there: (teams, buffers,
-    slots) int64 slot words and one int32 count per program. Runtime arguments: the kernel's own
-    without its two scratch pointers, which come last.
+    slots) int64 slot words, one int32 count per program, then one per member (the arrivals at
+    that member's columns of a backward's dw sum, kernels/colsum.sum_when_last; 0 between
+    calls). Runtime arguments: the kernel's own without its two scratch pointers, which come
+    last.
     """
 
     __slots__ = ("kernel", "config", "kind", "members", "n_rows", "meta", "constants", "sized")
@@ -172,7 +183,7 @@ class TeamLaunch:
         if device.type != "cuda":
             if self.members > 1:
                 raise ValueError("a team of several programs waits for its partners: it needs a GPU")
-            return teams
+            return balanced(teams, self.n_rows)
         probe = (*args, *self._new_scratch(1, device))
         compiled = self.kernel.warmup(*probe, grid=(self.members,), **self.constants)
         _ = compiled.run  # loads the binary: its registers are known from here on
@@ -180,12 +191,12 @@ class TeamLaunch:
         teams = min(teams, fits * sm_count(device) // self.members)
         if teams < 1:
             raise RuntimeError(f"a team of {self.members} programs does not fit on {device} at once")
-        return teams
+        return balanced(teams, self.n_rows)
 
     def _new_scratch(self, teams: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         buffers = self.constants.get("BUFFERS", 2)
         slots = torch.zeros((teams, buffers, slots_for(self.members)), dtype=torch.int64, device=device)
-        return slots, torch.zeros(teams * self.members, dtype=torch.int32, device=device)
+        return slots, torch.zeros((teams + 1) * self.members, dtype=torch.int32, device=device)
 
     def scratch(self, args) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots and counts for calls like `args` on the current stream."""
