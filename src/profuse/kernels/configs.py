@@ -70,7 +70,8 @@ def pow2_rows(n_rows: int) -> int:
 # as the compiled kernel lets share an SM (at most 8). Measured on the H200 at 32M elements
 # (benchmarks/NOTES.md, session 9): the staged, lagged shapes won at every width from 5120 to
 # 65536 (forward 84-87% of copy, backward kernel 77-80%); the unstaged shapes that won in
-# session 8 stay for the tuner.
+# session 8 stay for the tuner. The staged, lagged backward takes 128 registers a thread, so 4
+# programs share an SM; capped at 96 (ptxas spills 72 bytes a thread) 5 do (session 10).
 FWD_TEAM_SHARES = (
     (2048, 4, 8, 2, 128, 3),
     (2048, 4, 8, 2, 0, 3),
@@ -81,6 +82,7 @@ FWD_TEAM_SHARES = (
 BWD_TEAM_SHARES = (
     (1024, 4, 8, 2, 0, 3),
     (1024, 4, 8, 2, 128, 3),
+    (1024, 4, 8, 2, 96, 3),
     (1024, 4, 8, 1, 0, 3),
     (1024, 4, 4, 1),
     (1024, 4, 4, 2),
