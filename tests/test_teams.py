@@ -57,9 +57,10 @@ def _check(xs, dy, cfg, dtype):
 
 
 def test_team_candidates_split_only_wide_rows(monkeypatch):
-    for n in (100, 2048):
+    for n in (100, 2048, 4096):
         assert not C.team_candidates(n, 132, C.FWD_TEAM_SHARES)
-    for n in (2049, 5120, 11008, 65536):
+        assert not C.team_candidates(n, 132, C.BWD_TEAM_SHARES)
+    for n in (4097, 5120, 11008, 65536):
         for shares in (C.FWD_TEAM_SHARES, C.BWD_TEAM_SHARES):
             cands = C.team_candidates(n, 132, shares)
             assert cands

@@ -70,8 +70,10 @@ def pow2_rows(n_rows: int) -> int:
 # as the compiled kernel lets share an SM (at most 8). Measured on the H200 at 32M elements
 # (benchmarks/NOTES.md, session 9): the staged, lagged shapes won at every width from 5120 to
 # 65536 (forward 84-87% of copy, backward kernel 77-80%); the unstaged shapes that won in
-# session 8 stay for the tuner. The staged, lagged backward takes 128 registers a thread, so 4
-# programs share an SM; capped at 96 (ptxas spills 72 bytes a thread) 5 do (session 10).
+# session 8 stay for the tuner. Session 10: the staged, lagged backward in teams of 512-column
+# shares at 2 warps (8 programs an SM at 127 registers) beat the 1024-column shares at 4 warps
+# by 1.6-2.4% (138.2 against 140.5 us at 6553 x 5120, 134.8 against 138.1 at 1024 x 32768); a
+# register cap of 96 on the latter (5 programs an SM, with spills) never won the tuner's pick.
 FWD_TEAM_SHARES = (
     (2048, 4, 8, 2, 128, 3),
     (2048, 4, 8, 2, 0, 3),
@@ -80,9 +82,9 @@ FWD_TEAM_SHARES = (
     (2048, 4, 4, 1),
 )
 BWD_TEAM_SHARES = (
+    (512, 2, 16, 2, 0, 3),
     (1024, 4, 8, 2, 0, 3),
     (1024, 4, 8, 2, 128, 3),
-    (1024, 4, 8, 2, 96, 3),
     (1024, 4, 8, 1, 0, 3),
     (1024, 4, 4, 1),
     (1024, 4, 4, 2),
@@ -96,12 +98,19 @@ def teams_enabled() -> bool:
     return os.environ.get("PROFUSE_TEAMS", "1") != "0"
 
 
+# Rows up to this wide are never shared by a team: one program holds a whole row at 16 elements
+# a thread or fewer. At 1024 x 4096 the team forward won the tuner's draw but lost 5% in the
+# grid to the kernels without teams, timed in the same run (14.6 against 13.9 us, session 10),
+# and at 8192 and 32768 rows the fused kernels won the pick.
+TEAM_MIN_COLS = 4097
+
+
 def team_candidates(n_cols: int, n_sms: int, shares) -> list[KernelConfig]:
-    """Team launches for rows of `n_cols` wider than 2048 (narrower rows fit one program), each
-    share narrower than the row; the grid is at most `per_sm` programs an SM (fewer where the
-    compiled kernel does not fit that many: kernels/teams.py sizes it)."""
+    """Team launches for rows of `n_cols` of at least TEAM_MIN_COLS, each share narrower than
+    the row; the grid is at most `per_sm` programs an SM (fewer where the compiled kernel does
+    not fit that many: kernels/teams.py sizes it)."""
     out = []
-    if n_cols <= 2048:
+    if n_cols < TEAM_MIN_COLS:
         return out
     for share, warps, per_sm, stages, *extra in shares:
         maxnreg, pipeline = (*extra, 0, 0)[:2]
