@@ -15,8 +15,9 @@ Backward (x_hat = h * rstd, s = sigmoid(g), silu(g) = g * s, N = cols):
     dw  = sum over rows of dy * x_hat
 It reads g, u, r, dy and writes dg, du, dr (7 tensors); h, s and x_hat are recomputed in
 registers. dw is summed in fp32 per program over a persistent grid, then the (programs, N)
-partials are summed in one fixed order (kernels/colsum.py): no atomics, so gradients are bitwise
-repeatable.
+partials are summed in one fixed order (kernels/colsum.py; the team kernels do it themselves,
+the last team to finish a column block adding that block up): no atomics on values, so
+gradients are bitwise repeatable.
 
 Rows wider than a program can hold in registers take a chunked path: pass 1 streams the row's
 chunks to get the row's sum, pass 2 walks the chunks again in reverse order, so the chunks read
