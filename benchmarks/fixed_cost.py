@@ -45,8 +45,9 @@ class Flush:
 
     def __init__(self, mode: str, device: torch.device):
         self.mode = mode
-        self.buffer = torch.ones(2 * l2_cache_bytes(device) // 4, dtype=torch.float32, device=device)
-        self.sink = torch.empty((), dtype=torch.float32, device=device)
+        if mode != "none":
+            self.buffer = torch.ones(2 * l2_cache_bytes(device) // 4, dtype=torch.float32, device=device)
+            self.sink = torch.empty((), dtype=torch.float32, device=device)
 
     def __call__(self) -> None:
         if self.mode == "zero":

@@ -32,10 +32,9 @@ from profuse.bench.traffic import copy_ceiling
 from profuse.files import write_json
 from profuse.kernels.configs import KernelConfig
 from profuse.kernels.tail import (
+    _backward_launch,
     _store_input_grads,
-    _tail_bwd_team_kernel,
     _team_h,
-    _team_launch,
     tail_backward,
     tail_forward,
 )
@@ -184,11 +183,11 @@ def main(argv=None) -> int:
         outs = [torch.empty_like(g) for _ in range(3)]
         args = (dy, g, u, r, w, rstd, *outs)
         one = torch.empty(1, device=dev)
-        # the kernel as shipped, for reference
-        team = _team_launch(_tail_bwd_team_kernel, cfg, "bwd", n, m, num_warps=warps,
-                            COMPUTE_DG=True, COMPUTE_DU=True, COMPUTE_DR=True, COMPUTE_DW=True)  # fmt: skip
-        part = torch.empty((team.prepare((*args, one, *strides)), m), dtype=torch.float32, device=dev)
-        t = median_time(timer, partial(team, *args, part, *strides), a.trials)
+        dw_out = torch.empty_like(w)
+        # the kernel as shipped (its partials summed into dw by the last team), for reference
+        team = _backward_launch(cfg, 0, n, m, (True, True, True, True), 0)
+        part = torch.empty((team.prepare((*args, one, dw_out, *strides)), m), dtype=torch.float32, device=dev)
+        t = median_time(timer, partial(team, *args, part, dw_out, *strides), a.trials)
         results.append(dict(share=share, variant="team", us=t * 1e6, frac=floor_s / t))
         print(f"{share:>8}    team: {t * 1e6:7.1f} us  {floor_s / t:5.1%} of copy", flush=True)
         for name, rows, wait, dw in VARIANTS:

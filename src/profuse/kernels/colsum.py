@@ -6,8 +6,8 @@ same order, and rounds once to the weight's dtype. No atomics on the values: the
 run. Shared by kernels/tail.py and kernels/add_rms_norm.py.
 
 A team backward (kernels/teams.py) sums its partials itself instead, with no launch of its own:
-`sum_when_last`, called by each program once its partial is stored, lets the last of the
-programs that share a column block add that block up, in the same fixed order whoever is last.
+`sum_when_last` stores each program's partial and lets the last of the programs that share a
+column block add that block up, in the same fixed order whoever is last.
 """
 
 from __future__ import annotations
@@ -42,11 +42,12 @@ def _col_sum_kernel(
 
 @triton.jit
 def sum_when_last(
-    P_ptr, OUT_ptr, ARRIVED_ptr, n_parts, n_cols, cols, mask, BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr
-):
-    """Called by each of the `n_parts` programs that wrote row `part` of the (n_parts, n_cols) fp32
-    partials P at `cols` (where `mask`), after its store: the last to arrive sums the n_parts
-    rows at these columns in part order (BLOCK_P rows at a time, then across the tiles: the same
+    P_ptr, OUT_ptr, ARRIVED_ptr, part, value, n_parts, n_cols, cols, mask,
+    BLOCK_P: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Called by each of the `n_parts` programs that share `cols`: stores its fp32 partial `value`
+    as row `part` of the (n_parts, n_cols) partials P (where `mask`); the last to arrive sums the
+    n_parts rows at these columns in part order (BLOCK_P rows at a time, then across the tiles: the same
     bits whoever is last) and rounds once into OUT. `ARRIVED_ptr`: this column block's int32 count of
     arrivals, 0 before the call and put back to 0 by the last arrival (so a CUDA graph replay
     finds it ready).
@@ -54,6 +55,7 @@ def sum_when_last(
     The count is the usual cross-program handshake: a barrier (every thread's partial stored),
     then one acq_rel increment at GPU scope; the last arrival's increment acquires every other's
     release, and it reads the partials from the L2 (.cg), never a stale L1 line."""
+    tl.store(P_ptr + part.to(tl.int64) * n_cols + cols, value, mask=mask)
     tl.debug_barrier()
     arrived = tl.atomic_add(ARRIVED_ptr, 1, sem="acq_rel")
     if arrived == n_parts - 1:

@@ -918,10 +918,9 @@ def _tail_bwd_team_kernel(
                                 COMPUTE_DU, COMPUTE_DR)  # fmt: skip
             row = nxt
     if COMPUTE_DW:
-        tl.store(DW_ptr + team.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
         # The counts after the programs' own: one per member, the arrivals at its columns' sum.
-        sum_when_last(DW_ptr, DWSUM_ptr, SEQ_ptr + tl.num_programs(0) + member, n_teams, n_cols, cols,
-                      col_mask, DW_ROWS, BLOCK_N)  # fmt: skip
+        sum_when_last(DW_ptr, DWSUM_ptr, SEQ_ptr + tl.num_programs(0) + member, team, dw_acc, n_teams, n_cols,
+                      cols, col_mask, DW_ROWS, BLOCK_N)  # fmt: skip
     tl.store(SEQ_ptr + pid, seq)
 
 
@@ -992,10 +991,9 @@ def _tail_bwd_team_staged_kernel(
                 _team_grads(DG_ptr, DU_ptr, DR_ptr, row, cols, col_mask, dy, g, u, x_hat, w, rstd,
                                   total, n_cols, COMPUTE_DG, COMPUTE_DU, COMPUTE_DR)  # fmt: skip
     if COMPUTE_DW:
-        tl.store(DW_ptr + team.to(tl.int64) * n_cols + cols, dw_acc, mask=col_mask)
         # The counts after the programs' own: one per member, the arrivals at its columns' sum.
-        sum_when_last(DW_ptr, DWSUM_ptr, SEQ_ptr + tl.num_programs(0) + member, n_teams, n_cols, cols,
-                      col_mask, DW_ROWS, BLOCK_N)  # fmt: skip
+        sum_when_last(DW_ptr, DWSUM_ptr, SEQ_ptr + tl.num_programs(0) + member, team, dw_acc, n_teams, n_cols,
+                      cols, col_mask, DW_ROWS, BLOCK_N)  # fmt: skip
     tl.store(SEQ_ptr + pid, seq)
 
 

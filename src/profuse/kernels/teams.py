@@ -173,7 +173,7 @@ class TeamLaunch:
         key = (args[0].dtype, args[0].device if device is None else device)
         sized = self.sized.get(key)
         if sized is None:
-            grid = (self._teams(args) * self.members,)
+            grid = (balanced(self._teams(args), self.n_rows) * self.members,)
             sized = self.sized[key] = [grid, self.kernel[grid], {}]
         return sized
 
@@ -183,7 +183,7 @@ class TeamLaunch:
         if device.type != "cuda":
             if self.members > 1:
                 raise ValueError("a team of several programs waits for its partners: it needs a GPU")
-            return balanced(teams, self.n_rows)
+            return teams
         probe = (*args, *self._new_scratch(1, device))
         compiled = self.kernel.warmup(*probe, grid=(self.members,), **self.constants)
         _ = compiled.run  # loads the binary: its registers are known from here on
@@ -191,7 +191,7 @@ class TeamLaunch:
         teams = min(teams, fits * sm_count(device) // self.members)
         if teams < 1:
             raise RuntimeError(f"a team of {self.members} programs does not fit on {device} at once")
-        return balanced(teams, self.n_rows)
+        return teams
 
     def _new_scratch(self, teams: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         buffers = self.constants.get("BUFFERS", 2)
