@@ -10,7 +10,8 @@ evict. This script times, for each shape, with the L2 flushed three ways:
     read   a buffer of twice the L2 read (a sum): the L2 left full of clean lines;
     none   no flush: back to back, the last call's lines still there;
 
-three calls: a device-to-device copy of the forward's bytes (half read, half written), the Triton
+after checking the Triton forward and gradients against float64 (a wrong answer is reported and
+not timed), four calls: a device-to-device copy of the forward's bytes (half read, half written), the Triton
 forward (tail_triton without grad) and forward + backward (tail_triton, then autograd.grad), and
 a copy of the forward + backward's bytes. With the forward + backward it also records the
 profiler's kernel times (each kernel, and the gaps between them on the GPU).
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from profuse import tail as T
 from profuse import tail_triton
 from profuse.bench.traffic import FUSED_FORWARD_TENSORS, FUSED_FWD_BWD_TENSORS, copy_ceiling
 from profuse.env import l2_cache_bytes
@@ -103,6 +105,19 @@ def kernel_times(fn, flush: Flush, device: torch.device) -> dict:
     return {"span_us": span, "kernels": [{"name": n[:80], "us": t} for n, t in zip(names, per)]}
 
 
+def check(g, u, r, w, dy, leaves, fwd_bwd) -> dict:
+    """The Triton forward and gradients against float64, within the dtype's tolerances."""
+    x64 = [t.detach().double().requires_grad_() for t in (g, u, r, w)]
+    y64 = T.tail_reference(*x64, T.DEFAULT_EPS)
+    ref = (y64, *torch.autograd.grad(y64, x64, dy.double()))
+    errs = {"y": T.relative_error(tail_triton(g, u, r, w), ref[0])}
+    errs.update({f"d{n}": T.relative_error(t, x) for n, t, x in zip("gurw", fwd_bwd(), ref[1:])})
+    passed = errs["y"] <= T.FORWARD_TOL[g.dtype] and all(
+        e <= T.BACKWARD_TOL[g.dtype] for n, e in errs.items() if n != "y"
+    )
+    return {"passed": passed, "rel_err": errs}
+
+
 def measure(rows: int, cols: int, timers: dict, ceiling: float, dev: torch.device) -> dict:
     """Every call of the module at one shape, under every flush; prints a line a call."""
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -127,6 +142,11 @@ def measure(rows: int, cols: int, timers: dict, ceiling: float, dev: torch.devic
         "triton forward + backward": (fwd_bwd, both_bytes),
     }
     entry = {"rows": rows, "cols": cols, "tensor_bytes": tensor, "calls": {}}
+    entry["check"] = check(g, u, r, w, dy, leaves, fwd_bwd)
+    if not entry["check"]["passed"]:
+        # a wrong kernel is reported, never timed
+        print(f"{rows}x{cols}: Triton differs from float64 beyond tolerance: {entry['check']['rel_err']}")
+        calls = {k: v for k, v in calls.items() if k.startswith("copy")}
     for name, (fn, nbytes) in calls.items():
         row = {"bytes": nbytes}
         for mode in FLUSHES:
@@ -135,6 +155,8 @@ def measure(rows: int, cols: int, timers: dict, ceiling: float, dev: torch.devic
         entry["calls"][name] = row
         cells = (f"{m} {row[m]['us']:7.1f} us ({row[m]['fraction_of_copy']:.0%})" for m in FLUSHES)
         print(f"{rows}x{cols} {name:>34}: " + ", ".join(cells), flush=True)
+    if not entry["check"]["passed"]:
+        return entry
     kernels = entry["forward + backward kernels"] = kernel_times(fwd_bwd, timers["zero"].flush, dev)
     for k in kernels["kernels"]:
         print(f"    {k['us']:7.1f} us  {k['name']}")
