@@ -13,8 +13,9 @@ evict. This script times, for each shape, with the L2 flushed three ways:
 after checking the Triton forward and gradients against float64 (a wrong answer is reported and
 not timed), four calls: a device-to-device copy of the forward's bytes (half read, half written), the Triton
 forward (tail_triton without grad) and forward + backward (tail_triton, then autograd.grad), and
-a copy of the forward + backward's bytes. With the forward + backward it also records the
-profiler's kernel times (each kernel, and the gaps between them on the GPU).
+a copy of the forward + backward's bytes. For the forward and the forward + backward it also
+records the profiler's kernel times under the harness's flush (each kernel, their sum against
+the copy ceiling, and the span from the first kernel's start to the last one's end).
 
     PYTHONPATH=src python benchmarks/fixed_cost.py --shapes 1024x32768,8192x4096 --out fixed.json
 """
@@ -157,10 +158,15 @@ def measure(rows: int, cols: int, timers: dict, ceiling: float, dev: torch.devic
         print(f"{rows}x{cols} {name:>34}: " + ", ".join(cells), flush=True)
     if not entry["check"]["passed"]:
         return entry
-    kernels = entry["forward + backward kernels"] = kernel_times(fwd_bwd, timers["zero"].flush, dev)
-    for k in kernels["kernels"]:
-        print(f"    {k['us']:7.1f} us  {k['name']}")
-    print(f"    span {kernels['span_us']:.1f} us", flush=True)
+    for name, fn in (("forward", lambda: tail_triton(g, u, r, w)), ("forward + backward", fwd_bwd)):
+        kernels = entry[f"{name} kernels"] = kernel_times(fn, timers["zero"].flush, dev)
+        total = sum(k["us"] for k in kernels["kernels"])
+        nbytes = calls[f"triton {name}"][1]
+        kernels["total_us"], kernels["fraction_of_copy"] = total, nbytes / (total * 1e-6) / ceiling
+        for k in kernels["kernels"]:
+            print(f"    {k['us']:7.1f} us  {k['name']}")
+        print(f"    {name}: kernels {total:.1f} us ({kernels['fraction_of_copy']:.0%}), "
+              f"span {kernels['span_us']:.1f} us", flush=True)  # fmt: skip
     return entry
 
 

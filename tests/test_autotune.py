@@ -311,3 +311,50 @@ def test_plan_cache_starts_again_past_its_size():
     for i in range(5):
         cache.add(i, object())
     assert cache.builds == 5 and len(cache) <= 3 and 4 in cache
+
+
+class RoundTimer:
+    """Times each config from a per-round table: round k of the tuning reads `rounds[k]`. A
+    round is as many time_calls calls as its trials, so the table is indexed by the calls made."""
+
+    def __init__(self, rounds, trials, ran):
+        self.rounds, self.trials, self.ran, self.calls = rounds, trials, ran, 0
+
+    def time_calls(self, calls):
+        first = self.rounds[0]
+        k = 0 if self.calls < self.trials else 1
+        self.calls += 1
+        out = []
+        for call in calls:
+            n = len(self.ran)
+            call()
+            out.append(self.rounds[k].get(self.ran[n], first.get(self.ran[n])))
+        return out
+
+
+@pytest.mark.parametrize("margin", [0.01, 0.04])
+def test_close_candidates_are_timed_again_and_the_second_round_decides(monkeypatch, margin):
+    """The first round's close pick (within RUNOFF_MARGIN) is not trusted: the close ones run a
+    round of twice the trials, alone, and its fastest wins; a far slower one is not re-timed."""
+    monkeypatch.setattr(A, "autotune_enabled", lambda device: True)
+    monkeypatch.setattr(A, "capturing", lambda device: False)
+    a, b, far = CONFIGS[0], CONFIGS[1], CONFIGS[2]
+    first = {a: 1.0 + margin, b: 1.0, far: 1.0 + 3 * A.RUNOFF_MARGIN}
+    second = {a: 1.0, b: 1.0 + margin}
+    for cfg in CONFIGS[3:]:
+        first[cfg] = 5.0
+    launched = []
+    t = A.Autotuner(make_timer=lambda d: RoundTimer([first, second], 3, launched), trials=3)
+    assert t.pick(("fwd", 7), CONFIGS, launched.append, CUDA) == a
+    timed = launched[len(CONFIGS) :]  # after each config's one build
+    assert len(timed) == len(CONFIGS) * 3 + 2 * 6  # round one: all, 3 trials; round two: a and b, 6
+    assert set(timed[len(CONFIGS) * 3 :]) == {a, b}
+
+
+def test_a_clear_winner_is_not_timed_again(tuner):
+    t, speeds, launched, _ = tuner
+    for i, cfg in enumerate(CONFIGS):
+        speeds[cfg] = 1.0 + (i + 1) * 2 * A.RUNOFF_MARGIN
+    speeds[CONFIGS[-1]] = 1.0
+    assert t.pick(("bwd", 3), CONFIGS, launched.append, CUDA) == CONFIGS[-1]
+    assert len(launched) == len(CONFIGS) * (1 + t.trials)

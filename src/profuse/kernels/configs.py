@@ -74,6 +74,8 @@ def pow2_rows(n_rows: int) -> int:
 # shares at 2 warps (8 programs an SM at 127 registers) beat the 1024-column shares at 4 warps
 # by 1.6-2.4% (138.2 against 140.5 us at 6553 x 5120, 134.8 against 138.1 at 1024 x 32768); a
 # register cap of 96 on the latter (5 programs an SM, with spills) never won the tuner's pick.
+# Session 11: finer still lost: 256-column shares at 1 warp (16 programs an SM) took 175-233 us
+# at 32M elements against 136-139 for the best, 512 columns at 4 warps 163-165 us.
 FWD_TEAM_SHARES = (
     (2048, 4, 8, 2, 128, 3),
     (2048, 4, 8, 2, 0, 3),
