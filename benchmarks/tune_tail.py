@@ -121,7 +121,8 @@ def show(what: str, rows: list[dict]) -> None:
         if row["kernel"] in seen:
             continue
         seen.add(row["kernel"])
-        launch = f"{row['kernel']} {row['block_m']}x{row['block_n']} w{row['num_warps']} s{row['num_stages']}"
+        blocks = f"{row['block_n']}+{row['block_n2']}" if row.get("block_n2") else f"{row['block_n']}"
+        launch = f"{row['kernel']} {row['block_m']}x{blocks} w{row['num_warps']} s{row['num_stages']}"
         launch += f" p{row['programs']} x{row['splits']}{' stash' if row['stash_h'] else ''}"
         launch += f" maxnreg {row['maxnreg']}" if row.get("maxnreg") else ""
         launch += f" pipeline {row['pipeline']}" if row.get("pipeline") else ""

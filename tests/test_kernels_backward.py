@@ -156,6 +156,7 @@ SKIP_CONFIGS = {
     "split": KernelConfig("split", 1, 16, num_warps=4, num_stages=2, programs=2),
     "split, row dot in 3 column ranges": KernelConfig("split", 1, 16, num_warps=4, programs=2, splits=3),
     "team of one": KernelConfig("team", 1, 64, num_warps=2, programs=3),
+    "fused, two blocks": KernelConfig("fused", 1, 32, num_warps=2, programs=2, block_n2=8),
 }
 
 
@@ -197,6 +198,8 @@ CONFIG_CASES = {
     # 7 rows over 3 teams of one program: each team's dw partial sums 2-3 rows.
     "team of one": KernelConfig("team", 1, 64, num_warps=2, programs=3),
     "team of one, two stages": KernelConfig("team", 1, 64, num_warps=2, num_stages=2, programs=3),
+    # 37 columns in blocks of 32 and 8 over 2 programs, the row loop pipelined.
+    "fused, two blocks": KernelConfig("fused", 1, 32, num_warps=2, num_stages=2, programs=2, block_n2=8),
 }
 
 
@@ -242,6 +245,12 @@ FORWARD_CONFIGS = {
     "pipelined, 7 rows over 3 programs": (7, 40, KernelConfig("pipelined", 1, 16, num_warps=4, programs=3)),
     "pipelined, one row per program": (3, 11, KernelConfig("pipelined", 1, 16, num_warps=2, programs=3)),
     "pipelined, one program": (4, 48, KernelConfig("pipelined", 1, 16, num_warps=4, programs=1)),
+    # The row in two blocks: 37 columns as 32 + 8 (3 masked); 40 as exactly 32 + 8 in whole
+    # tiles of 2 rows (no masks); persistent.
+    "fused, two blocks, N = 37": (5, 37, KernelConfig("fused", 1, 32, num_warps=1, block_n2=8)),
+    "fused, two blocks, whole tiles": (4, 40, KernelConfig("fused", 2, 32, num_warps=2, block_n2=8)),
+    "fused, two blocks, persistent": (
+        7, 40, KernelConfig("fused", 2, 32, num_warps=2, num_stages=2, programs=2, block_n2=8)),
     # A persistent forward: 7 rows in tiles of 2 (4 tiles) over 2 programs looping over them.
     "fused, persistent, 4 tiles over 2 programs": (
         7, 37, KernelConfig("fused", 2, 64, num_warps=2, num_stages=2, programs=2)),
@@ -300,6 +309,12 @@ BACKWARD_CONFIGS = {
         9, 37, KernelConfig("fused", 4, 64, num_warps=4, num_stages=1, programs=1)),
     "fused, more programs than tiles": (
         3, 20, KernelConfig("fused", 2, 32, num_warps=1, num_stages=2, programs=4)),
+    # The row in two blocks: 37 columns as 32 + 8 over 2 programs; 40 as exactly 32 + 8, two
+    # rows a tile, the last tile partial.
+    "fused, two blocks, 7 rows over 2 programs": (
+        7, 37, KernelConfig("fused", 1, 32, num_warps=2, num_stages=2, programs=2, block_n2=8)),
+    "fused, two blocks, 2 rows per tile": (
+        5, 40, KernelConfig("fused", 2, 32, num_warps=2, num_stages=1, programs=2, block_n2=8)),
     # Split: a row-dot pass, then (row programs x column slabs); the last slab is partial.
     "split, 5 rows over 2 row programs x 3 slabs, N = 40": (
         5, 40, KernelConfig("split", 1, 16, num_warps=4, num_stages=2, programs=2)),
@@ -359,7 +374,8 @@ def _candidate_ids(kind):
                 if torch.cuda.is_available() or not (cfg.kernel == "team" and cfg.splits > 1)]  # fmt: skip
 
     def name(shape, c):
-        launch = f"{c.kernel}-{c.block_m}x{c.block_n}-w{c.num_warps}-s{c.num_stages}-p{c.programs}"
+        blocks = f"{c.block_n}+{c.block_n2}" if c.block_n2 else f"{c.block_n}"
+        launch = f"{c.kernel}-{c.block_m}x{blocks}-w{c.num_warps}-s{c.num_stages}-p{c.programs}"
         launch += f"-x{c.splits}-{c.l2}"
         return f"{shape[0]}x{shape[1]}-{launch}"
 
@@ -418,7 +434,7 @@ def test_configs_choose_paths_by_width():
                 assert cfg.block_n & (cfg.block_n - 1) == 0, cfg  # a power of two
                 assert cfg.block_m >= 1 and 1 <= cfg.num_warps <= 32
                 if cfg.kernel == "fused":
-                    assert cfg.block_n >= n, cfg  # the whole row fits
+                    assert cfg.block_n + cfg.block_n2 >= n, cfg  # the whole row fits
             bwd = C.backward_config(rows, n, torch.bfloat16, 132)
             tiles = math.ceil(rows / bwd.block_m)
             assert 1 <= bwd.programs <= max(tiles, 1), bwd
@@ -516,3 +532,22 @@ def _has_cxx() -> bool:
 def test_compile_fullgraph_inductor(device):
     torch._dynamo.reset()
     _compiled_grads_match(torch.compile(_loss_fn, fullgraph=True), device)
+
+
+@pytest.mark.parametrize("n", [2048, 3000, 4096, 5120, 6144, 9000, 11008, 14336, 16384, 32768])
+def test_two_blocks_hold_the_row_in_fewer_lanes(n):
+    """Two power-of-two blocks, the wider first, exactly where they cover the row in fewer lanes
+    than one; each width's fused candidates then include them."""
+    blocks = C.two_blocks(n)
+    whole = 1 << (n - 1).bit_length()
+    if blocks is None:
+        assert n == whole or n - whole // 2 > whole // 4
+    else:
+        first, second = blocks
+        assert first == whole // 2 and second & (second - 1) == 0 and second <= first
+        assert n <= first + second < whole and n > first + second // 2
+        fwd = C.forward_candidates(4096, n, torch.bfloat16)
+        bwd = C.backward_candidates(4096, n, torch.bfloat16, 132)
+        for cands in (fwd, bwd):
+            assert any(c.kernel == "fused" and (c.block_n, c.block_n2) == blocks for c in cands)
+    assert C.two_blocks(1000) is None and C.two_blocks(40) is None  # narrow rows: never

@@ -48,6 +48,9 @@ class KernelConfig:
     # memory instead (tl.range's num_stages), so the DRAM keeps reading during the wait without
     # registers held for it (kernels/tail.py's staged team kernels).
     pipeline: int = 0
+    # Fused kernels: 0, or a second block of columns (a power of two) after block_n, the row
+    # held as block_n + block_n2 lanes: 5120 columns as 4096 + 1024 rather than 8192.
+    block_n2: int = 0
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,6 +63,22 @@ BWD_MAX_FUSED = 16384
 
 def pow2_rows(n_rows: int) -> int:
     return triton.next_power_of_2(max(n_rows, 1))
+
+
+def two_blocks(n_cols: int) -> tuple[int, int] | None:
+    """A row of `n_cols` as two power-of-two blocks, the wider first, where they take fewer lanes
+    than one block: 5120 as 4096 + 1024 (not 8192), 11008 as 8192 + 4096 (not 16384); None where
+    they would not (a power of two, 14336) or the row is narrower than TWO_BLOCKS_MIN_COLS."""
+    whole = triton.next_power_of_2(n_cols)
+    first = whole // 2
+    if n_cols < TWO_BLOCKS_MIN_COLS:
+        return None
+    second = triton.next_power_of_2(n_cols - first)
+    return (first, second) if first + second < whole else None
+
+
+# Narrower rows are never split into two blocks: there several rows share a tile instead.
+TWO_BLOCKS_MIN_COLS = 2048
 
 
 # Team launches (kernels/teams.py), as (share of the row, warps, programs per SM, stages[, register
@@ -152,6 +171,14 @@ def forward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int 
             programs = n_sms * per_sm
             if programs < triton.cdiv(n_rows, c.block_m):
                 out += [replace(c, num_stages=st, programs=programs) for st in (2, 3)]
+        # The row in two blocks (5120 as 4096 + 1024), where that wastes fewer lanes: on the
+        # H200 at 32M elements the one-block kernel ran at 84% of copy at 5120 columns (8192
+        # lanes) against 89% at 4096.
+        blocks = two_blocks(n_cols)
+        if blocks:
+            lanes = sum(blocks)
+            out += [KernelConfig("fused", 1, blocks[0], w, block_n2=blocks[1])
+                    for w in (4, 8, 16, 32) if 8 <= lanes // (32 * w) <= 32]  # fmt: skip
     # The same launches without the evict_first hint on the inputs: at 131072 x 1024 (bf16) the
     # hint cost 4% (262 against 250 us, 97% against 101% of copy).
     out += [replace(c, l2="plain") for c in out]
@@ -215,6 +242,19 @@ def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int
             bm = min(pow2_rows(n_rows), max(1, 2048 // bn))
             warps = max(1, min(32, bm * bn // 256))
             out.append(KernelConfig("fused", bm, bn, warps, 1, triton.cdiv(n_rows, bm), l2="plain"))
+        # The row in two blocks (5120 as 4096 + 1024), persistent as the one-block kernel that
+        # runs 4096 columns at 95% of copy (16 warps, 3 stages, a program an SM): at 5120 the
+        # one-block kernel (8192 lanes) spilled and lost to the team kernels (186 us against 139).
+        blocks = two_blocks(n_cols)
+        if blocks:
+            lanes = sum(blocks)
+            for w in (8, 16, 32):
+                if 4 <= lanes // (32 * w) <= 16:
+                    base = max(1, 1024 // (32 * w))
+                    for stages, per_sm in ((3, max(1, base // 2)), (2, base), (1, base)):
+                        programs = max(1, min(n_rows, n_sms * per_sm))
+                        out.append(KernelConfig("fused", 1, blocks[0], w, stages, programs, l2="plain",
+                                                block_n2=blocks[1]))  # fmt: skip
     if bn >= 8192:
         # Persistent, one row in flight per program: pass 2 re-reads the row from L2. Fewer
         # programs keep wide rows (4 inputs x 128 KB each at 64K bf16) inside the L2.

@@ -76,23 +76,24 @@ def _tail_fwd_kernel(
     NUM_STAGES: tl.constexpr,  # pipelining of the tile loop (persistent grids)
     STORE_RSTD: tl.constexpr,
     IN_EVICT: tl.constexpr,  # the inputs' L2 eviction hint: "evict_first" (read once) or ""
-    EVEN: tl.constexpr,  # n_cols == BLOCK_N and BLOCK_M divides n_rows: every mask is all-true
+    EVEN: tl.constexpr,  # n_cols == BLOCK_N (+ BLOCK_N2) and BLOCK_M divides n_rows: no masks
+    BLOCK_N2: tl.constexpr,  # 0, or a second block: the row is BLOCK_N + BLOCK_N2 columns wide
 ):
     """Tiles of BLOCK_M whole rows: y = h * rstd * w, h = silu(g) * u + r.
 
     Program p takes tiles p, p + P, ...: one tile each when the grid covers every tile, or a
     persistent loop that loads the next tile while it reduces this one. With EVEN the masks are
-    constants the compiler drops, as Inductor's kernel for a static width has none.
+    constants the compiler drops, as Inductor's kernel for a static width has none. A row of
+    5120 columns can be held as blocks of 4096 and 1024 (BLOCK_N2) rather than one of 8192.
     """
     eps = tl.cast(eps, tl.float32)
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_N)
-    if EVEN:
-        col_mask = tl.full([BLOCK_N], 1, tl.int1)
-    else:
-        col_mask = cols < n_cols
+    cols, col_mask = _block_cols(0, BLOCK_N, n_cols, EVEN)
     w = tl.load(W_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    if BLOCK_N2 > 0:
+        cols2, col_mask2 = _block_cols(BLOCK_N, BLOCK_N2, n_cols, EVEN)
+        w2 = tl.load(W_ptr + cols2, mask=col_mask2, other=0.0, eviction_policy="evict_last").to(tl.float32)
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
     for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
         rows = tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -100,21 +101,49 @@ def _tail_fwd_kernel(
             row_mask = tl.full([BLOCK_M], 1, tl.int1)
         else:
             row_mask = rows < n_rows
-        mask = row_mask[:, None] & col_mask[None, :]
-        c2 = cols[None, :]
         # Each input is read once: the L2 may drop it first (the weight stays).
-        g = tl.load(G_ptr + rows[:, None] * g_row_stride + c2, mask=mask, other=0.0,
-                    eviction_policy=IN_EVICT).to(tl.float32)  # fmt: skip
-        u = tl.load(U_ptr + rows[:, None] * u_row_stride + c2, mask=mask, other=0.0,
-                    eviction_policy=IN_EVICT).to(tl.float32)  # fmt: skip
-        r = tl.load(R_ptr + rows[:, None] * r_row_stride + c2, mask=mask, other=0.0,
-                    eviction_policy=IN_EVICT).to(tl.float32)  # fmt: skip
-        h = g * tl.sigmoid(g) * u + r  # masked columns give h = 0 and leave the sum alone
-        rstd = tl.rsqrt(tl.sum(h * h, axis=1) / n_cols + eps)
-        y = h * rstd[:, None] * w[None, :]
-        tl.store(Y_ptr + rows[:, None] * y_row_stride + c2, y.to(Y_ptr.dtype.element_ty), mask=mask)
+        mask = row_mask[:, None] & col_mask[None, :]
+        h = _tile_h(G_ptr, U_ptr, R_ptr, rows, g_row_stride, u_row_stride, r_row_stride, cols, mask,
+                    IN_EVICT)  # fmt: skip
+        sum_sq = tl.sum(h * h, axis=1)  # masked columns give h = 0 and leave the sum alone
+        if BLOCK_N2 > 0:
+            mask2 = row_mask[:, None] & col_mask2[None, :]
+            h2 = _tile_h(G_ptr, U_ptr, R_ptr, rows, g_row_stride, u_row_stride, r_row_stride, cols2,
+                         mask2, IN_EVICT)  # fmt: skip
+            sum_sq += tl.sum(h2 * h2, axis=1)
+        rstd = tl.rsqrt(sum_sq / n_cols + eps)
+        out = Y_ptr + rows[:, None] * y_row_stride
+        tl.store(out + cols[None, :], (h * rstd[:, None] * w[None, :]).to(Y_ptr.dtype.element_ty), mask=mask)
+        if BLOCK_N2 > 0:
+            y2 = h2 * rstd[:, None] * w2[None, :]
+            tl.store(out + cols2[None, :], y2.to(Y_ptr.dtype.element_ty), mask=mask2)
         if STORE_RSTD:
             tl.store(RSTD_ptr + rows, rstd, mask=row_mask)
+
+
+@triton.jit
+def _block_cols(START: tl.constexpr, BLOCK: tl.constexpr, n_cols, EVEN: tl.constexpr):
+    """Columns START .. START + BLOCK of a row held in blocks, and which of them exist."""
+    cols = START + tl.arange(0, BLOCK)
+    if EVEN:
+        mask = tl.full([BLOCK], 1, tl.int1)
+    else:
+        mask = cols < n_cols
+    return cols, mask
+
+
+@triton.jit
+def _tile_h(G_ptr, U_ptr, R_ptr, rows, g_row_stride, u_row_stride, r_row_stride, cols, mask,
+            EVICT: tl.constexpr):  # fmt: skip
+    """h = silu(g) * u + r on a tile (`rows` x `cols`), in fp32; 0 where masked."""
+    c2 = cols[None, :]
+    g = tl.load(G_ptr + rows[:, None] * g_row_stride + c2, mask=mask, other=0.0,
+                eviction_policy=EVICT).to(tl.float32)  # fmt: skip
+    u = tl.load(U_ptr + rows[:, None] * u_row_stride + c2, mask=mask, other=0.0,
+                eviction_policy=EVICT).to(tl.float32)  # fmt: skip
+    r = tl.load(R_ptr + rows[:, None] * r_row_stride + c2, mask=mask, other=0.0,
+                eviction_policy=EVICT).to(tl.float32)  # fmt: skip
+    return g * tl.sigmoid(g) * u + r
 
 
 @triton.jit
@@ -506,6 +535,7 @@ def _tail_bwd_kernel(
     COMPUTE_DR: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
     IN_EVICT: tl.constexpr,  # the inputs' L2 eviction hint: "evict_first" (read once) or ""
+    BLOCK_N2: tl.constexpr,  # 0, or a second block: the row is BLOCK_N + BLOCK_N2 columns wide
 ):
     """Persistent grid: program p takes row tiles p, p + P, ... and, per row,
 
@@ -513,42 +543,76 @@ def _tail_bwd_kernel(
     dh    = rstd * (w * dy - x_hat * mean(x_hat * w * dy))
     dr    = dh,   du = dh * silu,   dg = dh * u * s * (1 + g * (1 - s))
     dw   += dy * x_hat                          (fp32, this program's rows only)
+
+    The row is one block of BLOCK_N columns, or two (BLOCK_N + BLOCK_N2: 5120 as 4096 + 1024).
     """
     pid = tl.program_id(0)
     n_programs = tl.num_programs(0)
-    cols = tl.arange(0, BLOCK_N)
-    col_mask = cols < n_cols
+    cols, col_mask = _block_cols(0, BLOCK_N, n_cols, False)
     w = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if BLOCK_N2 > 0:
+        cols2, col_mask2 = _block_cols(BLOCK_N, BLOCK_N2, n_cols, False)
+        w2 = tl.load(W_ptr + cols2, mask=col_mask2, other=0.0).to(tl.float32)
+        dw_acc2 = tl.zeros([BLOCK_M, BLOCK_N2], dtype=tl.float32)
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
     for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
         rows = tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
         row_mask = rows < n_rows
         mask = row_mask[:, None] & col_mask[None, :]
-        c2 = cols[None, :]
-        dy = tl.load(DY_ptr + rows[:, None] * dy_row_stride + c2, mask=mask, other=0.0,
-                     eviction_policy=IN_EVICT).to(tl.float32)  # fmt: skip
-        g = tl.load(G_ptr + rows[:, None] * g_row_stride + c2, mask=mask, other=0.0,
-                    eviction_policy=IN_EVICT).to(tl.float32)  # fmt: skip
-        u = tl.load(U_ptr + rows[:, None] * u_row_stride + c2, mask=mask, other=0.0,
-                    eviction_policy=IN_EVICT).to(tl.float32)  # fmt: skip
-        r = tl.load(R_ptr + rows[:, None] * r_row_stride + c2, mask=mask, other=0.0,
-                    eviction_policy=IN_EVICT).to(tl.float32)  # fmt: skip
+        dy, g, u, s, silu, h = _bwd_tile(DY_ptr, G_ptr, U_ptr, R_ptr, rows, dy_row_stride, g_row_stride,
+                                         u_row_stride, r_row_stride, cols, mask, IN_EVICT)  # fmt: skip
+        if BLOCK_N2 > 0:
+            mask2 = row_mask[:, None] & col_mask2[None, :]
+            dy2, g2, u2, s2, silu2, h2 = _bwd_tile(
+                DY_ptr, G_ptr, U_ptr, R_ptr, rows, dy_row_stride, g_row_stride, u_row_stride, r_row_stride,
+                cols2, mask2, IN_EVICT,
+            )  # fmt: skip
         rstd = tl.load(RSTD_ptr + rows, mask=row_mask, other=0.0)
-        s = tl.sigmoid(g)
-        silu = g * s
-        x_hat = (silu * u + r) * rstd[:, None]
+        x_hat = h * rstd[:, None]
+        if BLOCK_N2 > 0:
+            x_hat2 = h2 * rstd[:, None]
         if COMPUTE_DW:
             dw_acc += dy * x_hat
+            if BLOCK_N2 > 0:
+                dw_acc2 += dy2 * x_hat2
         if COMPUTE_DG or COMPUTE_DU or COMPUTE_DR:
             wdy = w[None, :] * dy
-            c = tl.sum(x_hat * wdy, axis=1) / n_cols
+            dot = tl.sum(x_hat * wdy, axis=1)
+            if BLOCK_N2 > 0:
+                wdy2 = w2[None, :] * dy2
+                dot += tl.sum(x_hat2 * wdy2, axis=1)
+            c = dot / n_cols
             dh = (wdy - x_hat * c[:, None]) * rstd[:, None]
-            out = rows[:, None] * n_cols + c2
-            _store_input_grads(DG_ptr, DU_ptr, DR_ptr, out, mask, dh, g, u, s, silu,
-                               COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "")  # fmt: skip
+            _store_input_grads(DG_ptr, DU_ptr, DR_ptr, rows[:, None] * n_cols + cols[None, :], mask, dh, g,
+                               u, s, silu, COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "")  # fmt: skip
+            if BLOCK_N2 > 0:
+                dh2 = (wdy2 - x_hat2 * c[:, None]) * rstd[:, None]
+                out2 = rows[:, None] * n_cols + cols2[None, :]
+                _store_input_grads(DG_ptr, DU_ptr, DR_ptr, out2, mask2, dh2, g2, u2, s2, silu2,
+                                   COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "")  # fmt: skip
     if COMPUTE_DW:
         tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+        if BLOCK_N2 > 0:
+            tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols2, tl.sum(dw_acc2, axis=0), mask=col_mask2)
+
+
+@triton.jit
+def _bwd_tile(DY_ptr, G_ptr, U_ptr, R_ptr, rows, dy_row_stride, g_row_stride, u_row_stride, r_row_stride,
+              cols, mask, EVICT: tl.constexpr):  # fmt: skip
+    """A tile's dy, g, u, s = sigmoid(g), silu = g * s and h = silu * u + r, in fp32; 0 where masked."""
+    c2 = cols[None, :]
+    dy = tl.load(DY_ptr + rows[:, None] * dy_row_stride + c2, mask=mask, other=0.0,
+                 eviction_policy=EVICT).to(tl.float32)  # fmt: skip
+    g = tl.load(G_ptr + rows[:, None] * g_row_stride + c2, mask=mask, other=0.0,
+                eviction_policy=EVICT).to(tl.float32)  # fmt: skip
+    u = tl.load(U_ptr + rows[:, None] * u_row_stride + c2, mask=mask, other=0.0,
+                eviction_policy=EVICT).to(tl.float32)  # fmt: skip
+    r = tl.load(R_ptr + rows[:, None] * r_row_stride + c2, mask=mask, other=0.0,
+                eviction_policy=EVICT).to(tl.float32)  # fmt: skip
+    s = tl.sigmoid(g)
+    silu = g * s
+    return dy, g, u, s, silu, silu * u + r
 
 
 @triton.jit
@@ -1168,8 +1232,8 @@ def _forward_launch(cfg: KernelConfig, n_rows: int, n_cols: int, store_rstd: boo
         return Launch(
             _tail_fwd_kernel, grid, cfg, "fwd",
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, STORE_RSTD=store_rstd,
-            IN_EVICT=_stream_hint(cfg), EVEN=n_cols == cfg.block_n and n_rows % cfg.block_m == 0,
-            num_warps=cfg.num_warps,
+            IN_EVICT=_stream_hint(cfg), BLOCK_N2=cfg.block_n2,
+            EVEN=n_cols == cfg.block_n + cfg.block_n2 and n_rows % cfg.block_m == 0, num_warps=cfg.num_warps,
         )  # fmt: skip
     if cfg.kernel == "team":
         kernel = _tail_fwd_team_staged_kernel if cfg.pipeline else _tail_fwd_team_kernel
@@ -1202,7 +1266,7 @@ def _backward_launch(
     if cfg.kernel == "fused":
         return Launch(
             _tail_bwd_kernel, (programs,), cfg, "bwd", BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages,
-            IN_EVICT=_stream_hint(cfg), **kw, **flags,
+            IN_EVICT=_stream_hint(cfg), BLOCK_N2=cfg.block_n2, **kw, **flags,
         )  # fmt: skip
     if cfg.kernel == "chunked":
         return Launch(
