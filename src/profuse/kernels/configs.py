@@ -171,14 +171,8 @@ def forward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int 
             programs = n_sms * per_sm
             if programs < triton.cdiv(n_rows, c.block_m):
                 out += [replace(c, num_stages=st, programs=programs) for st in (2, 3)]
-        # The row in two blocks (5120 as 4096 + 1024), where that wastes fewer lanes: on the
-        # H200 at 32M elements the one-block kernel ran at 84% of copy at 5120 columns (8192
-        # lanes) against 89% at 4096.
-        blocks = two_blocks(n_cols)
-        if blocks:
-            lanes = sum(blocks)
-            out += [KernelConfig("fused", 1, blocks[0], w, block_n2=blocks[1])
-                    for w in (4, 8, 16, 32) if 8 <= lanes // (32 * w) <= 32]  # fmt: skip
+        # No rows in two blocks here (the backward's are below): at 6553 x 5120 on the H200 they
+        # took 77.3-80.8 us against 76.0-76.3 for a team launch and the one 8192 block.
     # The same launches without the evict_first hint on the inputs: at 131072 x 1024 (bf16) the
     # hint cost 4% (262 against 250 us, 97% against 101% of copy).
     out += [replace(c, l2="plain") for c in out]
@@ -243,8 +237,9 @@ def backward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int
             warps = max(1, min(32, bm * bn // 256))
             out.append(KernelConfig("fused", bm, bn, warps, 1, triton.cdiv(n_rows, bm), l2="plain"))
         # The row in two blocks (5120 as 4096 + 1024), persistent as the one-block kernel that
-        # runs 4096 columns at 95% of copy (16 warps, 3 stages, a program an SM): at 5120 the
-        # one-block kernel (8192 lanes) spilled and lost to the team kernels (186 us against 139).
+        # runs 4096 columns at 95% of copy (16 warps, 3 stages, a program an SM). At 6553 x 5120
+        # on the H200 it took 128.8 us against 138.8 for the best team launch (one 8192 block
+        # spills: 185-208 us); forward + backward 213.5 -> 198.2 us, 82% -> 88% of copy.
         blocks = two_blocks(n_cols)
         if blocks:
             lanes = sum(blocks)
