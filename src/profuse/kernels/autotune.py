@@ -275,7 +275,8 @@ class Autotuner:
         if not runnable:
             raise RuntimeError(f"no launch config of the Triton kernel runs for {key}")
         times = self.time_configs(launch, runnable, device)
-        close = [c for c, t in zip(runnable, times, strict=True) if t <= min(times) * (1 + RUNOFF_MARGIN)]
+        fastest = min(times)
+        close = [c for c, t in zip(runnable, times, strict=True) if t <= fastest * (1 + RUNOFF_MARGIN)]
         if len(close) > 1:
             again = self.time_configs(launch, close, device, trials=2 * self.trials)
             close = [close[again.index(min(again))]]

@@ -65,36 +65,36 @@ def pow2_rows(n_rows: int) -> int:
     return triton.next_power_of_2(max(n_rows, 1))
 
 
-def two_blocks(n_cols: int) -> tuple[int, int] | None:
-    """A row of `n_cols` as two power-of-two blocks, the wider first, where they take fewer lanes
-    than one block: 5120 as 4096 + 1024 (not 8192), 11008 as 8192 + 4096 (not 16384); None where
-    they would not (a power of two, 14336) or the row is narrower than TWO_BLOCKS_MIN_COLS."""
-    whole = triton.next_power_of_2(n_cols)
-    first = whole // 2
-    if n_cols < TWO_BLOCKS_MIN_COLS:
-        return None
-    second = triton.next_power_of_2(n_cols - first)
-    return (first, second) if first + second < whole else None
-
-
 # Narrower rows are never split into two blocks: there several rows share a tile instead.
 TWO_BLOCKS_MIN_COLS = 2048
 
 
-# Team launches (kernels/teams.py), as (share of the row, warps, programs per SM, stages[, register
-# cap[, pipelining depth]]). A share is held in registers at 8-16 columns a thread; two stages lag
-# a row's exchange behind the next row's work. With a pipelining depth (the staged kernels) the
-# next rows load into shared memory through Triton's software pipeliner, so the DRAM keeps
-# reading during a team's wait without registers held for it; the grid is then as many programs
-# as the compiled kernel lets share an SM (at most 8). Measured on the H200 at 32M elements
-# (benchmarks/NOTES.md, session 9): the staged, lagged shapes won at every width from 5120 to
-# 65536 (forward 84-87% of copy, backward kernel 77-80%); the unstaged shapes that won in
-# session 8 stay for the tuner. Session 10: the staged, lagged backward in teams of 512-column
-# shares at 2 warps (8 programs an SM at 127 registers) beat the 1024-column shares at 4 warps
-# by 1.6-2.4% (138.2 against 140.5 us at 6553 x 5120, 134.8 against 138.1 at 1024 x 32768); a
-# register cap of 96 on the latter (5 programs an SM, with spills) never won the tuner's pick.
-# Session 11: finer still lost: 256-column shares at 1 warp (16 programs an SM) took 175-233 us
-# at 32M elements against 136-139 for the best, 512 columns at 4 warps 163-165 us.
+def two_blocks(n_cols: int) -> tuple[int, int] | None:
+    """A row of `n_cols` as two power-of-two blocks, the wider first, where they take fewer lanes
+    than one block: 5120 as 4096 + 1024 (not 8192), 11008 as 8192 + 4096 (not 16384); None where
+    they would not (a power of two, 14336) or the row is narrower than TWO_BLOCKS_MIN_COLS."""
+    if n_cols < TWO_BLOCKS_MIN_COLS:
+        return None
+    whole = triton.next_power_of_2(n_cols)
+    first = whole // 2
+    second = triton.next_power_of_2(n_cols - first)
+    return (first, second) if first + second < whole else None
+
+
+# Team launches (kernels/teams.py), as (share of the row, warps, programs per SM, stages[,
+# register cap[, pipelining depth]]). A share is held in registers at 8-16 columns a thread; two
+# stages lag a row's exchange behind the next row's work. With a pipelining depth (the staged
+# kernels) the next rows load into shared memory through Triton's software pipeliner, so the DRAM
+# keeps reading during a team's wait without registers held for it; the grid is then as many
+# programs as the compiled kernel lets share an SM (at most the programs per SM given). Measured
+# on the H200 at 32M elements (benchmarks/NOTES.md, session 9): the staged, lagged shapes won at
+# every width from 5120 to 65536 (forward 84-87% of copy, backward kernel 77-80%); the unstaged
+# shapes that won in session 8 stay for the tuner. Session 10: the staged, lagged backward in
+# teams of 512-column shares at 2 warps (8 programs an SM at 127 registers) beat the 1024-column
+# shares at 4 warps by 1.6-2.4% (138.2 against 140.5 us at 6553 x 5120, 134.8 against 138.1 at
+# 1024 x 32768); a register cap of 96 on the latter (5 programs an SM, with spills) never won the
+# tuner's pick. Session 11: finer still lost: 256-column shares at 1 warp (16 programs an SM) took
+# 175-233 us at 32M elements against 136-139 for the best, 512 columns at 4 warps 163-165 us.
 FWD_TEAM_SHARES = (
     (2048, 4, 8, 2, 128, 3),
     (2048, 4, 8, 2, 0, 3),
