@@ -11,11 +11,17 @@ evict. This script times, for each shape, with the L2 flushed three ways:
     none   no flush: back to back, the last call's lines still there;
 
 after checking the Triton forward and gradients against float64 (a wrong answer is reported and
-not timed), four calls: a device-to-device copy of the forward's bytes (half read, half written), the Triton
-forward (tail_triton without grad) and forward + backward (tail_triton, then autograd.grad), and
-a copy of the forward + backward's bytes. For the forward and the forward + backward it also
-records the profiler's kernel times under the harness's flush (each kernel, their sum against
-the copy ceiling, and the span from the first kernel's start to the last one's end).
+not timed), seven calls: a device-to-device copy of the forward's bytes (half read, half written);
+a *stream* of the forward's tensors (an elementwise Triton kernel that reads three tensors and
+writes one, as the forward does, with no reduction across the row); the Triton forward
+(tail_triton without grad); then the same three for forward + backward (the copy; the stream
+of the forward's tensors followed by one of the backward's, four read and three written; and
+tail_triton, then autograd.grad). The streams are the roof of each call's access pattern: what
+the same tensors cost to move when nothing waits for a row's sum. The forward's pattern is also
+timed through torch's own elementwise kernel (torch.addcmul: r + g * u, three read, one
+written). For the forward and the forward + backward it also records the profiler's kernel
+times under the harness's flush (each kernel, their sum against the copy ceiling, and the span
+from the first kernel's start to the last one's end).
 
     PYTHONPATH=src python benchmarks/fixed_cost.py --shapes 1024x32768,8192x4096 --out fixed.json
 """
@@ -28,6 +34,8 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
+import triton.language as tl
 
 from profuse import tail as T
 from profuse import tail_triton
@@ -41,6 +49,48 @@ from profuse.timers import CudaTimer
 FLUSHES = ("zero", "read", "none")
 TRIALS = 15
 CALLS = 5
+STREAM_BLOCK = 4096  # elements a program: 16 a thread at 8 warps, as the one-row forward at 4096
+
+
+@triton.jit
+def _stream_kernel(A, B, C, D, X, Y, Z, n, FOUR_IN: tl.constexpr, THREE_OUT: tl.constexpr,
+                   BLOCK: tl.constexpr):  # fmt: skip
+    """x = a * b + c (+ d); with THREE_OUT also y = a * d and z = b * d: three or four tensors
+    read once and one or three written, element by element."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(A + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    b = tl.load(B + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    x = a * b + tl.load(C + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+    if FOUR_IN:
+        d = tl.load(D + offs, mask=mask, other=0.0, eviction_policy="evict_first").to(tl.float32)
+        x += d
+        if THREE_OUT:
+            tl.store(Y + offs, (a * d).to(Y.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+            tl.store(Z + offs, (b * d).to(Z.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+    tl.store(X + offs, x.to(X.dtype.element_ty), mask=mask, eviction_policy="evict_first")
+
+
+def stream(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
+    """Read `ins` (3 or 4 tensors of one size) and write `outs` (1, or 3 with 4 inputs)."""
+    n = ins[0].numel()
+    a, b, c = ins[:3]
+    d = ins[3] if len(ins) > 3 else a
+    x, y, z = (outs * 3)[:3] if len(outs) == 1 else outs
+    _stream_kernel[(triton.cdiv(n, STREAM_BLOCK),)](a, b, c, d, x, y, z, n, FOUR_IN=len(ins) > 3,
+                                                    THREE_OUT=len(outs) == 3, BLOCK=STREAM_BLOCK,
+                                                    num_warps=8)  # fmt: skip
+
+
+def check_stream(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> bool:
+    """The stream kernel against torch on these tensors (a wrong baseline is not timed either)."""
+    stream(ins, outs)
+    a, b, c, *d = (t.float() for t in ins)
+    want = [a * b + c + (d[0] if d else 0)]
+    if len(outs) == 3:
+        want += [a * d[0], b * d[0]]
+    return all(torch.allclose(o.float(), x.to(o.dtype).float(), rtol=1e-2, atol=1e-2)
+               for o, x in zip(outs, want))  # fmt: skip
 
 
 class Flush:
@@ -136,18 +186,32 @@ def measure(rows: int, cols: int, timers: dict, ceiling: float, dev: torch.devic
         y = tail_triton(*leaves)
         return torch.autograd.grad(y, leaves, dy)
 
+    y_s, dg_s, du_s, dr_s = (torch.empty_like(g) for _ in range(4))
+    fwd_stream = ([g, u, r], [y_s])
+    bwd_stream = ([dy, g, u, r], [dg_s, du_s, dr_s])
+
     calls = {
         "copy, forward's bytes": (lambda: dst_f.copy_(src_f), fwd_bytes),
+        "stream, forward's tensors": (lambda: stream(*fwd_stream), fwd_bytes),
+        "torch.addcmul, forward's tensors": (lambda: torch.addcmul(r, g, u, out=y_s), fwd_bytes),
         "triton forward": (lambda: tail_triton(g, u, r, w), fwd_bytes),
         "copy, forward + backward's bytes": (lambda: dst_b.copy_(src_b), both_bytes),
+        "stream, forward + backward's tensors": (
+            lambda: (stream(*fwd_stream), stream(*bwd_stream)),
+            both_bytes,
+        ),
         "triton forward + backward": (fwd_bwd, both_bytes),
     }
     entry = {"rows": rows, "cols": cols, "tensor_bytes": tensor, "calls": {}}
     entry["check"] = check(g, u, r, w, dy, leaves, fwd_bwd)
+    entry["check"]["stream_passed"] = check_stream(*fwd_stream) and check_stream(*bwd_stream)
+    if not entry["check"]["stream_passed"]:
+        print(f"{rows}x{cols}: the stream kernel differs from torch: not timed")
+        calls = {k: v for k, v in calls.items() if not k.startswith(("stream", "torch"))}
     if not entry["check"]["passed"]:
         # a wrong kernel is reported, never timed
         print(f"{rows}x{cols}: Triton differs from float64 beyond tolerance: {entry['check']['rel_err']}")
-        calls = {k: v for k, v in calls.items() if k.startswith("copy")}
+        calls = {k: v for k, v in calls.items() if not k.startswith("triton")}
     for name, (fn, nbytes) in calls.items():
         row = {"bytes": nbytes}
         for mode in FLUSHES:
@@ -155,7 +219,7 @@ def measure(rows: int, cols: int, timers: dict, ceiling: float, dev: torch.devic
             row[mode] = {"us": us, "fraction_of_copy": nbytes / (us * 1e-6) / ceiling}
         entry["calls"][name] = row
         cells = (f"{m} {row[m]['us']:7.1f} us ({row[m]['fraction_of_copy']:.0%})" for m in FLUSHES)
-        print(f"{rows}x{cols} {name:>34}: " + ", ".join(cells), flush=True)
+        print(f"{rows}x{cols} {name:>38}: " + ", ".join(cells), flush=True)
     if not entry["check"]["passed"]:
         return entry
     for name, fn in (("forward", lambda: tail_triton(g, u, r, w)), ("forward + backward", fwd_bwd)):

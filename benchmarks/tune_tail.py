@@ -32,6 +32,7 @@ from profuse.kernels.configs import (
     backward_config,
     forward_candidates,
     forward_config,
+    two_blocks,
 )
 from profuse.kernels.tail import tail_backward, tail_forward
 
@@ -51,6 +52,25 @@ def explore(cands: list[KernelConfig], n_rows: int, sms: int) -> list[KernelConf
             cfg = replace(c, num_stages=stages, programs=programs)
             if cfg not in out:
                 out.append(cfg)
+    return out
+
+
+def two_block_variants(cands: list[KernelConfig], n_cols: int, sms: int) -> list[KernelConfig]:
+    """Each one-row fused candidate also with its row in two blocks (configs.two_blocks), as
+    launched and on persistent grids of 1-2 programs an SM at 2-3 stages."""
+    blocks = two_blocks(n_cols)
+    out = list(cands)
+    if not blocks:
+        return out
+    for c in cands:
+        if c.kernel != "fused" or c.block_m != 1 or c.block_n2:
+            continue
+        two = replace(c, block_n=blocks[0], block_n2=blocks[1])
+        grids = [(two.num_stages, two.programs)] + [(st, sms * per_sm) for st in (2, 3) for per_sm in (1, 2)]
+        for stages, programs in grids:
+            v = replace(two, num_stages=stages, programs=programs)
+            if v not in out:
+                out.append(v)
     return out
 
 
@@ -149,6 +169,7 @@ def main() -> int:
     p.add_argument("--which", default="fwd,bwd")
     p.add_argument("--budget-s", type=float, default=300, help="stop starting new shapes after this")
     p.add_argument("--explore", action="store_true", help="also try pipelining depths and grid sizes")
+    p.add_argument("--two-blocks", action="store_true", help="also try one-row fused configs in two blocks")
     p.add_argument("--l2", action="store_true", help="also try each candidate's other L2 hints")
     p.add_argument("--kinds", default="", help="only these kernels, e.g. team,pipelined (default: all)")
     p.add_argument(
@@ -181,10 +202,11 @@ def main() -> int:
         ref_y = T.tail_eager(g.float(), u.float(), r.float(), w.float())
         shape = {"rows": n_rows, "cols": n_cols, "fwd": [], "bwd": []}
 
-        def widen(cands: list[KernelConfig], n_rows: int = n_rows) -> list[KernelConfig]:
+        def widen(cands: list[KernelConfig], n_rows: int = n_rows, n_cols: int = n_cols) -> list:
             if args.kinds:
                 cands = [c for c in cands if c.kernel in args.kinds.split(",")]
             cands = explore(cands, n_rows, sms) if args.explore else cands
+            cands = two_block_variants(cands, n_cols, sms) if args.two_blocks else cands
             if args.maxnreg or args.pipeline:
                 cands = team_variants(cands, args.maxnreg, args.pipeline, sms)
             return l2_variants(cands) if args.l2 else cands
