@@ -537,16 +537,40 @@ def test_compile_fullgraph_inductor(device):
 @pytest.mark.parametrize("n", [2048, 3000, 4096, 5120, 6144, 9000, 11008, 14336, 16384, 32768])
 def test_two_blocks_hold_the_row_in_fewer_lanes(n):
     """Two power-of-two blocks, the wider first, exactly where they cover the row in fewer lanes
-    than one; each width's fused backward candidates then include them (the forward's none)."""
+    than one; each width's fused candidates then include them (the forward's on a persistent
+    grid only, where there are more rows than programs)."""
     blocks = C.two_blocks(n)
     whole = 1 << (n - 1).bit_length()
+    fwd = [c for c in C.forward_candidates(4096, n, torch.bfloat16) if c.block_n2]
     if blocks is None:
         assert n == whole or n - whole // 2 > whole // 4
+        assert not fwd
     else:
         first, second = blocks
         assert first == whole // 2 and second & (second - 1) == 0 and second <= first
         assert n <= first + second < whole and n > first + second // 2
         bwd = C.backward_candidates(4096, n, torch.bfloat16, 132)
         assert any(c.kernel == "fused" and (c.block_n, c.block_n2) == blocks for c in bwd)
-    assert not any(c.block_n2 for c in C.forward_candidates(4096, n, torch.bfloat16))
+        assert fwd and all((c.kernel, c.block_n, c.block_n2) == ("fused", *blocks) for c in fwd)
+        assert all(0 < c.programs < 4096 and c.num_stages > 1 for c in fwd)
+    assert not any(c.block_n2 for c in C.forward_candidates(100, 5120, torch.bfloat16))  # grid > rows
     assert C.two_blocks(1000) is None and C.two_blocks(40) is None  # narrow rows: never
+
+
+@pytest.mark.parametrize("n", [5120, 11008])
+def test_every_two_block_forward_candidate_is_right(n, device, poisoned):
+    """The forward's two-block candidates, as offered for a GPU of 2 SMs (a persistent grid of 4
+    programs over 7 rows: each program takes 1-2 rows), at their real width."""
+    cands = [c for c in C.forward_candidates(7, n, torch.bfloat16, 2) if c.block_n2]
+    assert cands
+    (g, u, r, w), _ = tail_inputs((7, n), torch.bfloat16, device, seed=14, dy=True)
+    want = T.tail_reference(g, u, r, w, EPS)
+    # as close to float64 as eager's bf16 result is (within SLACK), not just within tolerance
+    bound = SLACK[torch.bfloat16] * max(
+        T.relative_error(T.tail_eager(g, u, r, w), want), T.UNIT_ROUNDOFF[torch.bfloat16]
+    )
+    for cfg in cands:
+        y, rstd = K.tail_forward(g, u, r, w, EPS, config=cfg)
+        assert torch.isfinite(y).all(), f"{cfg}: an output element was never written"
+        assert T.relative_error(y, want) <= min(bound, T.FORWARD_TOL[torch.bfloat16]), cfg
+        assert T.relative_error(rstd, reference_rstd(g, u, r)) <= 1e-5, cfg

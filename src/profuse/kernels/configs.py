@@ -171,8 +171,15 @@ def forward_candidates(n_rows: int, n_cols: int, dtype: torch.dtype, n_sms: int 
             programs = n_sms * per_sm
             if programs < triton.cdiv(n_rows, c.block_m):
                 out += [replace(c, num_stages=st, programs=programs) for st in (2, 3)]
-        # No rows in two blocks here (the backward's are below): at 6553 x 5120 on the H200 they
-        # took 77.3-80.8 us against 76.0-76.3 for a team launch and the one 8192 block.
+        # The row in two blocks (5120 as 4096 + 1024), on a persistent grid of 2 programs an SM
+        # at 3 stages. At 6553 x 5120 on the H200: 72.9 us at 8 warps against 76.1 for the best
+        # one-block launch in the same run; the same blocks one program a row took 76.6-80.8.
+        blocks = two_blocks(n_cols)
+        if blocks:
+            programs = n_sms * 2
+            for w in (8, 16, 32):
+                if 8 <= sum(blocks) // (32 * w) <= 32 and programs < n_rows:
+                    out.append(KernelConfig("fused", 1, blocks[0], w, 3, programs, block_n2=blocks[1]))
     # The same launches without the evict_first hint on the inputs: at 131072 x 1024 (bf16) the
     # hint cost 4% (262 against 250 us, 97% against 101% of copy).
     out += [replace(c, l2="plain") for c in out]
