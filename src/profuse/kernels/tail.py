@@ -84,8 +84,8 @@ def _tail_fwd_kernel(
     Program p takes tiles p, p + P, ...: one tile each when the grid covers every tile, or a
     persistent loop that loads the next tile while it reduces this one. With EVEN the masks are
     constants the compiler drops, as Inductor's kernel for a static width has none. A row of
-    5120 columns can be held as blocks of 4096 and 1024 (BLOCK_N2) rather than one of 8192 (an
-    explicit config's choice: the tuner offers two blocks to the backward only, configs.py).
+    5120 columns can be held as blocks of 4096 and 1024 (BLOCK_N2) rather than one of 8192 (the
+    tuner offers it on persistent grids, configs.py).
     """
     eps = tl.cast(eps, tl.float32)
     pid = tl.program_id(0)
