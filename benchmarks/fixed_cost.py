@@ -76,7 +76,7 @@ def stream(ins: list[torch.Tensor], outs: list[torch.Tensor]) -> None:
     n = ins[0].numel()
     a, b, c = ins[:3]
     d = ins[3] if len(ins) > 3 else a
-    x, y, z = (outs * 3)[:3] if len(outs) == 1 else outs
+    x, y, z = outs if len(outs) == 3 else (outs[0],) * 3  # one output: y and z are unused
     _stream_kernel[(triton.cdiv(n, STREAM_BLOCK),)](a, b, c, d, x, y, z, n, FOUR_IN=len(ins) > 3,
                                                     THREE_OUT=len(outs) == 3, BLOCK=STREAM_BLOCK,
                                                     num_warps=8)  # fmt: skip

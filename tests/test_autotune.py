@@ -298,9 +298,9 @@ def test_the_cached_plan_is_the_one_a_fresh_pick_makes(counted, device):
     else:
         assert fwd.config == C.forward_config(rows, cols, torch.float16, sms)
         assert bwd.config == C.backward_config(rows, cols, torch.float16, sms)
-    fresh_fwd = K._forward_launch(fwd.config, rows, cols, True)
+    fresh_fwd = K._forward_launch(fwd.config, rows, cols)
     assert fwd.meta == fresh_fwd.meta and fwd.grid == fresh_fwd.grid
-    assert fwd_key == (rows, cols, torch.float16, g.device, True)
+    assert fwd_key == (rows, cols, torch.float16, g.device)
     fresh_bwd = K._BackwardPlan(bwd.config, rows, cols, bwd_key[-1])
     assert bwd.programs == fresh_bwd.programs
     assert bwd.main.meta == fresh_bwd.main.meta

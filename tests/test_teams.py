@@ -137,7 +137,7 @@ def test_sequence_numbers_carry_over_between_calls(dtype, stages, device):
     for seed in range(3):
         xs, dy = tail_inputs(shape, dtype, device, seed=seed, dy=True)
         _check(xs, dy, cfg, dtype)
-    fwd = K._team_launch(K._tail_fwd_team_kernel, cfg, "fwd", 10, 50, STORE_RSTD=True, num_warps=2)
+    fwd = K._team_launch(K._tail_fwd_team_kernel, cfg, "fwd", 10, 50, num_warps=2)
     slots, counts = fwd.scratch(xs)
     assert slots.shape == (4, 2 * stages, 1)  # teams, buffers (4 with two stages), slots
     assert fwd.prepare(xs) == 4

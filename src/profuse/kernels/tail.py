@@ -74,7 +74,6 @@ def _tail_fwd_kernel(
     BLOCK_M: tl.constexpr,  # rows per tile: several when rows are narrow
     BLOCK_N: tl.constexpr,  # next power of two >= n_cols: the whole row is held
     NUM_STAGES: tl.constexpr,  # pipelining of the tile loop (persistent grids)
-    STORE_RSTD: tl.constexpr,
     IN_EVICT: tl.constexpr,  # the inputs' L2 eviction hint: "evict_first" (read once) or ""
     EVEN: tl.constexpr,  # n_cols == BLOCK_N (+ BLOCK_N2) and BLOCK_M divides n_rows: no masks
     BLOCK_N2: tl.constexpr,  # 0, or a second block: the row is BLOCK_N + BLOCK_N2 columns wide
@@ -118,8 +117,7 @@ def _tail_fwd_kernel(
         if BLOCK_N2 > 0:
             y2 = h2 * rstd[:, None] * w2[None, :]
             tl.store(out + cols2[None, :], y2.to(Y_ptr.dtype.element_ty), mask=mask2)
-        if STORE_RSTD:
-            tl.store(RSTD_ptr + rows, rstd, mask=row_mask)
+        tl.store(RSTD_ptr + rows, rstd, mask=row_mask)
 
 
 @triton.jit
@@ -134,9 +132,9 @@ def _block_cols(START: tl.constexpr, BLOCK: tl.constexpr, n_cols, EVEN: tl.const
 
 
 @triton.jit
-def _tile_h(G_ptr, U_ptr, R_ptr, rows, g_row_stride, u_row_stride, r_row_stride, cols, mask,
-            EVICT: tl.constexpr):  # fmt: skip
-    """h = silu(g) * u + r on a tile (`rows` x `cols`), in fp32; 0 where masked."""
+def _tile_gur(G_ptr, U_ptr, R_ptr, rows, g_row_stride, u_row_stride, r_row_stride, cols, mask,
+              EVICT: tl.constexpr):  # fmt: skip
+    """g, u, r on a tile (`rows` x `cols`), in fp32; 0 where masked."""
     c2 = cols[None, :]
     g = tl.load(G_ptr + rows[:, None] * g_row_stride + c2, mask=mask, other=0.0,
                 eviction_policy=EVICT).to(tl.float32)  # fmt: skip
@@ -144,6 +142,15 @@ def _tile_h(G_ptr, U_ptr, R_ptr, rows, g_row_stride, u_row_stride, r_row_stride,
                 eviction_policy=EVICT).to(tl.float32)  # fmt: skip
     r = tl.load(R_ptr + rows[:, None] * r_row_stride + c2, mask=mask, other=0.0,
                 eviction_policy=EVICT).to(tl.float32)  # fmt: skip
+    return g, u, r
+
+
+@triton.jit
+def _tile_h(G_ptr, U_ptr, R_ptr, rows, g_row_stride, u_row_stride, r_row_stride, cols, mask,
+            EVICT: tl.constexpr):  # fmt: skip
+    """h = silu(g) * u + r on a tile (`rows` x `cols`), in fp32; 0 where masked."""
+    g, u, r = _tile_gur(G_ptr, U_ptr, R_ptr, rows, g_row_stride, u_row_stride, r_row_stride, cols, mask,
+                        EVICT)  # fmt: skip
     return g * tl.sigmoid(g) * u + r
 
 
@@ -189,7 +196,6 @@ def _tail_fwd_chunked_kernel(
     eps,
     BLOCK_N: tl.constexpr,  # a chunk of the row; the row is n_cols / BLOCK_N chunks
     NUM_STAGES: tl.constexpr,  # chunks in flight: the next chunks' loads issue early
-    STORE_RSTD: tl.constexpr,
     STASH_H: tl.constexpr,  # pass 1 writes h into y and pass 2 reads it back (see below)
     IN_EVICT: tl.constexpr,  # pass 1's hint on g, u, r: "evict_first" when they are read once
 ):
@@ -232,8 +238,7 @@ def _tail_fwd_chunked_kernel(
             else:
                 h = _load_h(g_row, u_row, r_row, cols, mask, "evict_first")
             _store_y(y_row, W_ptr, cols, mask, h, rstd)
-        if STORE_RSTD:
-            tl.store(RSTD_ptr + row64, rstd)
+        tl.store(RSTD_ptr + row64, rstd)
 
 
 @triton.jit
@@ -267,7 +272,6 @@ def _tail_fwd_pipelined_kernel(
     n_cols,
     eps,
     BLOCK_N: tl.constexpr,  # a chunk of the row
-    STORE_RSTD: tl.constexpr,
 ):
     """Wide rows, persistent grid, h stashed in y: program p takes rows p, p + P, ..., and one
     chunk loop does pass 1 of its next row (read g, u, r from DRAM, store h, sum h^2) and pass 2
@@ -301,15 +305,13 @@ def _tail_fwd_pipelined_kernel(
             mask = cols < n_cols
             acc += _stash_chunk(g_n, u_n, r_n, y_n, cols, mask)
             _finish_chunk(y_row, W_ptr, cols, mask, rstd)
-        if STORE_RSTD:
-            tl.store(RSTD_ptr + row, rstd)
+        tl.store(RSTD_ptr + row, rstd)
         row = nxt64
         rstd = tl.rsqrt(tl.sum(acc, axis=0) / n_cols + eps)
     for k in range(0, n_chunks):
         cols = k * BLOCK_N + tl.arange(0, BLOCK_N)
         _finish_chunk(Y_ptr + row * y_row_stride, W_ptr, cols, cols < n_cols, rstd)
-    if STORE_RSTD:
-        tl.store(RSTD_ptr + row, rstd)
+    tl.store(RSTD_ptr + row, rstd)
 
 
 @triton.jit
@@ -333,22 +335,21 @@ def _team_h(g, u, r):
 @triton.jit
 def _team_row_y(
     Y_ptr, RSTD_ptr, slots, seq, row, y_row_stride, cols, col_mask, member, h, w, n_cols, eps,
-    MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BUFFERS: tl.constexpr, STORE_RSTD: tl.constexpr,
+    MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BUFFERS: tl.constexpr,
 ):  # fmt: skip
     """A team forward's second half of a row: the team's sum of squares (waiting for it), then
     this member's share of y, and rstd (member 0)."""
     rstd = tl.rsqrt(gather(slots, seq, MEMBERS, SLOTS, BUFFERS) / n_cols + eps)
-    _team_y(Y_ptr, RSTD_ptr, row, y_row_stride, cols, col_mask, member == 0, h, w, rstd, STORE_RSTD)
+    _team_y(Y_ptr, RSTD_ptr, row, y_row_stride, cols, col_mask, member == 0, h, w, rstd)
 
 
 @triton.jit
-def _team_y(Y_ptr, RSTD_ptr, row, y_row_stride, cols, mask, rstd_mask, h, w, rstd, STORE_RSTD: tl.constexpr):
+def _team_y(Y_ptr, RSTD_ptr, row, y_row_stride, cols, mask, rstd_mask, h, w, rstd):
     """A member's share of row `row` of y = h * rstd * w (where `mask`), and the row's rstd
     (where `rstd_mask`: one member's)."""
     tl.store(Y_ptr + row * y_row_stride + cols, (h * rstd * w).to(Y_ptr.dtype.element_ty), mask=mask,
              eviction_policy="evict_first")  # fmt: skip
-    if STORE_RSTD:
-        tl.store(RSTD_ptr + row, rstd, mask=rstd_mask)
+    tl.store(RSTD_ptr + row, rstd, mask=rstd_mask)
 
 
 @triton.jit
@@ -373,7 +374,6 @@ def _tail_fwd_team_kernel(
     BLOCK_N: tl.constexpr,  # each member's share of the row
     LAG: tl.constexpr,  # 1: a row's sums are read after the next row's are published
     BUFFERS: tl.constexpr,  # slot buffers: teams.buffers_for(LAG)
-    STORE_RSTD: tl.constexpr,
 ):
     """Wide rows read once: a team of MEMBERS co-resident programs shares each row, member m
     holding columns [m * BLOCK_N, (m + 1) * BLOCK_N) of it in registers. Each member sums its
@@ -416,12 +416,12 @@ def _tail_fwd_team_kernel(
             g, u, r = _team_loads(G_ptr, U_ptr, R_ptr, nxt, g_row_stride, u_row_stride, r_row_stride, cols,
                                   n_rows, n_cols)  # fmt: skip
             _team_row_y(Y_ptr, RSTD_ptr, slots, seq - 1, prev, y_row_stride, cols, col_mask, member, h_prev,
-                        w, n_cols, eps, MEMBERS, SLOTS, BUFFERS, STORE_RSTD)  # fmt: skip
+                        w, n_cols, eps, MEMBERS, SLOTS, BUFFERS)  # fmt: skip
             h_prev = h
             prev = row
             row = nxt
         _team_row_y(Y_ptr, RSTD_ptr, slots, seq, prev, y_row_stride, cols, col_mask, member, h_prev, w,
-                    n_cols, eps, MEMBERS, SLOTS, BUFFERS, STORE_RSTD)  # fmt: skip
+                    n_cols, eps, MEMBERS, SLOTS, BUFFERS)  # fmt: skip
     else:
         for _ in range(team, n_rows, n_teams):
             h = _team_h(g, u, r)
@@ -432,7 +432,7 @@ def _tail_fwd_team_kernel(
             g, u, r = _team_loads(G_ptr, U_ptr, R_ptr, nxt, g_row_stride, u_row_stride, r_row_stride, cols,
                                   n_rows, n_cols)  # fmt: skip
             _team_row_y(Y_ptr, RSTD_ptr, slots, seq, row, y_row_stride, cols, col_mask, member, h, w, n_cols,
-                        eps, MEMBERS, SLOTS, BUFFERS, STORE_RSTD)  # fmt: skip
+                        eps, MEMBERS, SLOTS, BUFFERS)  # fmt: skip
             row = nxt
     tl.store(SEQ_ptr + pid, seq)
 
@@ -442,7 +442,7 @@ def _tail_fwd_team_staged_kernel(
     G_ptr, U_ptr, R_ptr, W_ptr, Y_ptr, RSTD_ptr, g_row_stride, u_row_stride, r_row_stride, y_row_stride,
     n_rows, n_cols, eps, SLOT_ptr, SEQ_ptr,
     MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, LAG: tl.constexpr,
-    BUFFERS: tl.constexpr, STORE_RSTD: tl.constexpr,
+    BUFFERS: tl.constexpr,
     STAGES: tl.constexpr,  # tl.range's num_stages: rows STAGES - 1 ahead load into shared memory
     SPIN: tl.constexpr,  # wait in inline assembly (a GPU); the interpreter takes `gather`'s loop
 ):  # fmt: skip
@@ -478,7 +478,7 @@ def _tail_fwd_team_staged_kernel(
             rstd = tl.rsqrt(gather(slots, seq - 1, MEMBERS, SLOTS, BUFFERS, SPIN) / n_cols + eps)
             mask = cols < tl.where(row_p >= 0, n_cols, 0)
             _team_y(Y_ptr, RSTD_ptr, row_p, y_row_stride, cols, mask, (member == 0) & (row_p >= 0), h_p, w,
-                    rstd, STORE_RSTD)  # fmt: skip
+                    rstd)  # fmt: skip
             h_p = h
             row_p = row
     else:
@@ -490,7 +490,7 @@ def _tail_fwd_team_staged_kernel(
             seq += 1
             publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS, BUFFERS)
             rstd = tl.rsqrt(gather(slots, seq, MEMBERS, SLOTS, BUFFERS, SPIN) / n_cols + eps)
-            _team_y(Y_ptr, RSTD_ptr, row, y_row_stride, cols, col_mask, member == 0, h, w, rstd, STORE_RSTD)
+            _team_y(Y_ptr, RSTD_ptr, row, y_row_stride, cols, col_mask, member == 0, h, w, rstd)
     tl.store(SEQ_ptr + pid, seq)
 
 
@@ -602,15 +602,10 @@ def _tail_bwd_kernel(
 def _bwd_tile(DY_ptr, G_ptr, U_ptr, R_ptr, rows, dy_row_stride, g_row_stride, u_row_stride, r_row_stride,
               cols, mask, EVICT: tl.constexpr):  # fmt: skip
     """A tile's dy, g, u, s = sigmoid(g), silu = g * s and h = silu * u + r, in fp32; 0 where masked."""
-    c2 = cols[None, :]
-    dy = tl.load(DY_ptr + rows[:, None] * dy_row_stride + c2, mask=mask, other=0.0,
+    dy = tl.load(DY_ptr + rows[:, None] * dy_row_stride + cols[None, :], mask=mask, other=0.0,
                  eviction_policy=EVICT).to(tl.float32)  # fmt: skip
-    g = tl.load(G_ptr + rows[:, None] * g_row_stride + c2, mask=mask, other=0.0,
-                eviction_policy=EVICT).to(tl.float32)  # fmt: skip
-    u = tl.load(U_ptr + rows[:, None] * u_row_stride + c2, mask=mask, other=0.0,
-                eviction_policy=EVICT).to(tl.float32)  # fmt: skip
-    r = tl.load(R_ptr + rows[:, None] * r_row_stride + c2, mask=mask, other=0.0,
-                eviction_policy=EVICT).to(tl.float32)  # fmt: skip
+    g, u, r = _tile_gur(G_ptr, U_ptr, R_ptr, rows, g_row_stride, u_row_stride, r_row_stride, cols, mask,
+                        EVICT)  # fmt: skip
     s = tl.sigmoid(g)
     silu = g * s
     return dy, g, u, s, silu, silu * u + r
@@ -1156,7 +1151,7 @@ def _tail_bwd_slab_kernel(
 # Launch plans: built on the first call of a signature, then looked up
 # --------------------------------------------------------------------------------------------
 
-# Forward plans by (rows, cols, dtype, device, rstd stored); backward plans by (rows, cols,
+# Forward plans by (rows, cols, dtype, device); backward plans by (rows, cols,
 # dtype, device, gradients asked for). A plan is what the autotuner chose for the shape, bound
 # to its grid: a call looks it up and launches.
 _FWD_PLANS = PlanCache()
@@ -1224,7 +1219,7 @@ def _team_launch(kernel, cfg: KernelConfig, kind: str, n_rows: int, n_cols: int,
     return launch
 
 
-def _forward_launch(cfg: KernelConfig, n_rows: int, n_cols: int, store_rstd: bool) -> Launch | TeamLaunch:
+def _forward_launch(cfg: KernelConfig, n_rows: int, n_cols: int) -> Launch | TeamLaunch:
     """The forward kernel of `cfg`, bound to its grid for this shape. Runtime arguments:
     (g, u, r, w, y, rstd, g/u/r/y row strides, n_rows, n_cols, eps)."""
     if cfg.kernel == "fused":
@@ -1232,24 +1227,22 @@ def _forward_launch(cfg: KernelConfig, n_rows: int, n_cols: int, store_rstd: boo
         grid = (min(cfg.programs, n_tiles) if cfg.programs else n_tiles,)
         return Launch(
             _tail_fwd_kernel, grid, cfg, "fwd",
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, STORE_RSTD=store_rstd,
-            IN_EVICT=_stream_hint(cfg), BLOCK_N2=cfg.block_n2,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, IN_EVICT=_stream_hint(cfg),
+            BLOCK_N2=cfg.block_n2,
             EVEN=n_cols == cfg.block_n + cfg.block_n2 and n_rows % cfg.block_m == 0, num_warps=cfg.num_warps,
         )  # fmt: skip
     if cfg.kernel == "team":
         kernel = _tail_fwd_team_staged_kernel if cfg.pipeline else _tail_fwd_team_kernel
-        return _team_launch(
-            kernel, cfg, "fwd", n_rows, n_cols, STORE_RSTD=store_rstd, num_warps=cfg.num_warps
-        )
+        return _team_launch(kernel, cfg, "fwd", n_rows, n_cols, num_warps=cfg.num_warps)
     if cfg.kernel == "pipelined":
         return Launch(
             _tail_fwd_pipelined_kernel, (min(cfg.programs, n_rows),), cfg, "fwd",
-            BLOCK_N=cfg.block_n, STORE_RSTD=store_rstd, num_warps=cfg.num_warps,
+            BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         )  # fmt: skip
     grid = (min(cfg.programs, n_rows) if cfg.programs else n_rows,)
     return Launch(
         _tail_fwd_chunked_kernel, grid, cfg, "fwd",
-        BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, STORE_RSTD=store_rstd, STASH_H=cfg.stash_h,
+        BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, STASH_H=cfg.stash_h,
         IN_EVICT="evict_first" if cfg.stash_h else "", num_warps=cfg.num_warps,
     )  # fmt: skip
 
@@ -1373,10 +1366,9 @@ def tail_forward(
     weight: torch.Tensor,
     eps: float,
     config: KernelConfig | None = None,
-    store_rstd: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward on (..., N) inputs: y shaped like gate, and the fp32 rstd per row the
-    backward needs (shaped gate.shape[:-1]; None when `store_rstd` is off, no gradient wanted).
+    backward needs (shaped gate.shape[:-1]; stored without grad too, tail_fused says why).
 
     `config` runs that launch shape; without it the shape's plan runs (tuned on its first call).
     """
@@ -1388,26 +1380,25 @@ def tail_forward(
     )
     n_rows = g.shape[0]
     y = _contiguous_like(gate)
-    rstd = torch.empty(gate.shape[:-1], dtype=torch.float32, device=gate.device) if store_rstd else None
+    rstd = torch.empty(gate.shape[:-1], dtype=torch.float32, device=gate.device)
     if n_rows == 0:
         return y, rstd
-    # y is contiguous: its row stride is n_cols. Without rstd, y stands in for its pointer.
-    args = (g, u, r, weight.contiguous(), y, y if rstd is None else rstd,
-            g_stride, u_stride, r_stride, n_cols, n_rows, n_cols, eps)  # fmt: skip
+    # y is contiguous: its row stride is n_cols.
+    args = (g, u, r, weight.contiguous(), y, rstd, g_stride, u_stride, r_stride, n_cols, n_rows, n_cols, eps)
     if config is not None:
-        _forward_launch(config, n_rows, n_cols, store_rstd)(*args)
+        _forward_launch(config, n_rows, n_cols)(*args)
         return y, rstd
-    key = (n_rows, n_cols, gate.dtype, gate.device, store_rstd)
+    key = (n_rows, n_cols, gate.dtype, gate.device)
     launch = _FWD_PLANS.get(key)
     if launch is None:
-        launch = _forward_plan(n_rows, n_cols, gate.dtype, gate.device, store_rstd, args)
+        launch = _forward_plan(n_rows, n_cols, gate.dtype, gate.device, args)
         if not capturing(gate.device):  # a plan made inside a graph capture is untuned: not kept
             _FWD_PLANS.add(key, launch)
     launch.run(*args, **launch.meta)  # the bound launch itself: no wrapper frame on the hot path
     return y, rstd
 
 
-def _forward_plan(n_rows, n_cols, dtype, device, store_rstd, args) -> Launch:
+def _forward_plan(n_rows, n_cols, dtype, device, args) -> Launch:
     """The forward's launch for a new signature: the tuned config (timed now if its tuning key
     is new), bound to this shape's grid."""
     _check_runnable(device)
@@ -1415,10 +1406,10 @@ def _forward_plan(n_rows, n_cols, dtype, device, store_rstd, args) -> Launch:
     key = ("fwd", C.pow2_rows(n_rows), n_cols, dtype)
 
     def run(c: KernelConfig) -> tuple[torch.Tensor, ...]:
-        _forward_launch(c, n_rows, n_cols, store_rstd)(*args)
-        return args[4:6] if store_rstd else args[4:5]  # y (and rstd): the tuner compares them
+        _forward_launch(c, n_rows, n_cols)(*args)
+        return args[4:6]  # y and rstd: the tuner compares them
 
-    return _forward_launch(TUNER.pick(key, candidates, run, device), n_rows, n_cols, store_rstd)
+    return _forward_launch(TUNER.pick(key, candidates, run, device), n_rows, n_cols)
 
 
 def tail_backward(
