@@ -257,6 +257,30 @@ def test_a_second_call_builds_no_candidates(counted, device):
     assert counted["fwd"] == 1 and K._FWD_PLANS.builds == 1
 
 
+def test_a_forward_without_grad_stores_rstd_in_one_growing_scratch(counted, device, monkeypatch):
+    """No rstd is allocated for a call that keeps none: the kernel stores it into one buffer per
+    device, which a call with more rows replaces (keeping the old one alive) and a call with
+    fewer reuses. Each call's y is right, and the buffer holds the rstd the grad path returns."""
+    monkeypatch.setattr(K, "_RSTD_SCRATCH", {})
+    monkeypatch.setattr(K, "_RSTD_OUTGROWN", [])
+    seen = []
+    for seed, rows in enumerate((3, 11, 5, 11, 24)):
+        g, u, r, w = tail_inputs((rows, 37), torch.float32, device, seed=20 + seed)
+        with torch.no_grad():
+            y = T.tail_triton(g, u, r, w)
+        assert T.relative_error(y, T.tail_reference(g, u, r, w)) <= T.FORWARD_TOL[torch.float32]
+        size, buf = K._RSTD_SCRATCH[g.device]
+        assert size == buf.numel() >= rows
+        seen.append(buf.data_ptr())
+        _, rstd = K.tail_forward(g, u, r, w, T.DEFAULT_EPS)
+        torch.testing.assert_close(buf[:rows], rstd, rtol=1e-6, atol=0)
+    # 3 rows, then 11 (a new buffer), 5 and 11 (the same one), 24 (a new one).
+    assert seen[1] != seen[0] and seen[1] == seen[2] == seen[3] and seen[4] != seen[3]
+    assert [t.numel() for t in K._RSTD_OUTGROWN] == [3, 11]
+    y, rstd = K.tail_forward(g, u, r, w, T.DEFAULT_EPS, keep_rstd=False)
+    assert rstd is None and y.shape == g.shape
+
+
 @pytest.mark.parametrize(
     "change",
     ["rows", "cols", "dtype", "needs"],

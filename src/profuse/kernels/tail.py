@@ -1187,6 +1187,27 @@ def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
+# Where a forward without grad stores rstd: the kernel stores it either way (tail_fused says
+# why), and a call that keeps none need not allocate it. One buffer per device, as long as the
+# most rows seen (the kernel writes the first n_rows); a buffer outgrown is kept, not freed, so
+# that no kernel still queued on another stream writes into memory handed out again.
+_RSTD_SCRATCH: dict[torch.device, tuple[int, torch.Tensor]] = {}
+_RSTD_OUTGROWN: list[torch.Tensor] = []
+
+
+def _scratch_rstd(n_rows: int, device: torch.device) -> torch.Tensor:
+    size, buf = _RSTD_SCRATCH.get(device, (0, None))
+    if size >= n_rows:
+        return buf
+    if capturing(device):  # memory of the graph's pool: not kept past this capture's calls
+        return torch.empty(n_rows, dtype=torch.float32, device=device)
+    if buf is not None:
+        _RSTD_OUTGROWN.append(buf)
+    size = max(n_rows, 2 * size)
+    _RSTD_SCRATCH[device] = size, torch.empty(size, dtype=torch.float32, device=device)
+    return _RSTD_SCRATCH[device][1]
+
+
 def _check_runnable(device: torch.device) -> None:
     if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(
@@ -1366,9 +1387,11 @@ def tail_forward(
     weight: torch.Tensor,
     eps: float,
     config: KernelConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    keep_rstd: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch the forward on (..., N) inputs: y shaped like gate, and the fp32 rstd per row the
-    backward needs (shaped gate.shape[:-1]; stored without grad too, tail_fused says why).
+    backward needs (shaped gate.shape[:-1]). With `keep_rstd` off (no gradient wanted) the
+    kernel still stores rstd (tail_fused says why), into a scratch buffer, and None comes back.
 
     `config` runs that launch shape; without it the shape's plan runs (tuned on its first call).
     """
@@ -1379,23 +1402,27 @@ def tail_forward(
         _rows(residual, n_cols),
     )
     n_rows = g.shape[0]
+    device = gate.device
     y = _contiguous_like(gate)
-    rstd = torch.empty(gate.shape[:-1], dtype=torch.float32, device=gate.device)
+    if keep_rstd:
+        rstd = out_rstd = torch.empty(gate.shape[:-1], dtype=torch.float32, device=device)
+    else:  # ~3-4 us less host time a call than the allocation
+        rstd, out_rstd = _scratch_rstd(n_rows, device), None
     if n_rows == 0:
-        return y, rstd
+        return y, out_rstd
     # y is contiguous: its row stride is n_cols.
     args = (g, u, r, weight.contiguous(), y, rstd, g_stride, u_stride, r_stride, n_cols, n_rows, n_cols, eps)
     if config is not None:
         _forward_launch(config, n_rows, n_cols)(*args)
-        return y, rstd
-    key = (n_rows, n_cols, gate.dtype, gate.device)
+        return y, out_rstd
+    key = (n_rows, n_cols, gate.dtype, device)
     launch = _FWD_PLANS.get(key)
     if launch is None:
-        launch = _forward_plan(n_rows, n_cols, gate.dtype, gate.device, args)
-        if not capturing(gate.device):  # a plan made inside a graph capture is untuned: not kept
+        launch = _forward_plan(n_rows, n_cols, gate.dtype, device, args)
+        if not capturing(device):  # a plan made inside a graph capture is untuned: not kept
             _FWD_PLANS.add(key, launch)
     launch.run(*args, **launch.meta)  # the bound launch itself: no wrapper frame on the hot path
-    return y, rstd
+    return y, out_rstd
 
 
 def _forward_plan(n_rows, n_cols, dtype, device, args) -> Launch:
@@ -1547,13 +1574,14 @@ class TailFunction(torch.autograd.Function):
 
 def tail_fused(gate, up, residual, weight, eps: float) -> torch.Tensor:
     """The op on checked inputs: through autograd where a gradient is wanted, else the forward
-    launch alone (no autograd node). That launch still stores rstd: without it the forward at
-    32768 x 4096 ran 0.6-1.1% slower on the H200 (252.3-252.9 against 250.1-251.0 us, same
-    config, four same-day runs over two sessions), for 4 bytes a row saved."""
+    launch alone (no autograd node). That launch still stores rstd, into a scratch buffer:
+    without the store the forward at 32768 x 4096 ran 0.6-1.1% slower on the H200 (252.3-252.9
+    against 250.1-251.0 us, same config, four same-day runs over two sessions), for 4 bytes a
+    row saved."""
     if torch.is_grad_enabled() and (
         gate.requires_grad or up.requires_grad or residual.requires_grad or weight.requires_grad
     ):
         return TailFunction.apply(gate, up, residual, weight, eps)
     if torch.compiler.is_compiling():
         return torch.ops.profuse.tail_fwd(gate, up, residual, weight, eps)[0]
-    return tail_forward(gate, up, residual, weight, eps)[0]
+    return tail_forward(gate, up, residual, weight, eps, keep_rstd=False)[0]
