@@ -358,6 +358,28 @@ def test_add_rms_norm_no_grad_gives_plain_tensors(device):
     assert y.grad_fn is None and h.grad_fn is None and y.dtype == BF16 and h.dtype == FP32
 
 
+def test_add_rms_norm_tunes_with_and_without_rstd_apart(device, monkeypatch):
+    """A forward that stores rstd and one that does not are different kernels: each is tuned
+    under its own key, so the pick for one never launches the other."""
+    monkeypatch.setattr(ARN, "_FWD_PLANS", A.PlanCache())
+    keys = []
+    real_pick = ARN.TUNER.pick
+
+    def pick(key, candidates, launch, dev):
+        keys.append(key)
+        return real_pick(key, candidates, launch, dev)
+
+    monkeypatch.setattr(ARN.TUNER, "pick", pick)
+    xs, _, _ = norm_inputs((5, 48), (BF16, FP32, FP32), device, seed=13)
+    with torch.no_grad():
+        B.add_rms_norm(*xs)
+    x, r, w = (t.detach().requires_grad_() for t in xs)
+    y, h = B.add_rms_norm(x, r, w)
+    (y.float().sum() + h.sum()).backward()
+    fwd = [k for k in keys if k[0] == "add_rms_norm_fwd"]
+    assert len(fwd) == 2 and fwd[0][:-1] == fwd[1][:-1] and fwd[0] != fwd[1]
+
+
 # --------------------------------------------------------------------------------------------
 # Every launch config the autotuner may pick on a GPU, at real widths but a few rows: the
 # autotuner keeps the fastest candidate without checking it, so each one must be right.
