@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from profuse.bench.traffic import FUSED_FORWARD_TENSORS, copy_ceiling
+from profuse.cli import int_list
 from profuse.errors import UsageError
 from profuse.files import check_folder, write_json
 from profuse.timers import CudaTimer
@@ -230,16 +231,17 @@ def cluster_launch(meta_path: Path, g: torch.Tensor, u: torch.Tensor, r: torch.T
 # --- time ------------------------------------------------------------------------------------
 def measure(rows: int, cols: int, metas: list[Path], timer: CudaTimer, ceiling: float) -> dict:
     """profuse's forward and each cubin in `metas` at one shape: checked, then timed interleaved."""
+    from profuse import tail as T
     from profuse.kernels import tail as K
 
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(rows + cols)
     g, u, r = (torch.randn(rows, cols, device=dev, dtype=torch.bfloat16, generator=gen) for _ in range(3))
     w = (1 + 0.1 * torch.randn(cols, device=dev, generator=gen)).to(torch.bfloat16)
-    g64, u64, r64, w64 = (t.double() for t in (g, u, r, w))  # the float64 reference
-    h = torch.nn.functional.silu(g64) * u64 + r64
+    y_ref = T.tail_reference(g, u, r, w, EPS)  # float64
+    h = torch.nn.functional.silu(g.double()) * u.double() + r.double()
     rstd_ref = torch.rsqrt(h.pow(2).mean(dim=1) + EPS)
-    y_ref = h * rstd_ref[:, None] * w64
+    del h
     rec = {"rows": rows, "cols": cols, "results": {}, "failed": {}}
     runs = {"profuse": lambda: K.tail_forward(g, u, r, w, EPS)}
     errs = {}
@@ -254,8 +256,7 @@ def measure(rows: int, cols: int, metas: list[Path], timer: CudaTimer, ceiling: 
             rec["failed"][name] = str(err)
             runs.pop(name, None)
             continue
-        errs[name] = (((y.double() - y_ref).norm() / y_ref.norm()).item(),
-                      ((rstd.double() - rstd_ref).abs() / rstd_ref).max().item())  # fmt: skip
+        errs[name] = (T.relative_error(y, y_ref), ((rstd.double() - rstd_ref).abs() / rstd_ref).max().item())
         if not (errs[name][0] < 5e-3 and errs[name][1] < 1e-4):  # NaN fails too
             rec["failed"][name] = "wrong: y rel err {:.1e}, rstd max rel err {:.1e}".format(*errs[name])
             del runs[name]
@@ -308,11 +309,6 @@ def time_forwards(args: argparse.Namespace) -> int:
     if args.out:
         print(f"wrote {write_json(args.out, res)}")
     return 0
-
-
-def int_list(text: str) -> list[int]:
-    """COLS,... ."""
-    return [int(v) for v in text.split(",")]
 
 
 def shape_list(text: str) -> list[tuple[int, int]]:

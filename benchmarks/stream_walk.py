@@ -35,24 +35,25 @@ from profuse.timers import CudaTimer
 
 
 @triton.jit
+def _walk_block(A, B, C, X, blk, n, BLOCK: tl.constexpr, EVICT: tl.constexpr):
+    """x = a * b + c on block `blk` of BLOCK elements."""
+    offs = tl.cast(blk, tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(A + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    b = tl.load(B + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    c = tl.load(C + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
+    tl.store(X + offs, (a * b + c).to(X.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _walk_kernel(A, B, C, X, n, BLOCK: tl.constexpr, EVICT: tl.constexpr, STAGES: tl.constexpr,
                  PERSISTENT: tl.constexpr):  # fmt: skip
     """x = a * b + c, BLOCK elements at a time: block pid, or blocks pid, pid + P, ... ."""
     if PERSISTENT:
         for blk in tl.range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0), num_stages=STAGES):
-            offs = tl.cast(blk, tl.int64) * BLOCK + tl.arange(0, BLOCK)
-            mask = offs < n
-            a = tl.load(A + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-            b = tl.load(B + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-            c = tl.load(C + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-            tl.store(X + offs, (a * b + c).to(X.dtype.element_ty), mask=mask)
+            _walk_block(A, B, C, X, blk, n, BLOCK, EVICT)
     else:
-        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        a = tl.load(A + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        b = tl.load(B + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        c = tl.load(C + offs, mask=mask, other=0.0, eviction_policy=EVICT).to(tl.float32)
-        tl.store(X + offs, (a * b + c).to(X.dtype.element_ty), mask=mask)
+        _walk_block(A, B, C, X, tl.program_id(0), n, BLOCK, EVICT)
 
 
 def flush_list(text: str) -> list[str]:

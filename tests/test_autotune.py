@@ -269,8 +269,8 @@ def test_a_forward_without_grad_stores_rstd_in_one_growing_scratch(counted, devi
         with torch.no_grad():
             y = T.tail_triton(g, u, r, w)
         assert T.relative_error(y, T.tail_reference(g, u, r, w)) <= T.FORWARD_TOL[torch.float32]
-        size, buf = K._RSTD_SCRATCH[g.device]
-        assert size == buf.numel() >= rows
+        buf = K._RSTD_SCRATCH[g.device]
+        assert buf.numel() >= rows
         seen.append(buf.data_ptr())
         _, rstd = K.tail_forward(g, u, r, w, T.DEFAULT_EPS)
         torch.testing.assert_close(buf[:rows], rstd, rtol=1e-6, atol=0)

@@ -1191,21 +1191,22 @@ def _contiguous_like(t: torch.Tensor) -> torch.Tensor:
 # why), and a call that keeps none need not allocate it. One buffer per device, as long as the
 # most rows seen (the kernel writes the first n_rows); a buffer outgrown is kept, not freed, so
 # that no kernel still queued on another stream writes into memory handed out again.
-_RSTD_SCRATCH: dict[torch.device, tuple[int, torch.Tensor]] = {}
+_RSTD_SCRATCH: dict[torch.device, torch.Tensor] = {}
 _RSTD_OUTGROWN: list[torch.Tensor] = []
 
 
 def _scratch_rstd(n_rows: int, device: torch.device) -> torch.Tensor:
-    size, buf = _RSTD_SCRATCH.get(device, (0, None))
-    if size >= n_rows:
+    buf = _RSTD_SCRATCH.get(device)
+    if buf is not None and buf.numel() >= n_rows:
         return buf
     if capturing(device):  # memory of the graph's pool: not kept past this capture's calls
         return torch.empty(n_rows, dtype=torch.float32, device=device)
+    size = n_rows
     if buf is not None:
         _RSTD_OUTGROWN.append(buf)
-    size = max(n_rows, 2 * size)
-    _RSTD_SCRATCH[device] = size, torch.empty(size, dtype=torch.float32, device=device)
-    return _RSTD_SCRATCH[device][1]
+        size = max(n_rows, 2 * buf.numel())
+    buf = _RSTD_SCRATCH[device] = torch.empty(size, dtype=torch.float32, device=device)
+    return buf
 
 
 def _check_runnable(device: torch.device) -> None:
