@@ -9,6 +9,10 @@ repeatable, inside a CUDA graph, and on two streams at once.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from cases import DTYPES, EPS, GRADS, tail_inputs
@@ -149,6 +153,62 @@ def test_sequence_numbers_carry_over_between_calls(dtype, stages, device):
     assert bwd_counts.tolist() == [3 * 3, 3 * 3, 3 * 2, 3 * 2, 0]
 
 
+def _row_team(n_cols: int, block_n: int, warps: int = 2) -> KernelConfig:
+    return KernelConfig("team", 1, block_n, warps, 1, 0, -(-n_cols // block_n), l2="plain")
+
+
+@pytest.mark.parametrize("case", range(4))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_row_teams_are_right_and_keep_their_numbers(dtype, case, device):
+    """Row teams (a team a row, one program a share): right against float64 and the same bits
+    on every call; each (row, member) slot ends a call carrying the number of calls so far, and
+    the padding slots stay untouched. Teams of one on a CPU; of 2 to 64 on a GPU (a last
+    member with a few columns, more members than a power of two holds, one row)."""
+    if device == "cuda":
+        shape, block_n, warps = [((37, 5000), 2048, 4), ((301, 11008), 4096, 8), ((3, 9000), 1024, 2),
+                                 ((1, 65536), 1024, 4)][case]  # fmt: skip
+    else:
+        shape, block_n, warps = [((7, 50), 64, 2), ((5, 33), 64, 1), ((1, 200), 256, 4), ((9, 8), 8, 1)][case]
+    cfg = _row_team(shape[1], block_n, warps)
+    xs = tail_inputs(shape, dtype, device, seed=41 + case)
+    ref = T.tail_reference(*xs, EPS)
+    first = None
+    for _ in range(3):
+        y, rstd = K.tail_forward(*xs, EPS, config=cfg)
+        assert torch.isfinite(y).all(), "an output element was never written"
+        assert T.relative_error(y, ref) <= T.FORWARD_TOL[dtype]
+        if first is None:
+            first = (y, rstd)
+        assert torch.equal(y, first[0]) and torch.equal(rstd, first[1])
+    (slots,) = K._row_team_launch(cfg, *shape).scratch(xs)
+    members = cfg.splits
+    assert slots.shape == (shape[0], teams.slots_for(members))
+    assert ((slots[:, :members] >> 32) == 3).all()  # three calls
+    assert (slots[:, members:] == 0).all()
+
+
+@pytest.mark.skipif(CUDA, reason="on a GPU teams of several run")
+def test_a_row_team_of_several_needs_a_gpu(device):
+    xs = tail_inputs((3, 40), torch.float32, device)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        K.tail_forward(*xs, EPS, config=_row_team(40, 16))
+
+
+@pytest.mark.parametrize("n_cols", [4097, 11008, 65536])
+def test_row_team_candidates_are_forward_only_and_run_a_program_a_share(n_cols):
+    rows = [c for c in C.team_candidates(n_cols, 132, C.FWD_TEAM_SHARES) if not c.programs]
+    assert rows, "the forward's lists offer row teams at wide rows"
+    assert all(c.num_stages == 1 and not c.pipeline for c in rows)
+    assert not [c for c in C.team_candidates(n_cols, 132, C.BWD_TEAM_SHARES) if not c.programs]
+
+
+def test_a_row_team_config_is_refused_by_the_backward(device):
+    xs, dy = tail_inputs((4, 40), torch.float32, device, seed=42, dy=True)
+    _, rstd = K.tail_forward(*xs, EPS)
+    with pytest.raises(ValueError, match="forward only"):
+        K.tail_backward(dy, *xs, rstd, ALL, config=_row_team(40, 16))
+
+
 # --------------------------------------------------------------------------------------------
 # Teams of several: a GPU
 # --------------------------------------------------------------------------------------------
@@ -243,6 +303,32 @@ def test_a_register_cap_changes_where_values_live_not_the_answer(stages, device)
         assert torch.equal(a, b), f"d{name}"
     if device == "cuda":
         assert regs and max(regs) <= 64, regs
+
+
+@gpu
+def test_a_row_team_member_whose_partner_never_runs_stops_the_kernel_instead_of_hanging():
+    """A launch whose grid leaves out the last member of the last row: its partners poll
+    PATIENCE times, then trap. In a process of its own, as a trap ends the CUDA context."""
+    script = """
+import torch
+from profuse.kernels import tail as K
+from profuse.kernels.configs import KernelConfig
+from profuse.kernels.teams import slots_for
+n_rows, n_cols, block_n = 4, 8192, 2048
+cfg = KernelConfig("team", 1, block_n, 4, 1, 0, 4, l2="plain")
+x = torch.randn(n_rows, n_cols, device="cuda", dtype=torch.bfloat16)
+y, rstd = torch.empty_like(x), torch.empty(n_rows, device="cuda")
+slots = torch.zeros(n_rows, slots_for(4), dtype=torch.int64, device="cuda")
+grid = (n_rows * 4 - 1,)
+args = (x, x, x, x[0], y, rstd, n_cols, n_cols, n_cols, n_cols, n_rows, n_cols, 1e-6, slots)
+K._tail_fwd_row_team_kernel[grid](*args, MEMBERS=4, SLOTS=4, BLOCK_N=block_n, SPIN=True, PATIENCE=1000,
+                                  num_warps=4)
+torch.cuda.synchronize()
+print("no error")
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})  # fmt: skip
+    assert proc.returncode != 0 and "no error" not in proc.stdout, proc.stdout + proc.stderr
 
 
 @gpu

@@ -96,6 +96,11 @@ def two_blocks(n_cols: int) -> tuple[int, int] | None:
 # tuner's pick. Session 11: finer still lost: 256-column shares at 1 warp (16 programs an SM) took
 # 175-233 us at 32M elements against 136-139 for the best, 512 columns at 4 warps 163-165 us.
 FWD_TEAM_SHARES = (
+    (8192, 16, 0, 1),
+    (8192, 8, 0, 1),
+    (4096, 8, 0, 1),
+    (2048, 4, 0, 1),
+    (1024, 2, 0, 1),
     (2048, 4, 8, 2, 128, 3),
     (2048, 4, 8, 2, 0, 3),
     (4096, 8, 8, 2, 0, 3),

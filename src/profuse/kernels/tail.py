@@ -49,7 +49,15 @@ from profuse.kernels import configs as C
 from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing
 from profuse.kernels.colsum import col_sum_launch, sum_when_last
 from profuse.kernels.configs import KernelConfig
-from profuse.kernels.teams import TeamLaunch, buffers_for, gather, publish, slots_for, team_size
+from profuse.kernels.teams import (
+    RowTeamLaunch,
+    TeamLaunch,
+    buffers_for,
+    gather,
+    publish,
+    slots_for,
+    team_size,
+)
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -492,6 +500,42 @@ def _tail_fwd_team_staged_kernel(
             rstd = tl.rsqrt(gather(slots, seq, MEMBERS, SLOTS, BUFFERS, SPIN) / n_cols + eps)
             _team_y(Y_ptr, RSTD_ptr, row, y_row_stride, cols, col_mask, member == 0, h, w, rstd)
     tl.store(SEQ_ptr + pid, seq)
+
+
+@triton.jit
+def _tail_fwd_row_team_kernel(
+    G_ptr, U_ptr, R_ptr, W_ptr, Y_ptr, RSTD_ptr, g_row_stride, u_row_stride, r_row_stride, y_row_stride,
+    n_rows, n_cols, eps,
+    SLOT_ptr,  # (n_rows, SLOTS) int64 slot words, one buffer: kernels/teams.py
+    MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPIN: tl.constexpr,  # wait in inline assembly (a GPU); the interpreter takes `gather`'s loop
+    PATIENCE: tl.constexpr,  # with SPIN: polls of a partner's slot before the kernel traps
+):  # fmt: skip
+    """Wide rows read once, on a grid of one program per share of a row: a team forms for one
+    row and ends with it, and the GPU starts the next programs as these end, as it does for a
+    one-block elementwise kernel (a persistent grid's last round of rows takes as long as a full
+    one, and all its programs must be resident at once). Program p holds share p mod MEMBERS of
+    row p // MEMBERS: partners are neighbours in id, which the GPU starts together or next.
+    Each (row, member) slot word carries the number of the last call that published it: a
+    member reads its own word and publishes the next number, so nothing needs zeroing between
+    calls. No L2 hints on the inputs: one-block walks of this pattern ran 1-4 points faster
+    without them (benchmarks/stream_walk.py)."""
+    eps = tl.cast(eps, tl.float32)
+    pid = tl.program_id(0)
+    row = tl.cast(pid // MEMBERS, tl.int64)
+    member = pid % MEMBERS
+    cols = member * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < n_cols
+    g = tl.load(G_ptr + row * g_row_stride + cols, mask=col_mask, other=0.0)
+    u = tl.load(U_ptr + row * u_row_stride + cols, mask=col_mask, other=0.0)
+    r = tl.load(R_ptr + row * r_row_stride + cols, mask=col_mask, other=0.0)
+    slots = SLOT_ptr + row * SLOTS
+    seq = (tl.load(slots + member, volatile=True) >> 32).to(tl.int32) + 1
+    h = _team_h(g, u, r)
+    publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS, 1)
+    w = tl.load(W_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    rstd = tl.rsqrt(gather(slots, seq, MEMBERS, SLOTS, 1, SPIN, PATIENCE) / n_cols + eps)
+    _team_y(Y_ptr, RSTD_ptr, row, y_row_stride, cols, col_mask, member == 0, h, w, rstd)
 
 
 @triton.jit
@@ -1221,6 +1265,10 @@ def _check_runnable(device: torch.device) -> None:
 # candidate's launch once per timed call, and a team launch keeps its grid and scratch.
 _TEAM_LAUNCHES = PlanCache(max_size=256)
 
+# Polls of a partner's slot before a row team member gives up and traps (kernels/teams.py): each
+# is an L2 round trip (~0.5-1 us), so ~0.5-1 s, against the few us partners take.
+ROW_TEAM_PATIENCE = 1 << 20
+
 
 def _team_launch(kernel, cfg: KernelConfig, kind: str, n_rows: int, n_cols: int, **constants) -> TeamLaunch:
     """The team kernel `kernel` for this shape, made once (see kernels/teams.py)."""
@@ -1241,6 +1289,20 @@ def _team_launch(kernel, cfg: KernelConfig, kind: str, n_rows: int, n_cols: int,
     return launch
 
 
+def _row_team_launch(cfg: KernelConfig, n_rows: int, n_cols: int) -> RowTeamLaunch:
+    """The forward in teams that form for one row each (kernels/teams.py), made once a shape."""
+    key = ("row team", cfg, n_rows, n_cols)
+    launch = _TEAM_LAUNCHES.get(key)
+    if launch is None:
+        members = team_size(n_cols, cfg.block_n)
+        launch = _TEAM_LAUNCHES.add(key, RowTeamLaunch(
+            _tail_fwd_row_team_kernel, cfg, "fwd", members, n_rows, MEMBERS=members,
+            SLOTS=slots_for(members), BLOCK_N=cfg.block_n, SPIN=not interpreting(),
+            PATIENCE=ROW_TEAM_PATIENCE, num_warps=cfg.num_warps,
+        ))  # fmt: skip
+    return launch
+
+
 def _forward_launch(cfg: KernelConfig, n_rows: int, n_cols: int) -> Launch | TeamLaunch:
     """The forward kernel of `cfg`, bound to its grid for this shape. Runtime arguments:
     (g, u, r, w, y, rstd, g/u/r/y row strides, n_rows, n_cols, eps)."""
@@ -1253,6 +1315,8 @@ def _forward_launch(cfg: KernelConfig, n_rows: int, n_cols: int) -> Launch | Tea
             BLOCK_N2=cfg.block_n2,
             EVEN=n_cols == cfg.block_n + cfg.block_n2 and n_rows % cfg.block_m == 0, num_warps=cfg.num_warps,
         )  # fmt: skip
+    if cfg.kernel == "team" and not cfg.programs:
+        return _row_team_launch(cfg, n_rows, n_cols)
     if cfg.kernel == "team":
         kernel = _tail_fwd_team_staged_kernel if cfg.pipeline else _tail_fwd_team_kernel
         return _team_launch(kernel, cfg, "fwd", n_rows, n_cols, num_warps=cfg.num_warps)
@@ -1462,6 +1526,8 @@ def tail_backward(
         return (*grads, torch.zeros_like(weight) if needs[3] else None)
     w = weight.contiguous()
     if config is not None:
+        if config.kernel == "team" and not config.programs:
+            raise ValueError("row teams (a team config with programs 0) are forward only")
         return _BackwardPlan(config, n_rows, n_cols, needs)(rows, w, rstd, gate)
     key = (n_rows, n_cols, gate.dtype, gate.device, needs)
     plan = _BWD_PLANS.get(key)

@@ -80,14 +80,47 @@ def _spin(ptrs, seq):
 
 
 @triton.jit
-def gather(slots, seq, n_members, SLOTS: tl.constexpr, BUFFERS: tl.constexpr, SPIN: tl.constexpr = False):
+def _spin_or_trap(ptrs, seq, patience):
+    """As `_spin`, but after `patience` polls of a slot that never carries `seq` the kernel stops
+    with a trap (a CUDA error on the host) instead of waiting for ever."""
+    want = tl.full(ptrs.shape, 0, tl.int32) + seq
+    limit = tl.full(ptrs.shape, 0, tl.int32) + patience
+    return tl.inline_asm_elementwise(
+        """{
+        .reg .pred %p;
+        .reg .b32 %hi, %n;
+        .reg .b64 %word;
+        mov.u32 %n, 0;
+        SPIN${:uid}:
+        ld.relaxed.gpu.global.b64 %word, [$1];
+        mov.b64 {$0, %hi}, %word;
+        setp.eq.s32 %p, %hi, $2;
+        @%p bra DONE${:uid};
+        add.s32 %n, %n, 1;
+        setp.lt.s32 %p, %n, $3;
+        @%p bra SPIN${:uid};
+        trap;
+        DONE${:uid}:
+        }""",
+        "=r,l,r,r", [ptrs.to(tl.int64), want, limit], dtype=tl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
+@triton.jit
+def gather(slots, seq, n_members, SLOTS: tl.constexpr, BUFFERS: tl.constexpr, SPIN: tl.constexpr = False,
+           PATIENCE: tl.constexpr = 0):  # fmt: skip
     """Wait until all `n_members` members have published row `seq`; their fp32 values summed in
     member order (the same bits in every member). SPIN polls inside inline assembly (a GPU only:
-    the interpreter runs none), so the caller's loop holds no loop of its own."""
+    the interpreter runs none), so the caller's loop holds no loop of its own; with PATIENCE, at
+    most that many polls of a slot, then a trap."""
     members = tl.arange(0, SLOTS)
     present = members < n_members
     buffer = slots + (seq & (BUFFERS - 1)) * SLOTS
-    if SPIN:
+    if SPIN and PATIENCE > 0:
+        values = _spin_or_trap(buffer + tl.where(present, members, 0), seq, PATIENCE).to(
+            tl.float32, bitcast=True
+        )
+    elif SPIN:
         # An absent member's lane waits on member 0's word (there whenever the row's sums are).
         values = _spin(buffer + tl.where(present, members, 0), seq).to(tl.float32, bitcast=True)
     else:
@@ -220,3 +253,25 @@ class TeamLaunch:
         autotune.log_launch(self, sized[1](*args, *self._scratch(sized, device), **self.constants))
 
     __call__ = run
+
+
+class RowTeamLaunch(TeamLaunch):
+    """A team kernel on a grid of one program per share of a row (`config.programs` 0): a team
+    forms for one row and ends with it, its members neighbours in program id. A GPU starts a
+    one-dimensional grid's programs in id order, so a member's partners are running or next to
+    start, and only one team's members need to be resident at once, not the whole grid. A member
+    that polls for ~1 s without seeing them stops the kernel with a trap rather than hang
+    (kernels/tail.py's row team kernel). Scratch per stream: (n_rows, slots) int64 words, each
+    carrying the last call's number."""
+
+    __slots__ = ()
+
+    def _teams(self, args) -> int:
+        if args[0].device.type != "cuda" and self.members > 1:
+            raise ValueError("a team of several programs waits for its partners: it needs a GPU")
+        return self.n_rows  # a team a row (balanced keeps it so)
+
+    def _new_scratch(self, teams: int, device: torch.device) -> tuple[torch.Tensor]:
+        return (
+            torch.zeros((max(self.n_rows, 1), slots_for(self.members)), dtype=torch.int64, device=device),
+        )
