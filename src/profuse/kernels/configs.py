@@ -23,7 +23,8 @@ class KernelConfig:
     # "pipelined" (chunked, with pass 1 of a program's next row overlapping pass 2 of its
     # current one) or "split" (backward: a row-dot pass, then the gradients in column slabs);
     # "team" (a row shared by `splits` co-resident programs of block_n columns each, which swap
-    # partial sums through global memory: kernels/teams.py; GPU only);
+    # partial sums through global memory: kernels/teams.py; GPU only; with programs 0 a row
+    # team, the forward's grid of one program per share of a row);
     # "tiled" (elementwise: block_m rows x block_n columns, no whole row needed; silu_mul)
     kernel: str
     block_m: int  # rows per tile (fused; chunked backward: 1 or 2); 1 for the others
@@ -32,7 +33,7 @@ class KernelConfig:
     )
     num_warps: int
     num_stages: int = 1  # pipelining depth of the tile loop of a persistent program
-    programs: int = 0  # persistent grid size; 0 = one program per tile (forward only)
+    programs: int = 0  # persistent grid size; 0 = one program per tile, or per share (forward only)
     splits: int = 1  # programs per row: the split backward's row-dot pass (when rows are few), a team
     # The fused kernels' hint on their read-once inputs: "stream" marks them evict_first in L2,
     # "plain" gives none (the chunked and split kernels take no choice).
@@ -95,8 +96,13 @@ def two_blocks(n_cols: int) -> tuple[int, int] | None:
 # 1024 x 32768); a register cap of 96 on the latter (5 programs an SM, with spills) never won the
 # tuner's pick. Session 11: finer still lost: 256-column shares at 1 warp (16 programs an SM) took
 # 175-233 us at 32M elements against 136-139 for the best, 512 columns at 4 warps 163-165 us.
+# Programs an SM 0: row teams, a team a row on a grid of one program per share (the forward
+# only; kernels/tail.py's row team kernel). Session 14, 32M elements: 70.2 us at 4096 x 8192
+# (the best launch before, 72.4-72.9), 72.1-72.6 at 3048 x 11008 (74.1-74.4), 72.1 at 2048 x
+# 16384 (72.8-73.2); at 128M elements 2-4% faster from 5120 to 32768 columns. With more
+# members a team waits longer for its last one: at 32768-65536 columns the staged teams still
+# win. Shares of 8192 columns at 16 warps, 2048 at 8 and 1024 at 4 never came within 5%.
 FWD_TEAM_SHARES = (
-    (8192, 16, 0, 1),
     (8192, 8, 0, 1),
     (4096, 8, 0, 1),
     (2048, 4, 0, 1),
@@ -119,8 +125,9 @@ BWD_TEAM_SHARES = (
 
 def teams_enabled() -> bool:
     """Team launches are autotune candidates unless PROFUSE_TEAMS=0. A team's members wait for
-    each other, so the whole grid must run at once (kernels/teams.py sizes it to what the GPU
-    holds at once); the switch is there for a GPU shared with another kernel that waits too."""
+    each other, so a persistent team grid must run at once (kernels/teams.py sizes it to what
+    the GPU holds at once) and a row team relies on the GPU starting programs in id order; the
+    switch is there for a GPU shared with another kernel that waits too."""
     return os.environ.get("PROFUSE_TEAMS", "1") != "0"
 
 

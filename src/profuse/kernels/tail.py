@@ -26,7 +26,9 @@ L2. The forward may keep h in y between the passes (one tensor re-read instead o
 pipelined kernels run pass 1 of a program's next row in the same chunk loop as pass 2 of its
 current row, so the DRAM is read all the time. The backward can also split: a row-dot pass
 (each row's sum, in column ranges when rows are few), then a grid of (row programs x column
-slabs) that holds its slab of dw in registers. Which path and launch shape runs is chosen per
+slabs) that holds its slab of dw in registers. Or a row is shared by a team of programs that
+swap partial sums (kernels/teams.py): on a persistent grid, or (forward) a team a row on a grid
+of one program per share. Which path and launch shape runs is chosen per
 shape: kernels/configs.py proposes the candidates, kernels/autotune.py times them once and
 keeps the shape's plan, so a later call is a lookup and its launches.
 

@@ -25,8 +25,13 @@ CUDA graph replay finds it as the last call left it.
 
 A member waits for its partners, so the whole grid must be resident at once: `TeamLaunch` sizes
 the persistent grid from the compiled kernel's registers, shared memory and warps, never more
-programs than the SMs hold together. Triton's interpreter runs one program after another, so
-there a team has one member (nothing to wait for); teams of several run only on a GPU.
+programs than the SMs hold together. A row team (`RowTeamLaunch`, the forward) instead forms for
+one row and ends with it, on a grid of one program per share: the GPU starts programs as others
+end, so no last round of rows is as long as a full one, and its members are neighbours in id,
+which the GPU starts together or next. A row team's slots are its row's own, and a member reads
+the number its own word carries and publishes the next. Triton's interpreter runs one program
+after another, so there a team has one member (nothing to wait for); teams of several run only
+on a GPU.
 
 Scratch belongs to a launch plan and a stream: calls of one shape that overlap on two streams
 each have their own.
