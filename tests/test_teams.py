@@ -23,6 +23,9 @@ from profuse.kernels import HAS_TRITON
 if not HAS_TRITON:
     pytest.skip("triton is not installed", allow_module_level=True)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from profuse.kernels import (
     autotune,  # noqa: E402
     teams,  # noqa: E402
@@ -236,6 +239,35 @@ def _check_backward(xs, dy, cfg, dtype):
     again = K.tail_backward(dy, *xs, rstd, ALL, config=cfg)
     for name, a, b in zip(GRADS, got, again, strict=True):
         assert torch.equal(a, b), f"{cfg}: d{name} differs between two runs"
+
+
+@triton.jit
+def _sigmoid_probe(X_ptr, Y_ptr, n, APPROX: tl.constexpr, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(Y_ptr + i, K._sigmoid(tl.load(X_ptr + i, mask=i < n), APPROX), mask=i < n)
+
+
+@gpu
+def test_the_approximate_sigmoid_is_within_a_few_ulp_of_the_exact_one_and_saturates():
+    """The team backward's sigmoid (the hardware's exp2 and reciprocal, flushing subnormals)
+    against tl.sigmoid: within 4 fp32 ulp, or both below the smallest normal. Both against
+    float64 within the rounding of x * log2(e) (|x| ulp) and a few more; 0 and 1 at the far ends."""
+    ends = [0.0, -0.0, 15.0, -15.0, 88.0, -88.0, 100.0, -100.0, 1e30, -1e30, float("inf"), float("-inf")]
+    x = torch.cat([torch.randn(1 << 18, device="cuda") * 12, torch.tensor(ends, device="cuda")])
+    got = {}
+    for approx in (True, False):
+        got[approx] = torch.empty_like(x)
+        _sigmoid_probe[(triton.cdiv(x.numel(), 1024),)](x, got[approx], x.numel(), APPROX=approx, BLOCK=1024)
+    fast, exact = got[True].double(), got[False].double()
+    tiny = 2.0**-126
+    apart = (fast - exact).abs()
+    assert (apart <= 4 * 2.0**-24 * exact + tiny).all(), x[apart > 4 * 2.0**-24 * exact + tiny][:5]
+    want = torch.sigmoid(x.double())
+    bound = (x.double().abs().clamp_max(200) + 8) * 2.0**-24 * want + tiny
+    for name, y in (("approximate", fast), ("exact", exact)):
+        bad = (y - want).abs() > bound
+        assert not bad.any(), (name, x[bad][:5])
+    assert got[True][-2].item() == 1.0 and got[True][-1].item() == 0.0
 
 
 @gpu

@@ -336,10 +336,30 @@ def _team_loads(G_ptr, U_ptr, R_ptr, row, g_row_stride, u_row_stride, r_row_stri
 
 
 @triton.jit
-def _team_h(g, u, r):
-    """h = silu(g) * u + r in fp32."""
+def _sigmoid(x, APPROX: tl.constexpr):
+    """sigmoid(x) of fp32 x. APPROX (a GPU: inline assembly) takes 1 / (1 + 2^(-x log2(e))) from
+    the hardware's approximate exp2 and reciprocal: 4 instructions against ~12 for tl.sigmoid
+    (its range checks), within a few ulp of it; 0 and 1 at the far ends, as tl.sigmoid."""
+    if APPROX:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .f32 %t;
+            mul.f32 %t, $1, 0fBFB8AA3B;
+            ex2.approx.ftz.f32 %t, %t;
+            add.f32 %t, %t, 0f3F800000;
+            rcp.approx.ftz.f32 $0, %t;
+            }""",
+            "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        return tl.sigmoid(x)
+
+
+@triton.jit
+def _team_h(g, u, r, APPROX: tl.constexpr = False):
+    """h = silu(g) * u + r in fp32 (APPROX: `_sigmoid`'s)."""
     gf = g.to(tl.float32)
-    return gf * tl.sigmoid(gf) * u.to(tl.float32) + r.to(tl.float32)
+    return gf * _sigmoid(gf, APPROX) * u.to(tl.float32) + r.to(tl.float32)
 
 
 @triton.jit
@@ -895,24 +915,25 @@ def _team_bwd_loads(
 def _team_row_grads(
     DG_ptr, DU_ptr, DR_ptr, slots, seq, row, cols, col_mask, dy, g, u, x_hat, w, rstd, n_cols,
     MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BUFFERS: tl.constexpr,
-    COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr,
+    COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr, APPROX: tl.constexpr,
 ):  # fmt: skip
     """A team backward's second half of a row: the team's sum of x_hat * w * dy (waiting for the
     team's parts), then this member's share of dg, du, dr."""
     total = gather(slots, seq, MEMBERS, SLOTS, BUFFERS)
     _team_grads(DG_ptr, DU_ptr, DR_ptr, row, cols, col_mask, dy, g, u, x_hat, w, rstd, total, n_cols,
-                COMPUTE_DG, COMPUTE_DU, COMPUTE_DR)  # fmt: skip
+                COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, APPROX)  # fmt: skip
 
 
 @triton.jit
 def _team_grads(
     DG_ptr, DU_ptr, DR_ptr, row, cols, mask, dy, g, u, x_hat, w, rstd, total, n_cols,
     COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr,
+    APPROX: tl.constexpr = False,
 ):  # fmt: skip
     """A member's share of dg, du, dr for row `row` from its raw dy, g, u, its x_hat and the
-    team's sum of x_hat * w * dy (`total`)."""
+    team's sum of x_hat * w * dy (`total`); APPROX: `_sigmoid`'s."""
     gf = g.to(tl.float32)
-    s = tl.sigmoid(gf)
+    s = _sigmoid(gf, APPROX)
     dh = (w * dy.to(tl.float32) - x_hat * (total / n_cols)) * rstd
     _store_input_grads(DG_ptr, DU_ptr, DR_ptr, row * n_cols + cols, mask, dh, gf, u.to(tl.float32), s, gf * s,
                        COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
@@ -949,6 +970,7 @@ def _tail_bwd_team_kernel(
     COMPUTE_DR: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
     DW_ROWS: tl.constexpr,  # partial rows the dw sum adds at a time (kernels/colsum.sum_when_last)
+    APPROX: tl.constexpr,  # a GPU: `_sigmoid`'s approximate one (the team backward issues more than it waits)
 ):
     """Wide rows read once, as the team forward: member m of a team holds columns
     [m * BLOCK_N, (m + 1) * BLOCK_N) of each of its team's rows, sums its share of
@@ -975,7 +997,7 @@ def _tail_bwd_team_kernel(
                                         n_cols)  # fmt: skip
     if LAG and NEED_DH:
         # As the lagged forward: the first row peeled off, the last row's grads after the loop.
-        x_hat = _team_h(g, u, r) * rstd
+        x_hat = _team_h(g, u, r, APPROX) * rstd
         seq += 1
         publish(slots, seq, member, tl.sum(x_hat * w * dy.to(tl.float32), axis=0), SLOTS, BUFFERS)
         if COMPUTE_DW:
@@ -986,7 +1008,7 @@ def _tail_bwd_team_kernel(
                                             g_row_stride, u_row_stride, r_row_stride, cols, n_rows,
                                             n_cols)  # fmt: skip
         for _ in range(team + n_teams, n_rows, n_teams):
-            x_hat = _team_h(g, u, r) * rstd
+            x_hat = _team_h(g, u, r, APPROX) * rstd
             seq += 1
             publish(slots, seq, member, tl.sum(x_hat * w * dy.to(tl.float32), axis=0), SLOTS, BUFFERS)
             if COMPUTE_DW:
@@ -998,15 +1020,15 @@ def _tail_bwd_team_kernel(
                                                 n_cols)  # fmt: skip
             _team_row_grads(DG_ptr, DU_ptr, DR_ptr, slots, seq - 1, prev, cols, col_mask, dy_p, g_p, u_p,
                             xh_p, w, rstd_p, n_cols, MEMBERS, SLOTS, BUFFERS, COMPUTE_DG, COMPUTE_DU,
-                            COMPUTE_DR)  # fmt: skip
+                            COMPUTE_DR, APPROX)  # fmt: skip
             dy_p, g_p, u_p, xh_p, rstd_p, prev = dy_c, g_c, u_c, x_hat, rstd_c, row
             row = nxt
         _team_row_grads(DG_ptr, DU_ptr, DR_ptr, slots, seq, prev, cols, col_mask, dy_p, g_p, u_p, xh_p,
                         w, rstd_p, n_cols, MEMBERS, SLOTS, BUFFERS, COMPUTE_DG, COMPUTE_DU,
-                        COMPUTE_DR)  # fmt: skip
+                        COMPUTE_DR, APPROX)  # fmt: skip
     else:
         for _ in range(team, n_rows, n_teams):
-            x_hat = _team_h(g, u, r) * rstd
+            x_hat = _team_h(g, u, r, APPROX) * rstd
             if NEED_DH:
                 seq += 1
                 publish(slots, seq, member, tl.sum(x_hat * w * dy.to(tl.float32), axis=0), SLOTS, BUFFERS)
@@ -1021,7 +1043,7 @@ def _tail_bwd_team_kernel(
             if NEED_DH:
                 _team_row_grads(DG_ptr, DU_ptr, DR_ptr, slots, seq, row, cols, col_mask, dy_c, g_c, u_c,
                                 x_hat, w, rstd_c, n_cols, MEMBERS, SLOTS, BUFFERS, COMPUTE_DG,
-                                COMPUTE_DU, COMPUTE_DR)  # fmt: skip
+                                COMPUTE_DU, COMPUTE_DR, APPROX)  # fmt: skip
             row = nxt
     if COMPUTE_DW:
         # The counts after the programs' own: one per member, the arrivals at its columns' sum.
@@ -1039,6 +1061,7 @@ def _tail_bwd_team_staged_kernel(
     COMPUTE_DW: tl.constexpr, DW_ROWS: tl.constexpr,
     STAGES: tl.constexpr,  # tl.range's num_stages: rows STAGES - 1 ahead load into shared memory
     SPIN: tl.constexpr,  # wait in inline assembly (a GPU); the interpreter takes `gather`'s loop
+    APPROX: tl.constexpr,  # a GPU: `_sigmoid`'s approximate one
 ):  # fmt: skip
     """The team backward (arguments as `_tail_bwd_team_kernel`'s) with its row loop left to
     Triton's software pipeliner, as the staged team forward: each turn loads its row, publishes
@@ -1069,7 +1092,7 @@ def _tail_bwd_team_staged_kernel(
             dy, g, u, r, rstd = _team_bwd_loads(DY_ptr, G_ptr, U_ptr, R_ptr, RSTD_ptr, row, dy_row_stride,
                                                 g_row_stride, u_row_stride, r_row_stride, cols, n_rows,
                                                 n_cols)  # fmt: skip
-            x_hat = _team_h(g, u, r) * rstd
+            x_hat = _team_h(g, u, r, APPROX) * rstd
             dyf = dy.to(tl.float32)
             if COMPUTE_DW:
                 dw_acc += dyf * x_hat
@@ -1078,7 +1101,7 @@ def _tail_bwd_team_staged_kernel(
             total = gather(slots, seq - 1, MEMBERS, SLOTS, BUFFERS, SPIN)
             mask = cols < tl.where(row_p >= 0, n_cols, 0)
             _team_grads(DG_ptr, DU_ptr, DR_ptr, row_p, cols, mask, dy_p, g_p, u_p, xh_p, w, rstd_p,
-                              total, n_cols, COMPUTE_DG, COMPUTE_DU, COMPUTE_DR)  # fmt: skip
+                        total, n_cols, COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, APPROX)  # fmt: skip
             dy_p, g_p, u_p, xh_p, rstd_p, row_p = dy, g, u, x_hat, rstd, row
     else:
         for i in tl.range(team, n_rows, n_teams, num_stages=STAGES):
@@ -1086,7 +1109,7 @@ def _tail_bwd_team_staged_kernel(
             dy, g, u, r, rstd = _team_bwd_loads(DY_ptr, G_ptr, U_ptr, R_ptr, RSTD_ptr, row, dy_row_stride,
                                                 g_row_stride, u_row_stride, r_row_stride, cols, n_rows,
                                                 n_cols)  # fmt: skip
-            x_hat = _team_h(g, u, r) * rstd
+            x_hat = _team_h(g, u, r, APPROX) * rstd
             dyf = dy.to(tl.float32)
             if COMPUTE_DW:
                 dw_acc += dyf * x_hat
@@ -1095,7 +1118,7 @@ def _tail_bwd_team_staged_kernel(
                 publish(slots, seq, member, tl.sum(x_hat * w * dyf, axis=0), SLOTS, BUFFERS)
                 total = gather(slots, seq, MEMBERS, SLOTS, BUFFERS, SPIN)
                 _team_grads(DG_ptr, DU_ptr, DR_ptr, row, cols, col_mask, dy, g, u, x_hat, w, rstd,
-                                  total, n_cols, COMPUTE_DG, COMPUTE_DU, COMPUTE_DR)  # fmt: skip
+                            total, n_cols, COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, APPROX)  # fmt: skip
     if COMPUTE_DW:
         # The counts after the programs' own: one per member, the arrivals at its columns' sum.
         sum_when_last(DW_ptr, DWSUM_ptr, SEQ_ptr + tl.num_programs(0) + member, team, dw_acc, n_teams, n_cols,
@@ -1364,7 +1387,8 @@ def _backward_launch(
         # sm_90a: 128 capped, 124 uncapped; a 16-row tile takes 158 uncapped).
         rows = max(1, 64 * 32 * cfg.num_warps // cfg.block_n)
         return _team_launch(
-            kernel, cfg, "bwd", n_rows, n_cols, num_warps=cfg.num_warps, DW_ROWS=rows, **flags
+            kernel, cfg, "bwd", n_rows, n_cols, num_warps=cfg.num_warps, DW_ROWS=rows,
+            APPROX=not interpreting(), **flags,
         )  # fmt: skip
     return Launch(
         _tail_bwd_slab_kernel, (programs, triton.cdiv(n_cols, cfg.block_n)), cfg, "bwd",
