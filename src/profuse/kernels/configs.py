@@ -96,6 +96,8 @@ def two_blocks(n_cols: int) -> tuple[int, int] | None:
 # 1024 x 32768); a register cap of 96 on the latter (5 programs an SM, with spills) never won the
 # tuner's pick. Session 11: finer still lost: 256-column shares at 1 warp (16 programs an SM) took
 # 175-233 us at 32M elements against 136-139 for the best, 512 columns at 4 warps 163-165 us.
+# Session 15: shares of 2048-4096 columns at 8-16 warps, a pipelining depth of 4, and caps of
+# 80-112 registers on the 512-column backward (spills: 192-206 us against 135) never won.
 # Programs an SM 0: row teams, a team a row on a grid of one program per share (the forward
 # only; kernels/tail.py's row team kernel). Session 14, 32M elements: 70.2 us at 4096 x 8192
 # (the best launch before, 72.4-72.9), 72.1-72.6 at 3048 x 11008 (74.1-74.4), 72.1 at 2048 x
