@@ -404,6 +404,7 @@ def _tail_fwd_team_kernel(
     BLOCK_N: tl.constexpr,  # each member's share of the row
     LAG: tl.constexpr,  # 1: a row's sums are read after the next row's are published
     BUFFERS: tl.constexpr,  # slot buffers: teams.buffers_for(LAG)
+    APPROX: tl.constexpr,  # a GPU: `_sigmoid`'s approximate one
 ):
     """Wide rows read once: a team of MEMBERS co-resident programs shares each row, member m
     holding columns [m * BLOCK_N, (m + 1) * BLOCK_N) of it in registers. Each member sums its
@@ -431,7 +432,7 @@ def _tail_fwd_team_kernel(
     if LAG:
         # The first row is peeled off the loop and the last row's y follows it, so the loop has
         # no branch: each turn publishes row i, issues row i + 1's loads, then finishes row i - 1.
-        h_prev = _team_h(g, u, r)
+        h_prev = _team_h(g, u, r, APPROX)
         seq += 1
         publish(slots, seq, member, tl.sum(h_prev * h_prev, axis=0), SLOTS, BUFFERS)
         prev = row
@@ -439,7 +440,7 @@ def _tail_fwd_team_kernel(
         g, u, r = _team_loads(G_ptr, U_ptr, R_ptr, row, g_row_stride, u_row_stride, r_row_stride, cols,
                               n_rows, n_cols)  # fmt: skip
         for _ in range(team + n_teams, n_rows, n_teams):
-            h = _team_h(g, u, r)
+            h = _team_h(g, u, r, APPROX)
             seq += 1
             publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS, BUFFERS)
             nxt = row + n_teams
@@ -454,7 +455,7 @@ def _tail_fwd_team_kernel(
                     n_cols, eps, MEMBERS, SLOTS, BUFFERS)  # fmt: skip
     else:
         for _ in range(team, n_rows, n_teams):
-            h = _team_h(g, u, r)
+            h = _team_h(g, u, r, APPROX)
             seq += 1
             publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS, BUFFERS)
             # The next row's loads go out before the wait.
@@ -475,6 +476,7 @@ def _tail_fwd_team_staged_kernel(
     BUFFERS: tl.constexpr,
     STAGES: tl.constexpr,  # tl.range's num_stages: rows STAGES - 1 ahead load into shared memory
     SPIN: tl.constexpr,  # wait in inline assembly (a GPU); the interpreter takes `gather`'s loop
+    APPROX: tl.constexpr,  # a GPU: `_sigmoid`'s approximate one
 ):  # fmt: skip
     """The team forward (arguments as `_tail_fwd_team_kernel`'s) with its row loop left to
     Triton's software pipeliner: each turn loads its row, publishes, waits and writes y, while
@@ -502,7 +504,7 @@ def _tail_fwd_team_staged_kernel(
             row = tl.cast(i, tl.int64)
             g, u, r = _team_loads(G_ptr, U_ptr, R_ptr, row, g_row_stride, u_row_stride, r_row_stride, cols,
                                   n_rows, n_cols)  # fmt: skip
-            h = _team_h(g, u, r)
+            h = _team_h(g, u, r, APPROX)
             seq += 1
             publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS, BUFFERS)
             rstd = tl.rsqrt(gather(slots, seq - 1, MEMBERS, SLOTS, BUFFERS, SPIN) / n_cols + eps)
@@ -516,7 +518,7 @@ def _tail_fwd_team_staged_kernel(
             row = tl.cast(i, tl.int64)
             g, u, r = _team_loads(G_ptr, U_ptr, R_ptr, row, g_row_stride, u_row_stride, r_row_stride, cols,
                                   n_rows, n_cols)  # fmt: skip
-            h = _team_h(g, u, r)
+            h = _team_h(g, u, r, APPROX)
             seq += 1
             publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS, BUFFERS)
             rstd = tl.rsqrt(gather(slots, seq, MEMBERS, SLOTS, BUFFERS, SPIN) / n_cols + eps)
@@ -532,6 +534,7 @@ def _tail_fwd_row_team_kernel(
     MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr,
     SPIN: tl.constexpr,  # wait in inline assembly (a GPU); the interpreter takes `gather`'s loop
     PATIENCE: tl.constexpr,  # with SPIN: polls of a partner's slot before the kernel traps
+    APPROX: tl.constexpr,  # a GPU: `_sigmoid`'s approximate one
 ):  # fmt: skip
     """Wide rows read once, on a grid of one program per share of a row: a team forms for one
     row and ends with it, and the GPU starts the next programs as these end, as it does for a
@@ -553,7 +556,7 @@ def _tail_fwd_row_team_kernel(
     r = tl.load(R_ptr + row * r_row_stride + cols, mask=col_mask, other=0.0)
     slots = SLOT_ptr + row * SLOTS
     seq = (tl.load(slots + member, volatile=True) >> 32).to(tl.int32) + 1
-    h = _team_h(g, u, r)
+    h = _team_h(g, u, r, APPROX)
     publish(slots, seq, member, tl.sum(h * h, axis=0), SLOTS, 1)
     w = tl.load(W_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     rstd = tl.rsqrt(gather(slots, seq, MEMBERS, SLOTS, 1, SPIN, PATIENCE) / n_cols + eps)
@@ -1307,9 +1310,11 @@ def _team_launch(kernel, cfg: KernelConfig, kind: str, n_rows: int, n_cols: int,
         if cfg.pipeline:
             # The staged kernels: a spinning wait in inline assembly, which the interpreter lacks.
             constants.update(STAGES=cfg.pipeline, SPIN=not interpreting())
+        # Every team kernel takes `_sigmoid`'s approximate one on a GPU (the interpreter runs no
+        # inline assembly): their loops issue more than they wait, the backward's most.
         launch = _TEAM_LAUNCHES.add(key, TeamLaunch(
             kernel, cfg, kind, members, n_rows, MEMBERS=members, SLOTS=slots_for(members),
-            BLOCK_N=cfg.block_n, LAG=lag, BUFFERS=buffers_for(lag), **constants,
+            BLOCK_N=cfg.block_n, LAG=lag, BUFFERS=buffers_for(lag), APPROX=not interpreting(), **constants,
         ))  # fmt: skip
     return launch
 
@@ -1323,7 +1328,7 @@ def _row_team_launch(cfg: KernelConfig, n_rows: int, n_cols: int) -> RowTeamLaun
         launch = _TEAM_LAUNCHES.add(key, RowTeamLaunch(
             _tail_fwd_row_team_kernel, cfg, "fwd", members, n_rows, MEMBERS=members,
             SLOTS=slots_for(members), BLOCK_N=cfg.block_n, SPIN=not interpreting(),
-            PATIENCE=ROW_TEAM_PATIENCE, num_warps=cfg.num_warps,
+            PATIENCE=ROW_TEAM_PATIENCE, APPROX=not interpreting(), num_warps=cfg.num_warps,
         ))  # fmt: skip
     return launch
 
@@ -1387,8 +1392,7 @@ def _backward_launch(
         # sm_90a: 128 capped, 124 uncapped; a 16-row tile takes 158 uncapped).
         rows = max(1, 64 * 32 * cfg.num_warps // cfg.block_n)
         return _team_launch(
-            kernel, cfg, "bwd", n_rows, n_cols, num_warps=cfg.num_warps, DW_ROWS=rows,
-            APPROX=not interpreting(), **flags,
+            kernel, cfg, "bwd", n_rows, n_cols, num_warps=cfg.num_warps, DW_ROWS=rows, **flags
         )  # fmt: skip
     return Launch(
         _tail_bwd_slab_kernel, (programs, triton.cdiv(n_cols, cfg.block_n)), cfg, "bwd",
