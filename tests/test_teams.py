@@ -249,7 +249,7 @@ def _sigmoid_probe(X_ptr, Y_ptr, n, APPROX: tl.constexpr, BLOCK: tl.constexpr):
 
 @gpu
 def test_the_approximate_sigmoid_is_within_a_few_ulp_of_the_exact_one_and_saturates():
-    """The team backward's sigmoid (the hardware's exp2 and reciprocal, flushing subnormals)
+    """The team kernels' sigmoid (the hardware's exp2 and reciprocal, flushing subnormals)
     against tl.sigmoid: within 4 fp32 ulp, or both below the smallest normal. Both against
     float64 within the rounding of x * log2(e) (|x| ulp) and a few more; 0 and 1 at the far ends."""
     ends = [0.0, -0.0, 15.0, -15.0, 88.0, -88.0, 100.0, -100.0, 1e30, -1e30, float("inf"), float("-inf")]

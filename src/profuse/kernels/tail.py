@@ -356,7 +356,7 @@ def _sigmoid(x, APPROX: tl.constexpr):
 
 
 @triton.jit
-def _team_h(g, u, r, APPROX: tl.constexpr = False):
+def _team_h(g, u, r, APPROX: tl.constexpr):
     """h = silu(g) * u + r in fp32 (APPROX: `_sigmoid`'s)."""
     gf = g.to(tl.float32)
     return gf * _sigmoid(gf, APPROX) * u.to(tl.float32) + r.to(tl.float32)
@@ -930,8 +930,7 @@ def _team_row_grads(
 @triton.jit
 def _team_grads(
     DG_ptr, DU_ptr, DR_ptr, row, cols, mask, dy, g, u, x_hat, w, rstd, total, n_cols,
-    COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr,
-    APPROX: tl.constexpr = False,
+    COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr, APPROX: tl.constexpr,
 ):  # fmt: skip
     """A member's share of dg, du, dr for row `row` from its raw dy, g, u, its x_hat and the
     team's sum of x_hat * w * dy (`total`); APPROX: `_sigmoid`'s."""
