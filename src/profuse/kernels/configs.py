@@ -104,10 +104,15 @@ def two_blocks(n_cols: int) -> tuple[int, int] | None:
 # 16384 (72.8-73.2); at 128M elements 2-4% faster from 5120 to 32768 columns. With more
 # members a team waits longer for its last one: at 32768-65536 columns the staged teams still
 # win. Shares of 8192 columns at 16 warps, 2048 at 8 and 1024 at 4 never came within 5%.
+# Session 16: row teams of 32 columns a thread (4096 at 4 warps, 2048 at 2; 62-64 registers,
+# 8-16 programs an SM) won the pick at 14336-32768 columns and took the forward at 32M from
+# 71.3-71.5 us to 70.4-70.5 at 2048 x 16384, 72.0-72.2 to 71.4 at 1024 x 32768.
 FWD_TEAM_SHARES = (
     (8192, 8, 0, 1),
     (4096, 8, 0, 1),
+    (4096, 4, 0, 1),
     (2048, 4, 0, 1),
+    (2048, 2, 0, 1),
     (1024, 2, 0, 1),
     (2048, 4, 8, 2, 128, 3),
     (2048, 4, 8, 2, 0, 3),
