@@ -7,6 +7,12 @@ time, L2 flushed, the configs taking turns over 30 trials; the median). This sho
 heuristic's favourite (and the runtime autotuner's pick) is from the best candidate per shape.
 
     PYTHONPATH=src python benchmarks/tune_tail.py --out results/tune.json
+
+Team shapes not in the lists can be tried beside them (as configs.FWD_TEAM_SHARES writes them),
+e.g. the row teams and staged shape session 16 tried and did not keep:
+
+    PYTHONPATH=src python benchmarks/tune_tail.py --kinds team --which fwd --cols 16384,32768 \
+        --fwd-shares 1024:1:0:1,8192:16:0:1,2048:4:16:2:96:3 --out results/tune_more.json
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ from profuse.kernels.configs import (
     backward_config,
     forward_candidates,
     forward_config,
+    team_candidates,
+    teams_enabled,
     two_blocks,
 )
 from profuse.kernels.tail import tail_backward, tail_forward
@@ -87,12 +95,13 @@ def l2_variants(cands: list[KernelConfig]) -> list[KernelConfig]:
 def team_variants(
     cands: list[KernelConfig], caps: list[int], depths: list[int], sms: int
 ) -> list[KernelConfig]:
-    """Each team candidate also with each register cap and each software-pipelining depth (the
-    staged team kernels), its grid allowed up to 8 programs an SM (the launch fits what the
-    compiled kernel lets share an SM)."""
+    """Each persistent team candidate also with each register cap and each software-pipelining
+    depth (the staged team kernels), its grid allowed up to 8 programs an SM (the launch fits
+    what the compiled kernel lets share an SM). Row teams (programs 0) are left as they are:
+    their kernel has no staged form and their launch takes no register cap."""
     out = list(cands)
     for c in cands:
-        if c.kernel != "team" or c.maxnreg or c.pipeline:
+        if c.kernel != "team" or not c.programs or c.maxnreg or c.pipeline:
             continue
         for cap, depth in itertools.product([0, *caps], [0, *depths]):
             v = replace(c, maxnreg=cap, pipeline=depth, programs=8 * sms if cap or depth else c.programs)
@@ -150,6 +159,23 @@ def show(what: str, rows: list[dict]) -> None:
               f" spills {row['spills']} err {row['rel_err']:.1e}", flush=True)  # fmt: skip
 
 
+def share_list(text: str) -> list[tuple[int, ...]]:
+    """Team shapes as configs.FWD_TEAM_SHARES lists them, SHARE:WARPS:PER_SM:STAGES[:MAXNREG[:DEPTH]]
+    separated by commas (argparse type: bad input is a one-line error)."""
+    shares = []
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        try:
+            values = tuple(int(v) for v in item.split(":"))
+        except ValueError:
+            values = ()
+        if not 4 <= len(values) <= 6 or any(v < 0 for v in values) or min(values[:2]) < 1:
+            raise argparse.ArgumentTypeError(
+                f"expected SHARE:WARPS:PER_SM:STAGES[:MAXNREG[:DEPTH]] of non-negative integers, got {item!r}"
+            )
+        shares.append(values)
+    return shares
+
+
 def int_list(text: str) -> list[int]:
     """A comma-separated list of positive integers (argparse type: bad input is a one-line error)."""
     try:
@@ -181,8 +207,18 @@ def main() -> int:
     p.add_argument(
         "--pipeline", type=int_list, default=[], help="also try staged team kernels at these depths, e.g. 2,3"
     )
+    p.add_argument(
+        "--fwd-shares",
+        type=share_list,
+        default=[],
+        help="also try these team shapes for the forward, as configs.FWD_TEAM_SHARES lists them: "
+        "SHARE:WARPS:PER_SM:STAGES[:MAXNREG[:DEPTH]], e.g. 4096:4:0:1 (PER_SM 0: a row team)",
+    )
+    p.add_argument("--bwd-shares", type=share_list, default=[], help="the same for the backward")
     p.add_argument("--out", required=True)
     args = p.parse_args()
+    if any(share[2] == 0 for share in args.bwd_shares):
+        p.error("--bwd-shares: PER_SM 0 is a row team, which only the forward has")
     dev = torch.device("cuda")
     dtype = DTYPES[args.dtype]
     sms = sm_count(dev)
@@ -211,10 +247,14 @@ def main() -> int:
                 cands = team_variants(cands, args.maxnreg, args.pipeline, sms)
             return l2_variants(cands) if args.l2 else cands
 
+        def extra(cands: list[KernelConfig], shares: list, n_cols: int = n_cols) -> list[KernelConfig]:
+            more = team_candidates(n_cols, sms, shares) if teams_enabled() else []
+            return cands + [c for c in more if c not in cands]
+
         if "fwd" in args.which:
             shape["fwd"] = time_candidates(
                 "fwd",
-                widen(forward_candidates(n_rows, n_cols, dtype, sms)),
+                widen(extra(forward_candidates(n_rows, n_cols, dtype, sms), args.fwd_shares)),
                 forward_config(n_rows, n_cols, dtype),
                 partial(tail_forward, g, u, r, w, 1e-6),
                 partial(forward_error, ref_y),
@@ -229,7 +269,7 @@ def main() -> int:
             ref = tail_backward(dy, g, u, r, w, rstd, needs, KernelConfig("chunked", 1, 1024, 4, 1, 4 * sms))
             shape["bwd"] = time_candidates(
                 "bwd",
-                widen(backward_candidates(n_rows, n_cols, dtype, sms)),
+                widen(extra(backward_candidates(n_rows, n_cols, dtype, sms), args.bwd_shares)),
                 backward_config(n_rows, n_cols, dtype, sms),
                 partial(tail_backward, dy, g, u, r, w, rstd, needs),
                 partial(backward_error, ref),
