@@ -110,6 +110,13 @@ def team_variants(
     return out
 
 
+def with_shares(cands: list[KernelConfig], shares: list, n_cols: int, sms: int) -> list[KernelConfig]:
+    """The candidates, then the team launches of `shares` (--fwd-shares, --bwd-shares) that they
+    lack, built as configs builds its own lists (none when teams are off)."""
+    more = team_candidates(n_cols, sms, shares) if teams_enabled() else []
+    return cands + [c for c in more if c not in cands]
+
+
 def forward_error(ref, out) -> float:
     return T.relative_error(out[0], ref)
 
@@ -238,7 +245,8 @@ def main() -> int:
         ref_y = T.tail_eager(g.float(), u.float(), r.float(), w.float())
         shape = {"rows": n_rows, "cols": n_cols, "fwd": [], "bwd": []}
 
-        def widen(cands: list[KernelConfig], n_rows: int = n_rows, n_cols: int = n_cols) -> list:
+        def widen(cands: list, shares: list, n_rows: int = n_rows, n_cols: int = n_cols) -> list:
+            cands = with_shares(cands, shares, n_cols, sms)
             if args.kinds:
                 cands = [c for c in cands if c.kernel in args.kinds.split(",")]
             cands = explore(cands, n_rows, sms) if args.explore else cands
@@ -247,14 +255,10 @@ def main() -> int:
                 cands = team_variants(cands, args.maxnreg, args.pipeline, sms)
             return l2_variants(cands) if args.l2 else cands
 
-        def extra(cands: list[KernelConfig], shares: list, n_cols: int = n_cols) -> list[KernelConfig]:
-            more = team_candidates(n_cols, sms, shares) if teams_enabled() else []
-            return cands + [c for c in more if c not in cands]
-
         if "fwd" in args.which:
             shape["fwd"] = time_candidates(
                 "fwd",
-                widen(extra(forward_candidates(n_rows, n_cols, dtype, sms), args.fwd_shares)),
+                widen(forward_candidates(n_rows, n_cols, dtype, sms), args.fwd_shares),
                 forward_config(n_rows, n_cols, dtype),
                 partial(tail_forward, g, u, r, w, 1e-6),
                 partial(forward_error, ref_y),
@@ -269,7 +273,7 @@ def main() -> int:
             ref = tail_backward(dy, g, u, r, w, rstd, needs, KernelConfig("chunked", 1, 1024, 4, 1, 4 * sms))
             shape["bwd"] = time_candidates(
                 "bwd",
-                widen(extra(backward_candidates(n_rows, n_cols, dtype, sms), args.bwd_shares)),
+                widen(backward_candidates(n_rows, n_cols, dtype, sms), args.bwd_shares),
                 backward_config(n_rows, n_cols, dtype, sms),
                 partial(tail_backward, dy, g, u, r, w, rstd, needs),
                 partial(backward_error, ref),
