@@ -98,7 +98,8 @@ def team_variants(
     """Each persistent team candidate also with each register cap and each software-pipelining
     depth (the staged team kernels), its grid allowed up to 8 programs an SM (the launch fits
     what the compiled kernel lets share an SM). Row teams (programs 0) are left as they are:
-    their kernel has no staged form and their launch takes no register cap."""
+    their kernel has no staged form (a capped row team is tried by naming it in --fwd-shares,
+    SHARE:WARPS:0:1:MAXNREG)."""
     out = list(cands)
     for c in cands:
         if c.kernel != "team" or not c.programs or c.maxnreg or c.pipeline:

@@ -190,6 +190,27 @@ def test_row_teams_are_right_and_keep_their_numbers(dtype, case, device):
     assert (slots[:, members:] == 0).all()
 
 
+def test_a_row_team_takes_its_register_cap(device):
+    """A row team's register cap reaches ptxas (a config that names one is not run without it)
+    and changes no bit of the answer."""
+    if device == "cuda":
+        shape, free = (37, 5000), _row_team(5000, 2048, 4)
+    else:
+        shape, free = (7, 50), _row_team(50, 64, 2)
+    capped = KernelConfig(**{**free.to_dict(), "maxnreg": 32})
+    xs = tail_inputs(shape, torch.bfloat16, device, seed=27)
+    y, rstd = K.tail_forward(*xs, EPS, config=free)
+    autotune.LAUNCH_LOG = []
+    try:
+        y_cap, rstd_cap = K.tail_forward(*xs, EPS, config=capped)
+        regs = [e[2] for e in autotune.LAUNCH_LOG if e[1] == capped]
+    finally:
+        autotune.LAUNCH_LOG = None
+    assert torch.equal(y, y_cap) and torch.equal(rstd, rstd_cap)
+    if device == "cuda":
+        assert regs and max(regs) <= 32, regs
+
+
 @pytest.mark.skipif(CUDA, reason="on a GPU teams of several run")
 def test_a_row_team_of_several_needs_a_gpu(device):
     xs = tail_inputs((3, 40), torch.float32, device)

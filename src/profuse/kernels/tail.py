@@ -1324,10 +1324,12 @@ def _row_team_launch(cfg: KernelConfig, n_rows: int, n_cols: int) -> RowTeamLaun
     launch = _TEAM_LAUNCHES.get(key)
     if launch is None:
         members = team_size(n_cols, cfg.block_n)
+        # A register cap lets more members share an SM, so more bytes are in flight while some wait.
+        cap = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
         launch = _TEAM_LAUNCHES.add(key, RowTeamLaunch(
             _tail_fwd_row_team_kernel, cfg, "fwd", members, n_rows, MEMBERS=members,
             SLOTS=slots_for(members), BLOCK_N=cfg.block_n, SPIN=not interpreting(),
-            PATIENCE=ROW_TEAM_PATIENCE, APPROX=not interpreting(), num_warps=cfg.num_warps,
+            PATIENCE=ROW_TEAM_PATIENCE, APPROX=not interpreting(), num_warps=cfg.num_warps, **cap,
         ))  # fmt: skip
     return launch
 
