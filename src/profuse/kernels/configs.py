@@ -107,6 +107,9 @@ def two_blocks(n_cols: int) -> tuple[int, int] | None:
 # Session 16: row teams of 32 columns a thread (4096 at 4 warps, 2048 at 2; 62-64 registers,
 # 8-16 programs an SM) won the pick at 14336-32768 columns and took the forward at 32M from
 # 71.3-71.5 us to 70.4-70.5 at 2048 x 16384, 72.0-72.2 to 71.4 at 1024 x 32768.
+# Session 17: what a row team loses at 32768-65536 columns is its exchange (without it the same
+# kernel runs as fast as the one-row forward: benchmarks/row_team_probe.py); register caps that
+# fit more members an SM (32-56) and teams of 2-4 rows in turn did not win it back.
 FWD_TEAM_SHARES = (
     (8192, 8, 0, 1),
     (4096, 8, 0, 1),
