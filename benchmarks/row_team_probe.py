@@ -6,7 +6,8 @@ runs at 91-92%. This times, at each shape and share, device time with the L2 zer
 variants taking turns, the median of --trials:
 
     team      the kernel as shipped (tail_forward with the row team config), for reference
-    probe     a probe copy of it, the same work, with a clock: must time as `team`
+    probe     a probe copy of it, the same work, with a clock (which costs it time: the clock's
+              reads and stores lie on each program's way from its data to its publish)
     nowait    the probe with no exchange: each member takes its own share's sum as the row's
               (wrong answers; the time a row team with nothing to wait for would take)
     sleep     the probe with a pause of ~100 ns between polls of the partners' slots (how much
@@ -17,6 +18,12 @@ bandwidth the wide rows are measured against. The probe's clock (globaltimer, pe
 gives where a program's time goes: the share spent waiting for its partners, how far apart a
 team's members start, and how long the grid's last programs run after the last one started.
 `probe` is checked against `team` (the same bits) before it is timed.
+
+Session 17, H200, 32M elements: with no exchange the row team ran 68.6-69.2 us at 16384-65536
+columns (91.4-92.3% of copy), as fast as the one-row forward at 1024 columns (68.4-69.2), where
+the shipped kernel ran 69.7-75.2: the exchange is the whole of the gap, and it grows with the
+members a row has. The clocked probe ran 2-6 us slower than the shipped kernel, so the waiting
+shares it reports (16-21% of a program's life) bound the shipped kernel's from above.
 
     PYTHONPATH=src python benchmarks/row_team_probe.py --shapes 1024x32768,512x65536 \\
         --shares 4096:4,2048:2 --out results/row_team_probe.json
