@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
+from fixed_cost import shape
 
 from profuse.bench.traffic import copy_ceiling
 from profuse.files import check_folder, write_json
@@ -138,11 +139,9 @@ def clock_summary(clock: torch.Tensor, members: int) -> dict:
 
 
 def shape_list(text: str) -> list[tuple[int, int]]:
-    try:
-        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in text.split(",") if s.strip()]
-    except ValueError:
-        shapes = []
-    if not shapes or any(len(s) != 2 or min(s) <= 0 for s in shapes):
+    """ROWSxCOLS shapes separated by commas, each as fixed_cost.shape reads one."""
+    shapes = [shape(s) for s in text.split(",") if s.strip()]
+    if not shapes:
         raise argparse.ArgumentTypeError(f"expected ROWSxCOLS shapes separated by commas, got {text!r}")
     return shapes
 

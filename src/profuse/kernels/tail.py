@@ -1304,8 +1304,6 @@ def _team_launch(kernel, cfg: KernelConfig, kind: str, n_rows: int, n_cols: int,
     if launch is None:
         members = team_size(n_cols, cfg.block_n)
         lag = 1 if cfg.num_stages > 1 else 0  # two stages: a row's exchange overlaps the next row
-        if cfg.maxnreg:
-            constants["maxnreg"] = cfg.maxnreg
         if cfg.pipeline:
             # The staged kernels: a spinning wait in inline assembly, which the interpreter lacks.
             constants.update(STAGES=cfg.pipeline, SPIN=not interpreting())
@@ -1324,12 +1322,10 @@ def _row_team_launch(cfg: KernelConfig, n_rows: int, n_cols: int) -> RowTeamLaun
     launch = _TEAM_LAUNCHES.get(key)
     if launch is None:
         members = team_size(n_cols, cfg.block_n)
-        # A register cap lets more members share an SM, so more bytes are in flight while some wait.
-        cap = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
         launch = _TEAM_LAUNCHES.add(key, RowTeamLaunch(
             _tail_fwd_row_team_kernel, cfg, "fwd", members, n_rows, MEMBERS=members,
             SLOTS=slots_for(members), BLOCK_N=cfg.block_n, SPIN=not interpreting(),
-            PATIENCE=ROW_TEAM_PATIENCE, APPROX=not interpreting(), num_warps=cfg.num_warps, **cap,
+            PATIENCE=ROW_TEAM_PATIENCE, APPROX=not interpreting(), num_warps=cfg.num_warps,
         ))  # fmt: skip
     return launch
 

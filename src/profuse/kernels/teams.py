@@ -199,7 +199,9 @@ class TeamLaunch:
         self.members = members
         self.n_rows = n_rows
         self.meta = {}  # the call site passes launch.meta back: everything is bound already
-        self.constants = constants
+        # The config's register cap goes to ptxas with every launch (and the compile that sizes
+        # the grid): a lower cap lets more members share an SM.
+        self.constants = {**constants, "maxnreg": config.maxnreg} if config.maxnreg else constants
         # (dtype, device) -> [grid, the kernel bound to it, {stream: scratch}]
         self.sized: dict[tuple, list] = {}
 
