@@ -29,10 +29,10 @@ profuse's tuned forward and times them in turns under the harness's L2 flush:
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import sys
 from pathlib import Path
+
+from cluster_probe import SCRATCH, ptxas_usage, write_build  # SCRATCH: two pointers `time` passes, unused
 
 from profuse.cli import int_list
 
@@ -43,7 +43,6 @@ CONFIGS = [
     (32768, 4096, 128, 8), (32768, 4096, 256, 8), (32768, 8192, 256, 4), (32768, 8192, 512, 4),
     (65536, 8192, 256, 8), (65536, 8192, 512, 8),
 ]  # fmt: skip
-SCRATCH = ("global_scratch", "profile_scratch")  # cluster_probe.py passes two (Triton 3.9's); unused
 
 SOURCE = r"""
 typedef unsigned int u32;
@@ -201,10 +200,7 @@ def compile_config(n_cols: int, block: int, threads: int, ctas: int, exchange: b
     check(nvrtc.nvrtcGetCUBIN(prog, cubin))
     meta = dict(kernel="tail_fwd_cluster", shared=0, num_warps=threads // 32, num_ctas=ctas, cols=n_cols,
                 block_n=block, even=True, nvrtc=".".join(map(str, check(nvrtc.nvrtcVersion()))))  # fmt: skip
-    patterns = {"registers": r"Used (\d+) registers", "spill_store_bytes": r"(\d+) bytes spill stores",
-                "spill_load_bytes": r"(\d+) bytes spill loads"}  # fmt: skip
-    for key, pattern in patterns.items():
-        meta[key] = int(m.group(1)) if (m := re.search(pattern, log)) else None
+    meta.update(ptxas_usage(log))
     for s in SCRATCH:
         meta[f"{s}_size"], meta[f"{s}_align"] = 0, 1
     meta["cluster_dim"] = ctas if cluster else 1
@@ -236,7 +232,6 @@ def main() -> int:
         return 2
     kinds = [("", True, True)] + ([("_noexch", False, True), ("_noexch_plain", False, False)]
                                   if args.no_exchange else [])  # fmt: skip
-    out.mkdir(parents=True, exist_ok=True)
     for n_cols, block, threads, ctas in configs:
         for suffix, exchange, cluster in kinds:
             name = f"cuda_fwd_n{n_cols}_b{block}_t{threads}_c{ctas}{suffix}"
@@ -245,10 +240,7 @@ def main() -> int:
             except RuntimeError as err:
                 print(f"error: {name}: {err}", file=sys.stderr)
                 return 2
-            (out / f"{name}.cubin").write_bytes(cubin)
-            (out / f"{name}.json").write_text(json.dumps(meta, indent=1) + "\n")
-            print(f"{name:46} {meta['registers']!s:>3} registers, spills {meta['spill_store_bytes']} st / "
-                  f"{meta['spill_load_bytes']} ld", flush=True)  # fmt: skip
+            print(write_build(out, name, cubin, meta), flush=True)
     print(f"wrote {len(configs) * len(kinds)} cubins into {out}")
     return 0
 

@@ -100,13 +100,27 @@ def compile_config(n_cols: int, block_n: int, ctas: int, warps: int) -> tuple[by
         raise RuntimeError(f"the PTX entry does not take {len(ARGS)} arguments + {len(SCRATCH)} scratch")
     meta = dict(kernel=md.name, shared=md.shared, num_warps=md.num_warps, num_ctas=md.num_ctas, cols=n_cols,
                 block_n=block_n, even=even, triton=triton.__version__)  # fmt: skip
-    patterns = {"registers": r"Used (\d+) registers", "spill_store_bytes": r"(\d+) bytes spill stores",
-                "spill_load_bytes": r"(\d+) bytes spill loads"}  # fmt: skip
-    for key, pattern in patterns.items():
-        meta[key] = int(m.group(1)) if (m := re.search(pattern, log)) else None
+    meta.update(ptxas_usage(log))
     for s in SCRATCH:
         meta[f"{s}_size"], meta[f"{s}_align"] = getattr(md, f"{s}_size"), getattr(md, f"{s}_align")
     return c.asm["cubin"], meta
+
+
+def ptxas_usage(log: str) -> dict:
+    """Registers and spill bytes from ptxas's -v log (None where it does not say)."""
+    patterns = {"registers": r"Used (\d+) registers", "spill_store_bytes": r"(\d+) bytes spill stores",
+                "spill_load_bytes": r"(\d+) bytes spill loads"}  # fmt: skip
+    found = {key: re.search(pattern, log) for key, pattern in patterns.items()}
+    return {key: int(m.group(1)) if m else None for key, m in found.items()}
+
+
+def write_build(out: Path, name: str, cubin: bytes, meta: dict) -> str:
+    """NAME.cubin and NAME.json into `out`, as `time` reads them; a line that says what was built."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.cubin").write_bytes(cubin)
+    (out / f"{name}.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return (f"{name:46} {meta['registers']!s:>3} registers, spills {meta['spill_store_bytes']} st / "
+            f"{meta['spill_load_bytes']} ld, {meta['shared']} B of shared memory at launch")  # fmt: skip
 
 
 def build(args: argparse.Namespace) -> int:
@@ -133,11 +147,7 @@ def build(args: argparse.Namespace) -> int:
             print(f"error: triton {triton.__version__} cannot compile {name} (num_ctas={ctas}) "
                   f"for sm_90: {first}", file=sys.stderr)  # fmt: skip
             return 2
-        out.mkdir(parents=True, exist_ok=True)
-        (out / f"{name}.cubin").write_bytes(cubin)
-        (out / f"{name}.json").write_text(json.dumps(meta, indent=1) + "\n")
-        print(f"{name:36} {meta['registers']!s:>3} registers, spills {meta['spill_store_bytes']} st / "
-              f"{meta['spill_load_bytes']} ld, {meta['shared']} B shared", flush=True)  # fmt: skip
+        print(write_build(out, name, cubin, meta), flush=True)
     print(f"wrote {len(configs)} cubins (triton {triton.__version__}) into {out}")
     return 0
 
