@@ -36,7 +36,7 @@ members a row has. The clocked probe ran 2-6 us slower than the shipped kernel, 
 shares it reports (16-21% of a program's life) bound the shipped kernel's from above.
 
 Session 18: prefetching the next resident round's shares lost 15 us at 32M (line prefetches)
-and 5-7 (bulk), a prefetch of lines already in the L2 alone cost 1-2.4 us, and spreading a
+and 5.5-6.6 (bulk), a prefetch of lines already in the L2 alone cost 1.4-2.4 us, and spreading a
 member's columns over the row changed nothing (benchmarks/NOTES.md). So the DRAM does not sit
 idle while teams exchange, and members do not wait on partners whose blocks hit busy channels.
 
@@ -129,6 +129,19 @@ def _bulk_prefetch_l2(g, u, r, nbytes):
 
 
 @triton.jit
+def _ask_l2(G_ptr, U_ptr, R_ptr, at, end, PART: tl.constexpr, BULK: tl.constexpr):
+    """The first PART columns of a share of g, u, r from element `at` (none past `end`) asked
+    into the L2: one prefetch a 128-byte line, or (BULK) three bulk prefetches. Returns 0."""
+    if BULK:
+        one = tl.full([1], 0, tl.int64) + at
+        nbytes = (tl.minimum(PART, end + 1 - at) * 2).to(tl.int32) + 0 * one.to(tl.int32)
+        starts = [(p + one).to(tl.int64) for p in (G_ptr, U_ptr, R_ptr)]
+        return tl.sum(_bulk_prefetch_l2(*starts, nbytes), axis=0)
+    else:
+        return _prefetch_share(G_ptr, U_ptr, R_ptr, at, end, PART)
+
+
+@triton.jit
 def _probe_fwd_kernel(
     G_ptr, U_ptr, R_ptr, W_ptr, Y_ptr, RSTD_ptr, T_ptr, n_rows, n_cols, eps, SLOT_ptr, ahead,
     MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, WAIT: tl.constexpr,
@@ -164,7 +177,7 @@ def _probe_fwd_kernel(
     later, end = later_row + member * BLOCK_N, later_row + n_cols - 1
     asked = 0
     if PREFETCH and EARLY:
-        asked = _prefetch_share(G_ptr, U_ptr, R_ptr, later, end, BLOCK_N // PREFETCH)
+        asked = _ask_l2(G_ptr, U_ptr, R_ptr, later, end, BLOCK_N // PREFETCH, BULK)
     slots = SLOT_ptr + row * SLOTS
     # The number is read while the loads are in flight, as the shipped kernel does: read after
     # them, its L2 round trip lies between the data and the publish.
@@ -173,13 +186,8 @@ def _probe_fwd_kernel(
     part = tl.sum(h * h, axis=0)
     if WAIT:
         publish(slots, seq, member, part, SLOTS, 1)
-    if PREFETCH and not EARLY and not BULK:
-        asked = _prefetch_share(G_ptr, U_ptr, R_ptr, later, end, BLOCK_N // PREFETCH)
-    if PREFETCH and BULK:
-        one = tl.full([1], 0, tl.int64) + later
-        nbytes = (tl.minimum(BLOCK_N // PREFETCH, end + 1 - later) * 2).to(tl.int32)
-        starts = [(p + one).to(tl.int64) for p in (G_ptr, U_ptr, R_ptr)]
-        asked = tl.sum(_bulk_prefetch_l2(*starts, nbytes + 0 * one.to(tl.int32)), axis=0)
+    if PREFETCH and not EARLY:
+        asked = _ask_l2(G_ptr, U_ptr, R_ptr, later, end, BLOCK_N // PREFETCH, BULK)
     if CLOCK:
         t_published = tl.extra.cuda.globaltimer()
     w = tl.load(W_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
