@@ -1,0 +1,265 @@
+"""Hugging Face Llama-family models as ModelSpecs, built from a config with random weights.
+
+Nothing is downloaded: a size is a preset of published hyperparameters (each model's
+config.json), the CPU-sized `tiny`, or a local config.json (`--hf-config PATH`). The model is
+transformers' own class for the config (AutoModelForCausalLM.from_config), with SDPA attention
+and no KV cache (a training step has no use for one). Weights are random: the time and memory of
+a step depend on the shapes, not the values.
+
+Supported families (they share the MLP, decoder layer and norm layouts that profuse.fusion fuses):
+llama, mistral, qwen2, qwen3. transformers is an optional dependency: pip install 'profuse[hf]'.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from profuse.errors import UsageError
+from profuse.models.spec import CHECK_BATCH, CHECK_LAYERS, CHECK_SEQ_LEN, ModelSpec, OpShapes
+
+try:
+    import transformers
+
+    HAS_TRANSFORMERS = True
+except ImportError:  # an optional extra
+    transformers = None
+    HAS_TRANSFORMERS = False
+
+TRANSFORMERS_MISSING = "transformers is not installed: pip install 'profuse[hf]'"
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+# Each family's CPU-sized model: odd-ish widths, two layers, grouped-query attention.
+_TINY = dict(
+    hidden_size=96,
+    intermediate_size=224,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1024,
+    max_position_embeddings=1024,
+    tie_word_embeddings=False,
+)
+
+# Published sizes: the fields of each model's config.json that set a training step's shapes
+# (read 2026-12-04). RoPE scaling is left out: it changes no shape and no cost of a step.
+PRESETS: dict[str, tuple[str, dict]] = {
+    "Llama-3.2-1B": (
+        "llama",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=128256,
+            max_position_embeddings=131072,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "Qwen2.5-0.5B": (
+        "qwen2",
+        dict(
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "Qwen3-0.6B": (
+        "qwen3",
+        dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+}
+
+# Batch defaults: the tiny model's fit a CPU; the published sizes' are the 4 x 2048 tokens a
+# step that profuse's H200 targets use.
+TINY_BATCH = (2, 64)
+PUBLISHED_BATCH = (4, 2048)
+
+
+def require_transformers() -> None:
+    if not HAS_TRANSFORMERS:
+        raise UsageError(TRANSFORMERS_MISSING)
+
+
+def preset_names() -> tuple[str, ...]:
+    return ("tiny", *PRESETS)
+
+
+def _config_fields(config) -> dict:
+    return {k: v for k, v in config.to_dict().items() if not k.startswith("_")}
+
+
+@dataclass
+class HFSpec(ModelSpec):
+    """A Llama-family model: its transformers config, and the batch."""
+
+    config: object  # a transformers PretrainedConfig of one of ARCHS
+    preset: str
+    batch_size: int
+    seq_len: int
+    family: str = field(init=False)
+    _n_params: int | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.family = self.config.model_type
+        if self.family not in ARCHS:
+            raise UsageError(f"model type {self.family!r} is not supported: choose from {', '.join(ARCHS)}")
+        self.config.use_cache = False  # a training step has no use for a KV cache
+        if self.batch_size < 1 or self.seq_len < 1:
+            raise UsageError(f"batch size and sequence length must be positive ({self.batch_size} x {self.seq_len})")
+        limit = getattr(self.config, "max_position_embeddings", None)
+        if limit is not None and self.seq_len > limit:
+            raise UsageError(f"--seq-len {self.seq_len} is longer than the model's {limit} positions")
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+    @property
+    def n_layer(self) -> int:
+        return int(self.config.num_hidden_layers)
+
+    @property
+    def d_model(self) -> int:
+        return int(self.config.hidden_size)
+
+    @property
+    def ffn_hidden(self) -> int:
+        return int(self.config.intermediate_size)
+
+    def build(self, device: torch.device | str, seed: int = 0) -> nn.Module:
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = transformers.AutoModelForCausalLM.from_config(self.config, attn_implementation="sdpa")
+        return model.float().train()
+
+    def logits(self, model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+        return model(input_ids=idx, use_cache=False).logits
+
+    def small(self) -> HFSpec:
+        cfg = type(self.config).from_dict(_config_fields(self.config))
+        cfg.num_hidden_layers = min(self.n_layer, CHECK_LAYERS)
+        if getattr(cfg, "layer_types", None):  # per-layer attention kinds, where the family has them
+            cfg.layer_types = cfg.layer_types[: cfg.num_hidden_layers]
+        return HFSpec(cfg, self.preset, min(self.batch_size, CHECK_BATCH), min(self.seq_len, CHECK_SEQ_LEN))
+
+    def param_count(self) -> int:
+        """Parameters of the model the config makes, counted on the meta device (nothing allocated)."""
+        if self._n_params is None:
+            with torch.device("meta"):
+                model = transformers.AutoModelForCausalLM.from_config(self.config)
+            self._n_params = sum(p.numel() for p in model.parameters())
+        return self._n_params
+
+    def activation_bytes(self) -> int:
+        """~20 d + 6 F fp32 numbers a token and layer kept for the backward (q, k, v, attention
+        output, two norms, two residual adds; gate, up, their product and silu), the logits with
+        their log-softmax and gradients (~4 V a token), and attention scores where a backend
+        writes them out (B x heads x T^2 a layer, CPU's math path)."""
+        c = self.config
+        per_token = self.n_layer * (20 * self.d_model + 6 * self.ffn_hidden) + 4 * self.vocab_size
+        scores = self.batch_size * int(c.num_attention_heads) * self.seq_len**2
+        return (self.tokens * per_token + scores) * 4
+
+    def op_shapes(self) -> OpShapes:
+        return OpShapes(
+            tokens=self.tokens, d_model=self.d_model, ffn_hidden=self.ffn_hidden, eps=float(self.config.rms_norm_eps)
+        )
+
+    def fuse(self, model: nn.Module, ops=None, *, label: bool = False):
+        from profuse.fusion import fuse
+
+        return fuse(model, ops, label=label)
+
+    def label(self, model: nn.Module) -> nn.Module:
+        """The fused structure with the plain-torch ops (profuse.fusion.EAGER), each in its
+        profiler range: the same math as the model's own, one op at a time."""
+        from profuse import fusion
+
+        fusion.fuse(model, fusion.EAGER, label=True)
+        return model
+
+    def to_dict(self) -> dict:
+        return {
+            "model": self.model_arg,
+            "preset": self.preset,
+            "config": _config_fields(self.config),
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "n_params": self.param_count(),
+        }
+
+
+def _read_config_file(path: Path):
+    file = path / "config.json" if path.is_dir() else path
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise UsageError(f"--hf-config {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise UsageError(f"--hf-config {path}: not a readable config.json ({type(err).__name__})") from None
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise UsageError(f"--hf-config {path}: a Hugging Face config.json has a model_type; this one has none")
+    family = data.pop("model_type")
+    if family not in ARCHS:
+        raise UsageError(f"--hf-config {path}: model type {family!r} is not supported: choose from {', '.join(ARCHS)}")
+    return transformers.AutoConfig.for_model(family, **data)
+
+
+def hf_spec(
+    arch: str,
+    preset: str | None = None,
+    *,
+    config_path: str | Path | None = None,
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+) -> HFSpec:
+    """The spec for `--model hf:ARCH` with `--preset` (default tiny) or `--hf-config PATH`."""
+    if arch not in ARCHS:
+        raise UsageError(f"unknown Hugging Face architecture {arch!r}: choose from {', '.join(ARCHS)}")
+    require_transformers()
+    if config_path is not None:
+        config = _read_config_file(Path(config_path))
+        if config.model_type != arch:
+            raise UsageError(f"--hf-config holds a {config.model_type!r} model, not {arch!r}: use --model hf:{config.model_type}")
+        name, batch = Path(config_path).name, PUBLISHED_BATCH
+    else:
+        name = preset or "tiny"
+        if name == "tiny":
+            config, batch = transformers.AutoConfig.for_model(arch, **_TINY), TINY_BATCH
+        elif name in PRESETS:
+            family, fields = PRESETS[name]
+            if family != arch:
+                raise UsageError(f"preset {name} is a {family} model: use --model hf:{family}")
+            config, batch = transformers.AutoConfig.for_model(arch, **fields), PUBLISHED_BATCH
+        else:
+            raise UsageError(f"unknown preset {name!r} for hf:{arch}: choose from {', '.join(preset_names())}")
+    return HFSpec(config, name, batch_size or batch[0], seq_len or batch[1])
