@@ -45,8 +45,8 @@ def model_spec(
 
         given = sorted(k for k, v in gpt_fields.items() if v is not None)
         if given:
-            flags = ", ".join("--" + k.replace("n_layer", "layers").replace("n_head", "heads").replace("_", "-")
-                              for k in given)  # fmt: skip
-            raise UsageError(f"{flags}: the built-in GPT's size flags; a Hugging Face model's come from its config")
+            flag = {"n_layer": "layers", "n_head": "heads"}
+            flags = ", ".join("--" + flag.get(k, k).replace("_", "-") for k in given)
+            raise UsageError(f"{flags}: sizes of the built-in GPT; a Hugging Face model's are its config's")
         return hf_spec(model[3:], preset, config_path=config_path, batch_size=batch_size, seq_len=seq_len)
     raise UsageError(f"unknown model {model!r}: {MODEL_HELP}")

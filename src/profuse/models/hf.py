@@ -134,7 +134,7 @@ class HFSpec(ModelSpec):
             raise UsageError(f"model type {self.family!r} is not supported: choose from {', '.join(ARCHS)}")
         self.config.use_cache = False  # a training step has no use for a KV cache
         if self.batch_size < 1 or self.seq_len < 1:
-            raise UsageError(f"batch size and sequence length must be positive ({self.batch_size} x {self.seq_len})")
+            raise UsageError(f"batch and sequence must be positive: {self.batch_size} x {self.seq_len}")
         limit = getattr(self.config, "max_position_embeddings", None)
         if limit is not None and self.seq_len > limit:
             raise UsageError(f"--seq-len {self.seq_len} is longer than the model's {limit} positions")
@@ -190,9 +190,8 @@ class HFSpec(ModelSpec):
         return (self.tokens * per_token + scores) * 4
 
     def op_shapes(self) -> OpShapes:
-        return OpShapes(
-            tokens=self.tokens, d_model=self.d_model, ffn_hidden=self.ffn_hidden, eps=float(self.config.rms_norm_eps)
-        )
+        eps = float(self.config.rms_norm_eps)
+        return OpShapes(tokens=self.tokens, d_model=self.d_model, ffn_hidden=self.ffn_hidden, eps=eps)
 
     def fuse(self, model: nn.Module, ops=None, *, label: bool = False):
         from profuse.fusion import fuse
@@ -227,10 +226,11 @@ def _read_config_file(path: Path):
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise UsageError(f"--hf-config {path}: not a readable config.json ({type(err).__name__})") from None
     if not isinstance(data, dict) or "model_type" not in data:
-        raise UsageError(f"--hf-config {path}: a Hugging Face config.json has a model_type; this one has none")
+        raise UsageError(f"--hf-config {path}: no model_type in it, so not a Hugging Face config.json")
     family = data.pop("model_type")
     if family not in ARCHS:
-        raise UsageError(f"--hf-config {path}: model type {family!r} is not supported: choose from {', '.join(ARCHS)}")
+        supported = ", ".join(ARCHS)
+        raise UsageError(f"--hf-config {path}: model type {family!r} is not one of {supported}")
     return transformers.AutoConfig.for_model(family, **data)
 
 
@@ -249,7 +249,8 @@ def hf_spec(
     if config_path is not None:
         config = _read_config_file(Path(config_path))
         if config.model_type != arch:
-            raise UsageError(f"--hf-config holds a {config.model_type!r} model, not {arch!r}: use --model hf:{config.model_type}")
+            held = config.model_type
+            raise UsageError(f"--hf-config holds a {held!r} model, not {arch!r}: use --model hf:{held}")
         name, batch = Path(config_path).name, PUBLISHED_BATCH
     else:
         name = preset or "tiny"
@@ -261,5 +262,6 @@ def hf_spec(
                 raise UsageError(f"preset {name} is a {family} model: use --model hf:{family}")
             config, batch = transformers.AutoConfig.for_model(arch, **fields), PUBLISHED_BATCH
         else:
-            raise UsageError(f"unknown preset {name!r} for hf:{arch}: choose from {', '.join(preset_names())}")
+            choices = ", ".join(preset_names())
+            raise UsageError(f"unknown preset {name!r} for hf:{arch}: choose from {choices}")
     return HFSpec(config, name, batch_size or batch[0], seq_len or batch[1])
