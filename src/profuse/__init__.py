@@ -7,6 +7,7 @@ Public API:
     FusedTail                                               an nn.Module around them
     compare, Comparison, Speedup                            the timing harness
     silu_mul, add_rms_norm                                  the block's own ops, fused (profuse.blockops)
+    profile                                                 any training step under torch.profiler
 
 The names are loaded on first use (PEP 562): importing torch, scipy and triton takes seconds,
 and `profuse --help` or a mistyped flag should not pay for them.
@@ -31,6 +32,7 @@ _PUBLIC = {
     "tail_rms_norm": "profuse.tail",
     "tail_triton": "profuse.tail",
     "silu_mul": "profuse.blockops",
+    "profile": "profuse.profiling",
     "add_rms_norm": "profuse.blockops",
 }
 
@@ -40,6 +42,7 @@ __all__ = [
     "Speedup",
     "add_rms_norm",
     "compare",
+    "profile",
     "silu_mul",
     "tail_compiled",
     "tail_eager",
@@ -52,6 +55,7 @@ if TYPE_CHECKING:  # for type checkers and editors: the names as if imported eag
     from profuse.bench.stats import Speedup
     from profuse.bench.timing import Comparison, compare
     from profuse.blockops import add_rms_norm, silu_mul
+    from profuse.profiling import profile
     from profuse.tail import FusedTail, tail_compiled, tail_eager, tail_reference, tail_rms_norm, tail_triton
 
 

@@ -44,8 +44,9 @@ from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
+from torch import profiler as torch_profiler
 from torch.autograd.profiler_util import EventList
-from torch.profiler import ProfilerActivity, profile, record_function, schedule
+from torch.profiler import ProfilerActivity, record_function, schedule
 
 from profuse.compile import compile_model
 from profuse.env import check_fits
@@ -131,6 +132,10 @@ LAUNCH_BOUND_IDLE_PCT = 50.0
 # Autograd's backward nodes run as this range, carrying the sequence number of the forward op
 # that made them: how a backward kernel is traced to the forward op it belongs to.
 _BACKWARD_NODE = "autograd::engine::evaluate_function: "
+
+# The ranges torch's optimizers open themselves (Optimizer.step#AdamW.step, ...zero_grad): the
+# optimizer's work is found in any step, labelled by its author or not.
+_TORCH_OPTIMIZER_RANGES = ("Optimizer.step#", "Optimizer.zero_grad#")
 
 
 def is_tail_op(name: str) -> bool:
@@ -365,21 +370,71 @@ def profile_with_trace(
 ) -> tuple[ProfileResult, dict]:
     """`run_profile`, with the trace as it was read back: a caller that reads more from it
     (profuse.distributed, the communication) parses the JSON once."""
+    train_step = _training_step(cfg, wrap, batch_seed)
+    return _profile_step(train_step, cfg, cfg.to_dict(), progress, extra_rules=extra_rules)
+
+
+def profile(
+    step: Callable[[], object],
+    *,
+    steps: int = 4,
+    warmup: int = 2,
+    out: str | Path = ".",
+    device: str | torch.device | None = None,
+    trace_name: str = "trace.json",
+    regions: Iterable[str] = (),
+    row_limit: int = 12,
+    compiled: bool = False,
+    progress: Progress | None = None,
+) -> ProfileResult:
+    """Profile any training step: `step` is a zero-argument callable that runs one whole step.
+
+    `warmup` untimed steps first (a compiled step compiles in them), then `steps` steps under
+    torch.profiler, each ended by a device synchronisation. Writes the trace to out/trace_name
+    and returns what Part A returns: the operator table, the step's time by category, kernels
+    (CUDA) or operators (CPU) per step, the GPU's idle share, and its reading. `device`: where
+    the step runs (default: CUDA if there is a GPU); `regions`: record_function range names
+    whose share of the step to report (ProfileResult.summary.region_pct). `compiled` only
+    labels the result (and asks for a warm-up step).
+    """
+    device = (
+        torch.device(device)
+        if device is not None
+        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    )
+    cfg = ProfileConfig(
+        device=device, steps=steps, warmup=warmup, compile=compiled, out_dir=Path(out),
+        trace_name=trace_name, row_limit=row_limit,
+    )  # fmt: skip
+    config = {k: v for k, v in cfg.to_dict().items() if k not in ("model", "seed", "lr")}
+    result, _trace = _profile_step(step, cfg, config, progress, regions=tuple(regions))
+    return result
+
+
+def _profile_step(
+    train_step: Callable[[], object],
+    cfg: ProfileConfig,
+    config: dict,
+    progress: Progress | None,
+    *,
+    extra_rules: tuple[tuple[str, str], ...] = (),
+    regions: tuple[str, ...] = (),
+) -> tuple[ProfileResult, dict]:
+    """Warm-up, the profiled steps, the table, the trace and its reading, for any step."""
     say = progress or (lambda _msg: None)
     device = cfg.device
-    train_step = _training_step(cfg, wrap, batch_seed)
     profiler_warmup = _warm_up(cfg, train_step, say)
     prof, step_times = _profiled_steps(cfg, train_step, profiler_warmup, say)
     table, sort_by, rows = _operator_table(prof, device.type == "cuda", cfg.row_limit)
     trace_path = cfg.out_dir / cfg.trace_name
     trace = _write_trace(prof, trace_path, say)
-    summary = analyze_trace(trace, device=device.type, extra_rules=extra_rules)
+    summary = analyze_trace(trace, device=device.type, extra_rules=extra_rules, regions=regions)
     result = ProfileResult(
         device=str(device),
         compiled=cfg.compile,
         precision="bf16 autocast" if device.type == "cuda" else "fp32",
         torch_version=torch.__version__,
-        config=cfg.to_dict(),
+        config=config,
         steps=summary.steps,
         table=table,
         sort_by=sort_by,
@@ -432,7 +487,7 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _warm_up(cfg: ProfileConfig, train_step: Callable[[], None], say: Progress) -> int:
+def _warm_up(cfg: ProfileConfig, train_step: Callable[[], object], say: Progress) -> int:
     """Run the warm-up steps that go before the profiler starts; returns how many more run
     under the profiler's own warm-up phase (the last one, so its start-up stays out too)."""
     profiler_warmup = min(cfg.warmup, 1)
@@ -448,8 +503,8 @@ def _warm_up(cfg: ProfileConfig, train_step: Callable[[], None], say: Progress) 
 
 
 def _profiled_steps(
-    cfg: ProfileConfig, train_step: Callable[[], None], profiler_warmup: int, say: Progress
-) -> tuple[profile, list[float]]:
+    cfg: ProfileConfig, train_step: Callable[[], object], profiler_warmup: int, say: Progress
+) -> tuple[torch_profiler.profile, list[float]]:
     """The profiler loop: `profiler_warmup` steps, then `cfg.steps` recorded ones, each ended by
     a device synchronisation. Returns the profiler and the recorded steps' wall times (s)."""
     device = cfg.device
@@ -459,7 +514,7 @@ def _profiled_steps(
         sched = schedule(wait=0, warmup=profiler_warmup, active=cfg.steps, repeat=1)
     say(f"profiling {cfg.steps} training steps on {device}")
     step_times: list[float] = []
-    with profile(activities=activities, schedule=sched) as prof:
+    with torch_profiler.profile(activities=activities, schedule=sched) as prof:
         for i in range(profiler_warmup + cfg.steps):
             t0 = time.perf_counter()
             train_step()
@@ -470,7 +525,9 @@ def _profiled_steps(
     return prof, step_times
 
 
-def _operator_table(prof: profile, on_cuda: bool, row_limit: int) -> tuple[str, str, list[OperatorRow]]:
+def _operator_table(
+    prof: torch_profiler.profile, on_cuda: bool, row_limit: int
+) -> tuple[str, str, list[OperatorRow]]:
     """The lab's operator table (key_averages().table), its sort key, and its top rows as data."""
     averages = prof.key_averages()
     if on_cuda:
@@ -493,7 +550,7 @@ def _operator_table(prof: profile, on_cuda: bool, row_limit: int) -> tuple[str, 
     return table, sort_by, rows
 
 
-def _write_trace(prof: profile, path: Path, say: Progress) -> dict:
+def _write_trace(prof: torch_profiler.profile, path: Path, say: Progress) -> dict:
     """Export the Chrome trace to `path`, whole or not at all, and read it back."""
     say(f"writing {path}")
     with atomic_path(path) as tmp:
@@ -636,7 +693,7 @@ def analyze_trace(
     steps = _Windows(s for s in host if s.name.startswith(STEP_PREFIX))
     if not steps:
         raise RuntimeError("the trace holds no ProfilerStep span: was prof.step() called?")
-    optimizer = _Windows(s for s in host if s.name == OPTIMIZER)
+    optimizer = _Windows(s for s in host if s.name == OPTIMIZER or s.name.startswith(_TORCH_OPTIMIZER_RANGES))
 
     region_of = _regions(host, tuple(regions))
     time_by_region: dict[str, float] = dict.fromkeys(regions, 0.0)
