@@ -15,9 +15,24 @@ import sys
 import torch
 from triton.testing import do_bench
 
-from profuse.bench.tail import DEFAULT_VARIANTS, TailBenchConfig, _runner, make_inputs, variants
+from profuse.bench.tail_bench import DEFAULT_VARIANTS, TailBenchConfig, make_inputs, variants
 from profuse.bench.timing import compare
 from profuse.files import write_json
+
+
+def runner(fn, x: dict, cfg: TailBenchConfig):
+    """One call of a tail variant as Part B times it: the forward, or forward + backward with
+    fresh gradients (autograd.grad) against the bench's dy."""
+    g, u, r, w = x["gate"], x["up"], x["residual"], x["weight"]
+    if not cfg.backward:
+        return lambda: fn(g, u, r, w, cfg.eps)
+    leaves = [t.detach().requires_grad_() for t in (g, u, r, w)]
+
+    def fwd_bwd():
+        y = fn(*leaves, cfg.eps)
+        return (y.detach(), *torch.autograd.grad(y, leaves, x["dy"]))
+
+    return fwd_bwd
 
 
 def main() -> int:
@@ -33,7 +48,7 @@ def main() -> int:
     known = variants()
     keys = [k for k in DEFAULT_VARIANTS if known[k].available]
     x = make_inputs(cfg)
-    fns = {k: _runner(known[k].fn, x, cfg) for k in keys}
+    fns = {k: runner(known[k].fn, x, cfg) for k in keys}
     comp = compare(fns, "eager", trials=args.trials, device=dev)
     rows = {}
     print(f"{'variant':>16} {'profuse ms':>10} {'do_bench':>10} {'ratio':>7} {'CPU dispatch ms':>15}")

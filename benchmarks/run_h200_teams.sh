@@ -1,21 +1,24 @@
 #!/usr/bin/env bash
-# Team kernels (issue 18) on one GPU:
-#   bash benchmarks/run_h200_teams.sh OUTDIR tune   # every team candidate timed per width
-#                                                   # (tune_tail --kinds team), then test_teams.py
-#   bash benchmarks/run_h200_teams.sh OUTDIR tests  # the kernels' GPU tests, every candidate
-#   bash benchmarks/run_h200_teams.sh OUTDIR bwd    # forward + backward, the grid's widths above 2048
-#   bash benchmarks/run_h200_teams.sh OUTDIR fwd    # the forward, the same sizes
-# The grids time the Triton kernels against eager only (the compile baselines are in the
-# issue-6 grid, benchmarks/run_h200_grid.sh); narrower rows never take a team kernel.
+# The wide-row kernels (teams, row teams) on one GPU:
+#   bash benchmarks/run_h200_teams.sh [PREFIX] tune    # every team candidate timed per width
+#                                                      # (tune_tail --kinds team), then test_teams.py
+#   bash benchmarks/run_h200_teams.sh [PREFIX] tests   # the kernels' GPU tests, every candidate
+#   bash benchmarks/run_h200_teams.sh [PREFIX] fwd     # the forward: 32M at every width, 4M and 128M from 14336
+#   bash benchmarks/run_h200_teams.sh [PREFIX] bwd     # forward + backward: 32M from 4096, 4M and 128M from 14336
+# PREFIX defaults to benchmarks/results/h200-DATE; writes PREFIX-wide-rows/ (the wide-row table).
+# The grids time the Triton kernels against eager only (the compile baselines are in the shape
+# grid, benchmarks/run_h200_grid.sh); rows of 4096 columns or fewer never take a team kernel.
 # A team waits for its partners: every step runs under a timeout, so a hang costs its step only.
 set -uo pipefail
-out=${1:?usage: run_h200_teams.sh OUTDIR tune|tests|bwd|fwd}
-what=${2:?usage: run_h200_teams.sh OUTDIR tune|tests|bwd|fwd}
+if [ $# -ge 2 ]; then p=$1; what=$2; else p=benchmarks/results/h200-$(date -u +%F); what=${1:?usage: run_h200_teams.sh [PREFIX] tune|tests|bwd|fwd}; fi
+out="$p-wide-rows"
 mkdir -p "$out"
 # Team launches are autotune candidates by default (configs.teams_enabled).
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}src PYTHONUNBUFFERED=1
 step() { echo; echo "### $*"; timeout -s KILL "${STEP_TIMEOUT:-300}" "$@" || echo "### step failed or timed out: $*"; }
-grid=4096,5120,8192,11008,14336,16384,32768,65536
+all=1024,2048,4096,5120,8192,11008,14336,16384,32768,65536
+from4096=4096,5120,8192,11008,14336,16384,32768,65536
+widest=14336,16384,32768,65536
 wide=5120,8192,11008,16384,32768,65536
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,clocks.max.sm,driver_version --format=csv
 case "$what" in
@@ -31,12 +34,12 @@ case "$what" in
     STEP_TIMEOUT=300 step python3 -m pytest -q -x -p no:cacheprovider tests/test_graphs.py \
       tests/test_kernels_backward.py -k "candidate or explicit or deterministic or replay or capture or team"
     ;;
-  bwd)
-    step python3 -m profuse sweep --elements 4M,32M,128M --cols $grid --variants eager,triton --backward \
-      --out "$out/grid_bwd"
-    ;;
   fwd)
-    step python3 -m profuse sweep --elements 4M,32M,128M --cols $grid --variants eager,triton \
-      --out "$out/grid_fwd"
+    step python3 -m profuse sweep --elements 32M --cols $all --variants eager,triton --out "$out/grid_fwd_32M"
+    step python3 -m profuse sweep --elements 4M,128M --cols $widest --variants eager,triton --out "$out/grid_fwd_4M_128M"
+    ;;
+  bwd)
+    step python3 -m profuse sweep --elements 32M --cols $from4096 --backward --variants eager,triton --out "$out/grid_bwd_32M"
+    step python3 -m profuse sweep --elements 4M,128M --cols $widest --backward --variants eager,triton --out "$out/grid_bwd_4M_128M"
     ;;
 esac

@@ -9,7 +9,7 @@ heuristic's favourite (and the runtime autotuner's pick) is from the best candid
     PYTHONPATH=src python benchmarks/tune_tail.py --out results/tune.json
 
 Team shapes not in the lists can be tried beside them (as configs.FWD_TEAM_SHARES writes them),
-e.g. the row teams and staged shape session 16 tried and did not keep:
+e.g. the row teams and staged shape tried on 2026-12-04 and not kept (research/FINDINGS.md):
 
     PYTHONPATH=src python benchmarks/tune_tail.py --kinds team --which fwd --cols 16384,32768 \\
         --fwd-shares 1024:1:0:1,8192:16:0:1,2048:4:16:2:96:3 --out results/tune_more.json
