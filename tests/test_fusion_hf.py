@@ -142,6 +142,29 @@ def test_fused_model_gives_the_same_loss_and_gradients_and_unfuse_restores_it(ar
     assert not any(type(m).__name__.startswith("Fused") for m in model.modules())
 
 
+@pytest.mark.parametrize(
+    "dtype, autocast",
+    [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
+    ids=["fp32", "bf16", "fp32-autocast-bf16"],
+)
+def test_fused_with_the_models_own_math_is_bitwise_the_unfused_model(dtype, autocast):
+    """HF_EAGER is the model's own eager math in the fused structure: equal bits, loss and every
+    gradient, in each dtype and under autocast (bf16 branches added into an fp32 stream)."""
+    model = tiny("mistral", tie=True, seed=71).to(dtype)
+    ids = tokens(72)
+
+    def run(m):
+        with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
+            return loss_and_grads(m, ids)
+
+    want_loss, want = run(model)
+    fuse(model, fusion.HF_EAGER)
+    got_loss, got = run(model)
+    assert torch.equal(got_loss, want_loss)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_fused_model_is_as_close_to_float64_as_eager(arch):
     """Against the same model in float64 (its norms in float64 too: Hugging Face's compute in
@@ -180,7 +203,8 @@ def test_bf16_model_fused_is_as_close_to_float64_as_eager():
         if ops is not None:
             fuse(m, ops)
         errors[name] = relative_error(m(ids).logits, want)
-    assert errors["fused"] <= max(2 * errors["eager"], FORWARD_TOL[torch.bfloat16]), errors
+    # both ~0.007 here (bf16's u = 0.004, over 3 layers); the fused within twice eager's error
+    assert 0 < errors["fused"] <= 2 * errors["eager"], errors
 
 
 def test_base_model_fuses_too():
@@ -211,13 +235,13 @@ def test_label_puts_each_op_call_in_its_profiler_range():
     model = tiny("qwen2", seed=43)
     ids = tokens(44)
     want = model(ids).logits
-    summary = fuse(model, fusion.EAGER, label=True)
+    summary = fuse(model, fusion.HF_EAGER, label=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         got = model(ids).logits
     names = Counter(e.name for e in prof.events())
     for op, places in summary.counts.items():
         assert names[fusion.BLOCK_OP_RANGES[op]] == places, (op, names)
-    torch.testing.assert_close(got, want, rtol=FORWARD_TOL[FP32], atol=0)
+    assert torch.equal(got, want)  # the ranges label; they change nothing
     assert summary.labelled and fusion.BLOCK_OP_RANGES["silu_mul"] in str(summary)
 
 

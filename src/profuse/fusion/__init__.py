@@ -7,7 +7,8 @@ Two routes, one per kind of model:
     profuse.fusion.hf    a Hugging Face Llama-family model, fused in place (fuse, unfuse)
 
 Both install the same pair of ops (a BlockOps: FUSED, profuse's Triton kernels, or EAGER, the
-same math in plain torch) and label them with the same profiler ranges (BLOCK_OP_RANGES).
+same math in plain torch; for Hugging Face models also HF_EAGER, their own eager math) and label
+them with the same profiler ranges (BLOCK_OP_RANGES).
 """
 
 from profuse.fusion.gpt import (
@@ -22,16 +23,18 @@ from profuse.fusion.gpt import (
     labelled,
     use_block_ops,
 )
-from profuse.fusion.hf import FuseSummary, fuse, unfuse
+from profuse.fusion.hf import HF_EAGER, FuseSummary, add_rms_norm_hf, fuse, unfuse
 
 __all__ = [
     "ADD_RMS_NORM",
     "BLOCK_OP_RANGES",
     "EAGER",
     "FUSED",
+    "HF_EAGER",
     "SILU_MUL",
     "BlockOps",
     "FuseSummary",
+    "add_rms_norm_hf",
     "apply_block_ops",
     "fuse",
     "label_block_ops",

@@ -69,6 +69,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from profuse import blockops
 from profuse.errors import UnsupportedModel, UsageError
 from profuse.fusion.gpt import ADD_RMS_NORM, BLOCK_OP_RANGES, EAGER, FUSED, SILU_MUL, BlockOps, labelled
 
@@ -82,6 +83,23 @@ _MLP_CHILDREN = frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})
 _CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")  # one thing, by version
 _STATE = "_profuse_fusion"  # a fused layer's _LayerOps; the decoder stack's _Installed
 _PROBE_TOL = 1e-5  # the probes run float64 but Hugging Face's norms compute in fp32 (eps 1.2e-7)
+
+
+def add_rms_norm_hf(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h): h = x + residual, then Hugging Face's Llama RMSNorm on h op for op (fp32 inside,
+    the normalised value cast back to h's dtype, then times the weight), in its dtypes."""
+    h = x + residual
+    h32 = h.to(torch.float32)
+    y = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(h.dtype), h
+
+
+# The fused structure with the model's own eager math: a model fused with these computes exactly
+# what it did unfused (bitwise, in every dtype), so with label=True its trace times precisely the
+# ops that FUSED replaces (blockops' EAGER uses F.rms_norm, which rounds once in bf16).
+HF_EAGER = BlockOps(blockops.silu_mul_eager, add_rms_norm_hf, "Hugging Face's eager math")
 
 
 @dataclass(frozen=True)
@@ -511,11 +529,13 @@ def fuse(model: nn.Module, ops: BlockOps | None = None, *, label: bool = False) 
     """Fuse a Hugging Face Llama-family model in place (see this module's docstring) and say how.
 
     `ops`: the BlockOps pair to run (default profuse.fusion.FUSED, the Triton kernels;
-    profuse.fusion.EAGER runs the same structure in plain torch anywhere). `label=True` wraps each
-    op call in its profiler range (profuse.fusion.BLOCK_OP_RANGES), so a trace shows which ops
-    fusion replaces. Raises profuse.errors.UnsupportedModel (a ValueError), with the model left
-    untouched, for a model it cannot fuse exactly: an unknown layout, an offset norm, a non-SiLU
-    MLP, a model already fused. Undo with `unfuse(model)`.
+    profuse.fusion.EAGER runs the same structure in plain torch anywhere, and HF_EAGER in the
+    model's own eager math, bitwise the unfused model). `label=True` wraps each op call in its
+    profiler range (profuse.fusion.BLOCK_OP_RANGES): fused with HF_EAGER and labelled, an
+    unfused model's trace shows exactly the ops (and their time) that FUSED replaces.
+    Raises profuse.errors.UnsupportedModel (a ValueError), with the model left untouched, for a
+    model it cannot fuse exactly: an unknown layout, an offset norm, a non-SiLU MLP, a model
+    already fused. Undo with `unfuse(model)`.
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModel(f"fuse takes an nn.Module, got {type(model).__name__}")
@@ -548,4 +568,4 @@ def unfuse(model: nn.Module) -> None:
     delattr(stack, _STATE)
 
 
-__all__ = ["FuseSummary", "FusedFinalNorm", "fuse", "unfuse"]
+__all__ = ["HF_EAGER", "FuseSummary", "FusedFinalNorm", "add_rms_norm_hf", "fuse", "unfuse"]
