@@ -9,6 +9,7 @@ ignored its weight would pass), hidden sizes that are not powers of two, 3 layer
 from __future__ import annotations
 
 import copy
+import functools
 from collections import Counter
 
 import pytest
@@ -402,11 +403,18 @@ def _with_extra_module(model):
     return model
 
 
+def _with_instance_forward(model):
+    layer = model.model.layers[2]  # as accelerate's hooks wrap a module's forward
+    layer.forward = functools.partial(type(layer).forward, layer)
+    return model
+
+
 REFUSED = {
     "gemma-offset-norm": (lambda: tiny("gemma", seed=61, hidden_act="silu"), r"\(1 \+ weight\)"),
     "gelu-mlp": (lambda: tiny("llama", seed=62, hidden_act="gelu"), "only a SiLU MLP"),
     "parallel-block": (lambda: _with_parallel_layers(tiny("llama", seed=63)), "not the pre-norm layer"),
     "extra-module": (lambda: _with_extra_module(tiny("llama", seed=64)), "unknown layout"),
+    "instance-forward": (lambda: _with_instance_forward(tiny("llama", seed=67)), "forward of its own"),
     "no-decoder-stack": (lambda: nn.Sequential(nn.Linear(5, 7), nn.SiLU()), "no decoder stack"),
 }
 

@@ -492,6 +492,14 @@ def _plan(
                 f"{what}'s layer {i} holds {sorted(children)}, not {sorted(_LAYER_CHILDREN)}: "
                 "an unknown layout"
             )
+        for name, module in (("layer", layer), ("mlp", layer.mlp)):
+            # an instance-level forward (accelerate's device_map hooks set one) would run instead of
+            # the fused class's, or be bypassed by it; the norms' (kernelize's) are not called
+            if "forward" in module.__dict__:
+                raise UnsupportedModel(
+                    f"{what}'s layer {i} {'' if name == 'layer' else 'mlp '}has a forward of its own "
+                    "(accelerate hooks from a device_map?): profuse fuses class forwards only"
+                )
         _probe_mlp(layer.mlp, f"layer {i}'s mlp")
         plans.append(
             _LayerOps(
