@@ -19,13 +19,18 @@ the model's own norm module. A fused plain rms_norm would save at most one pass 
 activations per step, which is not measured here, so it is left as it is. Qwen3's per-head q_norm
 and k_norm inside attention have no add in front either and are left too.
 
+Which implementation runs is the `ops` pair: FUSED (the default), profuse's Triton kernels;
+EAGER, blockops' eager ops (F.rms_norm), anywhere; HF_EAGER, the model's own eager norm math, so
+the fused model computes bitwise what the unfused one did (what a labelled trace should time).
+
 What changes, beyond which kernels run:
 - A layer hands on the pair (mlp_out, h) whose sum is its hidden state; the next norm does the
   add. The intermediate hidden states are therefore never formed as tensors of their own, so a
   fused model refuses `output_hidden_states` (a one-line UsageError at the forward) rather than
   return something else under that name. `last_hidden_state`, the logits and the loss are
   unchanged (up to rounding: in bf16 the fused norm rounds once, fp32 inside, where Hugging Face's
-  rounds the normalised value to bf16 before the weight multiply: about one bf16 ulp apart).
+  rounds the normalised value to bf16 before the weight multiply: about one bf16 ulp apart;
+  bitwise with HF_EAGER).
 - The norm and MLP modules stay where they were with their parameters (optimizers, state_dict and
   save_pretrained see the same tensors under the same names), but their forwards are no longer
   called, except layer 0's input norm: hooks on them do not fire. The final norm is replaced by a
@@ -35,8 +40,8 @@ What changes, beyond which kernels run:
 
 What stays exact:
 - Gradient checkpointing: a fused layer checkpoints itself with the model's own checkpoint
-  function (set by gradient_checkpointing_enable, before or after fusing), handing it the pair as
-  two tensor arguments, so use_reentrant=True carries gradients too; caches are dropped under
+  function (set by activation_checkpointing_enable, before or after fusing), with the pair as two
+  tensor arguments, so use_reentrant=True carries gradients too; caches are dropped under
   checkpointing as transformers does.
 - Hub kernels (`set_use_kernels`, and the re-kernelize on every train/eval switch): kernelize
   rebinds the forwards of `use_kernel_forward_from_hub` modules, the norms among them. The fused
@@ -47,7 +52,8 @@ What stays exact:
 
 The model is recognised by structure and behaviour, not by class name: one decoder stack (a
 module with `layers` and a final `norm`); layers with exactly self_attn, mlp, input_layernorm and
-post_attention_layernorm; and three probes on small float64 stand-ins (on the CPU, whatever device
+post_attention_layernorm, whose class forwards run (not an instance's own, as accelerate's
+device_map hooks set); and three probes on small float64 stand-ins (on the CPU, whatever device
 the model is on): each norm class's own forward must compute rms_norm(x) * weight with the eps it
 holds (Gemma's (1 + w) fails this), the MLP class's forward down(silu(gate(x)) * up(x)) with its
 own act_fn (a GELU fails), and the layer class's forward must equal the fused one and hand
