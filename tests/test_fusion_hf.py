@@ -442,3 +442,10 @@ def test_double_fuse_is_refused_and_unfuse_needs_a_fused_model():
     assert_untouched(model, before)
     model(tokens(66))  # fused once, not twice
     assert dict(calls) == {"silu_mul": LAYERS, "add_rms_norm": 2 * LAYERS}
+
+
+def test_the_public_api_names_them():
+    import profuse
+
+    assert profuse.fuse is fuse and profuse.unfuse is unfuse and profuse.FuseSummary is fusion.FuseSummary
+    assert fusion.fuse is fuse and issubclass(UnsupportedModel, UsageError)
