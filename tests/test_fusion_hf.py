@@ -246,6 +246,16 @@ def test_label_puts_each_op_call_in_its_profiler_range():
     assert summary.labelled and fusion.BLOCK_OP_RANGES["silu_mul"] in str(summary)
 
 
+def test_dry_run_says_what_fuse_would_do_and_changes_nothing():
+    model = tiny("qwen2", seed=47)
+    before = snapshot(model)
+    planned = fuse(model, fusion.EAGER, label=True, dry_run=True)
+    assert_untouched(model, before)
+    assert fuse(model, fusion.EAGER, label=True) == planned
+    with pytest.raises(UnsupportedModel, match="already fused"):
+        fuse(model, dry_run=True)
+
+
 def test_summary_says_what_was_left_unfused_and_why():
     llama = fuse(tiny("llama", seed=45), fusion.EAGER)
     text = str(llama)

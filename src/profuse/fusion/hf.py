@@ -539,7 +539,9 @@ def _plan(
 # --------------------------------------------------------------------------------------------
 
 
-def fuse(model: nn.Module, ops: BlockOps | None = None, *, label: bool = False) -> FuseSummary:
+def fuse(
+    model: nn.Module, ops: BlockOps | None = None, *, label: bool = False, dry_run: bool = False
+) -> FuseSummary:
     """Fuse a Hugging Face Llama-family model in place (see this module's docstring) and say how.
 
     `ops`: the BlockOps pair to run (default profuse.fusion.FUSED, the Triton kernels;
@@ -549,13 +551,16 @@ def fuse(model: nn.Module, ops: BlockOps | None = None, *, label: bool = False) 
     unfused model's trace shows exactly the ops (and their time) that FUSED replaces.
     Raises profuse.errors.UnsupportedModel (a ValueError), with the model left untouched, for a
     model it cannot fuse exactly: an unknown layout, an offset norm, a non-SiLU MLP, a model
-    already fused. Undo with `unfuse(model)`.
+    already fused. `dry_run=True` checks and summarises, changing nothing (a caller can refuse
+    a model before long work starts). Undo with `unfuse(model)`.
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModel(f"fuse takes an nn.Module, got {type(model).__name__}")
     if ops is None:
         ops = FUSED
     stack, plans, final_eps, summary = _plan(model, ops, label)
+    if dry_run:
+        return summary
     classes = [type(layer) for layer in stack.layers]
     for layer, plan in zip(stack.layers, plans):
         setattr(layer, _STATE, plan)
