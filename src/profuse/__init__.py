@@ -8,6 +8,8 @@ Public API:
     compare, Comparison, Speedup                            the timing harness
     silu_mul, add_rms_norm                                  the block's own ops, fused (profuse.blockops)
     profile                                                 any training step under torch.profiler
+    fuse, unfuse, FuseSummary                               fuse a Hugging Face Llama-family model in
+                                                            place, and undo it (profuse.fusion.hf)
 
 The names are loaded on first use (PEP 562): importing torch, scipy and triton takes seconds,
 and `profuse --help` or a mistyped flag should not pay for them.
@@ -34,14 +36,19 @@ _PUBLIC = {
     "silu_mul": "profuse.blockops",
     "profile": "profuse.profiling",
     "add_rms_norm": "profuse.blockops",
+    "fuse": "profuse.fusion.hf",
+    "unfuse": "profuse.fusion.hf",
+    "FuseSummary": "profuse.fusion.hf",
 }
 
 __all__ = [
     "Comparison",
+    "FuseSummary",
     "FusedTail",
     "Speedup",
     "add_rms_norm",
     "compare",
+    "fuse",
     "profile",
     "silu_mul",
     "tail_compiled",
@@ -49,12 +56,14 @@ __all__ = [
     "tail_reference",
     "tail_rms_norm",
     "tail_triton",
+    "unfuse",
 ]
 
 if TYPE_CHECKING:  # for type checkers and editors: the names as if imported eagerly
     from profuse.bench.stats import Speedup
     from profuse.bench.timing import Comparison, compare
     from profuse.blockops import add_rms_norm, silu_mul
+    from profuse.fusion.hf import FuseSummary, fuse, unfuse
     from profuse.profiling import profile
     from profuse.tail import FusedTail, tail_compiled, tail_eager, tail_reference, tail_rms_norm, tail_triton
 

@@ -87,7 +87,9 @@ def apply_block_ops(model: nn.Module, ops: BlockOps) -> nn.Module:
     return use_block_ops(model, ops.silu_mul, ops.add_rms_norm)
 
 
-def _labelled(fn: Callable, name: str) -> Callable:
+def labelled(fn: Callable, name: str) -> Callable:
+    """`fn` with each call inside the profiler range `name`."""
+
     @functools.wraps(fn)
     def call(*args, **kwargs):
         with record_function(name):
@@ -104,7 +106,7 @@ def label_block_ops(model: nn.Module, ranges: dict[str, str] = BLOCK_OP_RANGES) 
     """
     mlps, norms = _block_modules(model)
     for m in mlps:
-        m.silu_mul = _labelled(m.silu_mul, ranges[SILU_MUL])
+        m.silu_mul = labelled(m.silu_mul, ranges[SILU_MUL])
     for m in norms:
-        m.add_rms_norm = _labelled(m.add_rms_norm, ranges[ADD_RMS_NORM])
+        m.add_rms_norm = labelled(m.add_rms_norm, ranges[ADD_RMS_NORM])
     return model

@@ -1,0 +1,44 @@
+"""Fusion applied to a model from outside: its memory-bound block ops swapped for fused ones.
+
+Two routes, one per kind of model:
+
+    profuse.fusion.gpt   the built-in GPT (profuse.model): its block ops are functions its modules
+                         hold, swapped in place (use_block_ops, apply_block_ops, label_block_ops)
+    profuse.fusion.hf    a Hugging Face Llama-family model, fused in place (fuse, unfuse)
+
+Both install the same pair of ops (a BlockOps: FUSED, profuse's Triton kernels, or EAGER, the
+same math in plain torch; for Hugging Face models also HF_EAGER, their own eager math) and label
+them with the same profiler ranges (BLOCK_OP_RANGES).
+"""
+
+from profuse.fusion.gpt import (
+    ADD_RMS_NORM,
+    BLOCK_OP_RANGES,
+    EAGER,
+    FUSED,
+    SILU_MUL,
+    BlockOps,
+    apply_block_ops,
+    label_block_ops,
+    labelled,
+    use_block_ops,
+)
+from profuse.fusion.hf import HF_EAGER, FuseSummary, add_rms_norm_hf, fuse, unfuse
+
+__all__ = [
+    "ADD_RMS_NORM",
+    "BLOCK_OP_RANGES",
+    "EAGER",
+    "FUSED",
+    "HF_EAGER",
+    "SILU_MUL",
+    "BlockOps",
+    "FuseSummary",
+    "add_rms_norm_hf",
+    "apply_block_ops",
+    "fuse",
+    "label_block_ops",
+    "labelled",
+    "unfuse",
+    "use_block_ops",
+]
