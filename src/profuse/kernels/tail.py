@@ -51,6 +51,7 @@ from profuse.kernels import configs as C
 from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing
 from profuse.kernels.colsum import col_sum_launch, sum_when_last
 from profuse.kernels.configs import KernelConfig
+from profuse.kernels.rows import double_backward_error
 from profuse.kernels.teams import (
     RowTeamLaunch,
     TeamLaunch,
@@ -1644,7 +1645,8 @@ class TailFunction(torch.autograd.Function):
     """Saves the inputs and one fp32 rstd per row; the backward recomputes everything else.
 
     Eager calls go to the launchers directly; only a traced call (torch.compile) goes through
-    the custom ops, whose dispatch costs ~10-20 us of host time a call.
+    the custom ops, whose dispatch costs ~10-20 us of host time a call. Double backward
+    (create_graph=True) is refused in one line (kernels/rows.py, double_backward_error).
     """
 
     @staticmethod
@@ -1663,6 +1665,8 @@ class TailFunction(torch.autograd.Function):
         if torch.compiler.is_compiling():
             grads = torch.ops.profuse.tail_bwd(grad_out, gate, up, residual, weight, rstd, *needs)
             return (*(g if need else None for g, need in zip(grads, needs)), None)
+        if torch.is_grad_enabled():  # create_graph=True: the kernel's gradients have no grad_fn
+            raise double_backward_error("tail_triton", "profuse.tail_eager")
         return (*tail_backward(grad_out, gate, up, residual, weight, rstd, needs), None)
 
 
