@@ -19,7 +19,7 @@ if not (torch.cuda.is_available() and HAS_TRITON):
     pytest.skip("CUDA graphs need a CUDA GPU and triton", allow_module_level=True)
 
 from profuse.kernels import autotune as A  # noqa: E402
-from profuse.kernels import tail as K  # noqa: E402
+from profuse.kernels.tail import plans as K  # noqa: E402
 
 DEV = torch.device("cuda")
 EPS = 1e-6

@@ -1,6 +1,6 @@
 """Launch configs of the Triton kernels: what a launch looks like, and which ones are worth trying.
 
-Policy apart from mechanism: the kernels and their launchers (kernels/tail.py) run whatever
+Policy apart from mechanism: the kernels and their launchers (kernels/tail/) run whatever
 config they are given; this module proposes the candidates for a shape and dtype, the
 heuristic's favourite first, each choice with the measurement behind it. The autotuner
 (kernels/autotune.py) times the candidates on the device and keeps the fastest.
@@ -47,7 +47,7 @@ class KernelConfig:
     # Team kernels: 0 loads the next row into registers before the wait (and num_stages 2 lags
     # the wait a row); n >= 2 lets Triton's software pipeliner load rows n - 1 ahead into shared
     # memory instead (tl.range's num_stages), so the DRAM keeps reading during the wait without
-    # registers held for it (kernels/tail.py's staged team kernels).
+    # registers held for it (kernels/tail/team.py's staged kernels).
     pipeline: int = 0
     # Fused kernels: 0, or a second block of columns (a power of two) after block_n, the row
     # held as block_n + block_n2 lanes: 5120 columns as 4096 + 1024 rather than 8192.
@@ -99,7 +99,7 @@ def two_blocks(n_cols: int) -> tuple[int, int] | None:
 # Session 15: shares of 2048-4096 columns at 8-16 warps, a pipelining depth of 4, and caps of
 # 80-112 registers on the 512-column backward (spills: 192-206 us against 135) never won.
 # Programs an SM 0: row teams, a team a row on a grid of one program per share (the forward
-# only; kernels/tail.py's row team kernel). Session 14, 32M elements: 70.2 us at 4096 x 8192
+# only; kernels/tail/team.py's row team kernel). Session 14, 32M elements: 70.2 us at 4096 x 8192
 # (the best launch before, 72.4-72.9), 72.1-72.6 at 3048 x 11008 (74.1-74.4), 72.1 at 2048 x
 # 16384 (72.8-73.2); at 128M elements 2-4% faster from 5120 to 32768 columns. With more
 # members a team waits longer for its last one: at 32768-65536 columns the staged teams still
