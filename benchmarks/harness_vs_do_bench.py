@@ -15,7 +15,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
-from profuse.bench.tail import DEFAULT_VARIANTS, TailBenchConfig, _runner, make_inputs, variants
+from profuse.bench.tail_bench import DEFAULT_VARIANTS, TailBenchConfig, _runner, make_inputs, variants
 from profuse.bench.timing import compare
 from profuse.files import write_json
 

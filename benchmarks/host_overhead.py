@@ -35,7 +35,7 @@ import torch
 from triton.testing import do_bench
 
 from profuse import tail as T
-from profuse.bench.tail import (
+from profuse.bench.tail_bench import (
     HAS_LIGER,
     TailBenchConfig,
     _runner,

@@ -111,7 +111,7 @@ def test_a_first_call_inside_a_capture_runs_untuned(monkeypatch):
 
 
 def test_part_b_graph_timing_times_every_variant():
-    from profuse.bench.tail import TailBenchConfig, run_tail_bench
+    from profuse.bench.tail_bench import TailBenchConfig, run_tail_bench
 
     cfg = TailBenchConfig(
         rows=512, cols=1024, dtype=torch.bfloat16, device=DEV, trials=3, backward=True,
