@@ -2,9 +2,10 @@
 
 The fused ops' gradients come out of Triton kernels that autograd cannot see into. Before the
 refusal, backward(create_graph=True) returned them without a grad_fn, so a gradient penalty
-sum(y^2) + sum((dL/dx)^2) was taken as sum(y^2) alone (add_rms_norm, fp32, 4 x 48: off by 1.5e3
-from float64). Now the backward raises a RuntimeError that starts with "profuse:", names the op
-and the eager op to use instead; a first-order backward on the same graph still matches float64.
+sum(y^2) + sum((dL/dx)^2) was taken as sum(y^2) alone (add_rms_norm, fp32, 4 x 48, N(0, 1)
+inputs: the penalty's gradient off from float64's by up to 6.0). Now the backward raises a
+RuntimeError that starts with "profuse:" and names the op and the eager op to use instead; a
+first-order backward on the same graph still matches float64.
 
 Tolerances: profuse.tail.BACKWARD_TOL, relative error against float64 autograd in the gradient's
 dtype (16u in bf16, a floor of 1e-5 in fp32; derived in tests/test_kernels_backward.py and
