@@ -2,7 +2,7 @@
 
 With num_ctas > 1 on Hopper a program runs as a cluster of CTAs that split its row and reduce
 across each other through distributed shared memory. The H200's triton 3.6 cannot build
-_tail_fwd_kernel that way, so the experiment is split in two:
+tail_fwd_kernel that way, so the experiment is split in two:
 
     build   (a triton that compiles num_ctas > 1 for sm_90, such as 3.9; no GPU needed) compiles
             CONFIGS into NAME.cubin, with NAME.json: what `time` needs to launch it, and the
@@ -73,7 +73,7 @@ def compile_config(n_cols: int, block_n: int, ctas: int, warps: int) -> tuple[by
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from profuse.kernels.tail import _tail_fwd_kernel as kernel
+    from profuse.kernels.tail import tail_fwd_kernel as kernel
 
     even = block_n == n_cols
     constexprs = dict(BLOCK_M=1, BLOCK_N=block_n, NUM_STAGES=1, IN_EVICT="", EVEN=even, BLOCK_N2=0)

@@ -24,7 +24,11 @@ import torch
 from profuse import tail_triton
 from profuse.env import sm_count
 from profuse.kernels import configs as C
-from profuse.kernels import tail as K
+
+try:
+    from profuse.kernels.tail import plans as K
+except ImportError:  # a tree from before kernels/tail/ was a package
+    from profuse.kernels import tail as K
 
 EPS = 1e-6
 

@@ -61,7 +61,8 @@ from profuse.bench.traffic import copy_ceiling
 from profuse.env import sm_count
 from profuse.files import check_folder, write_json
 from profuse.kernels.configs import KernelConfig
-from profuse.kernels.tail import _team_h, _team_y, tail_forward
+from profuse.kernels.tail import tail_forward
+from profuse.kernels.tail.team import _team_h, _team_y
 from profuse.kernels.teams import gather, publish, resident_per_sm, slots_for, team_size
 from profuse.timers import CudaTimer
 

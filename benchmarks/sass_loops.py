@@ -37,13 +37,13 @@ from profuse.errors import UsageError
 
 # kernel, constexprs, warps: the launches the tuner picks at 32M elements (session 15)
 PRESETS = {
-    "team-backward": ("_tail_bwd_team_staged_kernel", dict(
+    "team-backward": ("tail_bwd_team_staged_kernel", dict(
         MEMBERS=16, SLOTS=16, BLOCK_N=512, LAG=1, BUFFERS=4, COMPUTE_DG=True, COMPUTE_DU=True,
         COMPUTE_DR=True, COMPUTE_DW=True, DW_ROWS=8, STAGES=3, SPIN=True, APPROX=True), 2),
-    "one-row-backward": ("_tail_bwd_kernel", dict(
+    "one-row-backward": ("tail_bwd_kernel", dict(
         BLOCK_M=1, BLOCK_N=4096, NUM_STAGES=3, COMPUTE_DG=True, COMPUTE_DU=True, COMPUTE_DR=True,
         COMPUTE_DW=True, IN_EVICT="", BLOCK_N2=0), 16),
-    "row-team-forward": ("_tail_fwd_row_team_kernel", dict(
+    "row-team-forward": ("tail_fwd_row_team_kernel", dict(
         MEMBERS=2, SLOTS=2, BLOCK_N=4096, SPIN=True, PATIENCE=1 << 20, APPROX=True), 8),
 }  # fmt: skip
 

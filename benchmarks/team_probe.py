@@ -31,13 +31,10 @@ import triton.language as tl
 from profuse.bench.traffic import copy_ceiling
 from profuse.files import write_json
 from profuse.kernels.configs import KernelConfig
-from profuse.kernels.tail import (
-    _backward_launch,
-    _store_input_grads,
-    _team_h,
-    tail_backward,
-    tail_forward,
-)
+from profuse.kernels.tail import tail_backward, tail_forward
+from profuse.kernels.tail.fused import store_input_grads as _store_input_grads
+from profuse.kernels.tail.plans import _backward_launch
+from profuse.kernels.tail.team import _team_h
 from profuse.kernels.teams import TeamLaunch, buffers_for, gather, publish, slots_for, team_size
 from profuse.tail import relative_error
 from profuse.timers import CudaTimer

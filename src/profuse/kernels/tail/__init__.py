@@ -32,40 +32,32 @@ Which kernel and launch shape runs is chosen per shape: kernels/configs.py propo
 candidates, kernels/autotune.py times them once and keeps the shape's plan, so a later call is
 a lookup and its launches.
 
-The names other code imports from profuse.kernels.tail are re-exported here. What a test
-monkeypatches (the plan caches, the tuner, `torch` for poisoned allocations) it patches in the
-module that reads it: profuse.kernels.tail.plans.
+The kernels are public (tail_fwd_kernel, ...): plans.py launches every family's, and the house
+takes no private name across modules; so is store_input_grads, which all three families call.
+Helpers kept to one module keep their underscore. The public names are re-exported here, so
+`from profuse.kernels.tail import tail_fused` and the like need no module path; the launch
+policy's private pieces (_forward_launch, _BackwardPlan, ...) are imported from
+profuse.kernels.tail.plans, and a test that monkeypatches the plan caches, the tuner or `torch`
+(poisoned allocations) patches them there, where they are read.
 """
 
 from profuse.kernels.tail.chunked import (
-    _tail_bwd_chunked_kernel,
-    _tail_bwd_pipelined_kernel,
-    _tail_bwd_rowdot_kernel,
-    _tail_bwd_slab_kernel,
-    _tail_fwd_chunked_kernel,
-    _tail_fwd_pipelined_kernel,
+    tail_bwd_chunked_kernel,
+    tail_bwd_pipelined_kernel,
+    tail_bwd_rowdot_kernel,
+    tail_bwd_slab_kernel,
+    tail_fwd_chunked_kernel,
+    tail_fwd_pipelined_kernel,
 )
-from profuse.kernels.tail.fused import _store_input_grads, _tail_bwd_kernel, _tail_fwd_kernel
+from profuse.kernels.tail.fused import store_input_grads, tail_bwd_kernel, tail_fwd_kernel
 from profuse.kernels.tail.ops import ALL_GRADS, TailFunction, chosen_configs, tail_fused
-from profuse.kernels.tail.plans import (
-    ROW_TEAM_PATIENCE,
-    _backward_launch,
-    _BackwardPlan,
-    _forward_launch,
-    _row_team_launch,
-    _team_launch,
-    tail_backward,
-    tail_forward,
-)
+from profuse.kernels.tail.plans import ROW_TEAM_PATIENCE, tail_backward, tail_forward
 from profuse.kernels.tail.team import (
-    _sigmoid,
-    _tail_bwd_team_kernel,
-    _tail_bwd_team_staged_kernel,
-    _tail_fwd_row_team_kernel,
-    _tail_fwd_team_kernel,
-    _tail_fwd_team_staged_kernel,
-    _team_h,
-    _team_y,
+    tail_bwd_team_kernel,
+    tail_bwd_team_staged_kernel,
+    tail_fwd_row_team_kernel,
+    tail_fwd_team_kernel,
+    tail_fwd_team_staged_kernel,
 )
 
 __all__ = [
@@ -76,28 +68,19 @@ __all__ = [
     "tail_backward",
     "tail_forward",
     "tail_fused",
-    # the launch policy's pieces and the kernels, for benchmarks/ (host_overhead.py, team_probe.py,
-    # sass_loops.py, ...) and tests/test_teams.py
-    "_BackwardPlan",
-    "_backward_launch",
-    "_forward_launch",
-    "_row_team_launch",
-    "_team_launch",
-    "_sigmoid",
-    "_store_input_grads",
-    "_team_h",
-    "_team_y",
-    "_tail_fwd_kernel",
-    "_tail_bwd_kernel",
-    "_tail_fwd_chunked_kernel",
-    "_tail_fwd_pipelined_kernel",
-    "_tail_bwd_chunked_kernel",
-    "_tail_bwd_pipelined_kernel",
-    "_tail_bwd_rowdot_kernel",
-    "_tail_bwd_slab_kernel",
-    "_tail_fwd_team_kernel",
-    "_tail_fwd_team_staged_kernel",
-    "_tail_fwd_row_team_kernel",
-    "_tail_bwd_team_kernel",
-    "_tail_bwd_team_staged_kernel",
+    # the kernels, by family (benchmarks/sass_loops.py compiles one by name)
+    "store_input_grads",
+    "tail_fwd_kernel",
+    "tail_bwd_kernel",
+    "tail_fwd_chunked_kernel",
+    "tail_fwd_pipelined_kernel",
+    "tail_bwd_chunked_kernel",
+    "tail_bwd_pipelined_kernel",
+    "tail_bwd_rowdot_kernel",
+    "tail_bwd_slab_kernel",
+    "tail_fwd_team_kernel",
+    "tail_fwd_team_staged_kernel",
+    "tail_fwd_row_team_kernel",
+    "tail_bwd_team_kernel",
+    "tail_bwd_team_staged_kernel",
 ]

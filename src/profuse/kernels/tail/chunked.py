@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from profuse.kernels.tail.fused import _store_input_grads
+from profuse.kernels.tail.fused import store_input_grads
 
 
 @triton.jit
@@ -49,7 +49,7 @@ def _store_y(Y_row, W_ptr, cols, mask, h, rstd):
 
 
 @triton.jit
-def _tail_fwd_chunked_kernel(
+def tail_fwd_chunked_kernel(
     G_ptr,
     U_ptr,
     R_ptr,
@@ -126,7 +126,7 @@ def _finish_chunk(Y_row, W_ptr, cols, mask, rstd):
 
 
 @triton.jit
-def _tail_fwd_pipelined_kernel(
+def tail_fwd_pipelined_kernel(
     G_ptr,
     U_ptr,
     R_ptr,
@@ -215,7 +215,7 @@ def _row_chunk_grads(
     x_hat = (silu * u + r) * rstd
     if COMPUTE_DG or COMPUTE_DU or COMPUTE_DR:
         dh = (w * dy - x_hat * c) * rstd
-        _store_input_grads(DG_ptr, DU_ptr, DR_ptr, out_row + cols, mask, dh, g, u, s, silu,
+        store_input_grads(DG_ptr, DU_ptr, DR_ptr, out_row + cols, mask, dh, g, u, s, silu,
                            COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, EVICT)  # fmt: skip
     return dy * x_hat
 
@@ -232,7 +232,7 @@ def _add_to_dw(dw_row, cols, mask, dwc, first):
 
 
 @triton.jit
-def _tail_bwd_chunked_kernel(
+def tail_bwd_chunked_kernel(
     DY_ptr,
     G_ptr,
     U_ptr,
@@ -328,7 +328,7 @@ def _finish_row_chunk(
 
 
 @triton.jit
-def _tail_bwd_pipelined_kernel(
+def tail_bwd_pipelined_kernel(
     DY_ptr,
     G_ptr,
     U_ptr,
@@ -402,7 +402,7 @@ def _tail_bwd_pipelined_kernel(
 
 
 @triton.jit
-def _tail_bwd_rowdot_kernel(
+def tail_bwd_rowdot_kernel(
     DY_ptr,
     G_ptr,
     U_ptr,
@@ -438,7 +438,7 @@ def _tail_bwd_rowdot_kernel(
 
 
 @triton.jit
-def _tail_bwd_slab_kernel(
+def tail_bwd_slab_kernel(
     DY_ptr,
     G_ptr,
     U_ptr,

@@ -20,7 +20,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _tail_fwd_kernel(
+def tail_fwd_kernel(
     G_ptr,
     U_ptr,
     R_ptr,
@@ -118,7 +118,7 @@ def _tile_h(G_ptr, U_ptr, R_ptr, rows, g_row_stride, u_row_stride, r_row_stride,
 
 
 @triton.jit
-def _store_input_grads(
+def store_input_grads(
     DG_ptr, DU_ptr, DR_ptr, out, mask, dh, g, u, s, silu,
     COMPUTE_DG: tl.constexpr, COMPUTE_DU: tl.constexpr, COMPUTE_DR: tl.constexpr, EVICT: tl.constexpr,
 ):  # fmt: skip
@@ -134,7 +134,7 @@ def _store_input_grads(
 
 
 @triton.jit
-def _tail_bwd_kernel(
+def tail_bwd_kernel(
     DY_ptr,
     G_ptr,
     U_ptr,
@@ -208,12 +208,12 @@ def _tail_bwd_kernel(
                 dot += tl.sum(x_hat2 * wdy2, axis=1)
             c = dot / n_cols
             dh = (wdy - x_hat * c[:, None]) * rstd[:, None]
-            _store_input_grads(DG_ptr, DU_ptr, DR_ptr, rows[:, None] * n_cols + cols[None, :], mask, dh, g,
+            store_input_grads(DG_ptr, DU_ptr, DR_ptr, rows[:, None] * n_cols + cols[None, :], mask, dh, g,
                                u, s, silu, COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "")  # fmt: skip
             if BLOCK_N2 > 0:
                 dh2 = (wdy2 - x_hat2 * c[:, None]) * rstd[:, None]
                 out2 = rows[:, None] * n_cols + cols2[None, :]
-                _store_input_grads(DG_ptr, DU_ptr, DR_ptr, out2, mask2, dh2, g2, u2, s2, silu2,
+                store_input_grads(DG_ptr, DU_ptr, DR_ptr, out2, mask2, dh2, g2, u2, s2, silu2,
                                    COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "")  # fmt: skip
     if COMPUTE_DW:
         tl.store(DW_ptr + pid.to(tl.int64) * n_cols + cols, tl.sum(dw_acc, axis=0), mask=col_mask)

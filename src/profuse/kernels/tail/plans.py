@@ -21,20 +21,20 @@ from profuse.kernels.colsum import col_sum_launch
 from profuse.kernels.configs import KernelConfig
 from profuse.kernels.rows import check_runnable
 from profuse.kernels.tail.chunked import (
-    _tail_bwd_chunked_kernel,
-    _tail_bwd_pipelined_kernel,
-    _tail_bwd_rowdot_kernel,
-    _tail_bwd_slab_kernel,
-    _tail_fwd_chunked_kernel,
-    _tail_fwd_pipelined_kernel,
+    tail_bwd_chunked_kernel,
+    tail_bwd_pipelined_kernel,
+    tail_bwd_rowdot_kernel,
+    tail_bwd_slab_kernel,
+    tail_fwd_chunked_kernel,
+    tail_fwd_pipelined_kernel,
 )
-from profuse.kernels.tail.fused import _tail_bwd_kernel, _tail_fwd_kernel
+from profuse.kernels.tail.fused import tail_bwd_kernel, tail_fwd_kernel
 from profuse.kernels.tail.team import (
-    _tail_bwd_team_kernel,
-    _tail_bwd_team_staged_kernel,
-    _tail_fwd_row_team_kernel,
-    _tail_fwd_team_kernel,
-    _tail_fwd_team_staged_kernel,
+    tail_bwd_team_kernel,
+    tail_bwd_team_staged_kernel,
+    tail_fwd_row_team_kernel,
+    tail_fwd_team_kernel,
+    tail_fwd_team_staged_kernel,
 )
 from profuse.kernels.teams import RowTeamLaunch, TeamLaunch, buffers_for, slots_for, team_size
 
@@ -135,7 +135,7 @@ def _row_team_launch(cfg: KernelConfig, n_rows: int, n_cols: int) -> RowTeamLaun
     if launch is None:
         members = team_size(n_cols, cfg.block_n)
         launch = _TEAM_LAUNCHES.add(key, RowTeamLaunch(
-            _tail_fwd_row_team_kernel, cfg, "fwd", members, n_rows, MEMBERS=members,
+            tail_fwd_row_team_kernel, cfg, "fwd", members, n_rows, MEMBERS=members,
             SLOTS=slots_for(members), BLOCK_N=cfg.block_n, SPIN=not interpreting(),
             PATIENCE=ROW_TEAM_PATIENCE, APPROX=not interpreting(), num_warps=cfg.num_warps,
         ))  # fmt: skip
@@ -149,7 +149,7 @@ def _forward_launch(cfg: KernelConfig, n_rows: int, n_cols: int) -> Launch | Tea
         n_tiles = triton.cdiv(n_rows, cfg.block_m)
         grid = (min(cfg.programs, n_tiles) if cfg.programs else n_tiles,)
         return Launch(
-            _tail_fwd_kernel, grid, cfg, "fwd",
+            tail_fwd_kernel, grid, cfg, "fwd",
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, IN_EVICT=_stream_hint(cfg),
             BLOCK_N2=cfg.block_n2,
             EVEN=n_cols == cfg.block_n + cfg.block_n2 and n_rows % cfg.block_m == 0, num_warps=cfg.num_warps,
@@ -157,16 +157,16 @@ def _forward_launch(cfg: KernelConfig, n_rows: int, n_cols: int) -> Launch | Tea
     if cfg.kernel == "team" and not cfg.programs:
         return _row_team_launch(cfg, n_rows, n_cols)
     if cfg.kernel == "team":
-        kernel = _tail_fwd_team_staged_kernel if cfg.pipeline else _tail_fwd_team_kernel
+        kernel = tail_fwd_team_staged_kernel if cfg.pipeline else tail_fwd_team_kernel
         return _team_launch(kernel, cfg, "fwd", n_rows, n_cols, num_warps=cfg.num_warps)
     if cfg.kernel == "pipelined":
         return Launch(
-            _tail_fwd_pipelined_kernel, (min(cfg.programs, n_rows),), cfg, "fwd",
+            tail_fwd_pipelined_kernel, (min(cfg.programs, n_rows),), cfg, "fwd",
             BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
         )  # fmt: skip
     grid = (min(cfg.programs, n_rows) if cfg.programs else n_rows,)
     return Launch(
-        _tail_fwd_chunked_kernel, grid, cfg, "fwd",
+        tail_fwd_chunked_kernel, grid, cfg, "fwd",
         BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, STASH_H=cfg.stash_h,
         IN_EVICT="evict_first" if cfg.stash_h else "", num_warps=cfg.num_warps,
     )  # fmt: skip
@@ -184,18 +184,18 @@ def _backward_launch(
     kw = dict(BLOCK_N=cfg.block_n, num_warps=cfg.num_warps)
     if cfg.kernel == "fused":
         return Launch(
-            _tail_bwd_kernel, (programs,), cfg, "bwd", BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages,
+            tail_bwd_kernel, (programs,), cfg, "bwd", BLOCK_M=cfg.block_m, NUM_STAGES=cfg.num_stages,
             IN_EVICT=_stream_hint(cfg), BLOCK_N2=cfg.block_n2, **kw, **flags,
         )  # fmt: skip
     if cfg.kernel == "chunked":
         return Launch(
-            _tail_bwd_chunked_kernel, (programs,), cfg, "bwd",
+            tail_bwd_chunked_kernel, (programs,), cfg, "bwd",
             ROWS=cfg.block_m, NUM_STAGES=cfg.num_stages, **kw, **flags,
         )  # fmt: skip
     if cfg.kernel == "pipelined":
-        return Launch(_tail_bwd_pipelined_kernel, (programs,), cfg, "bwd", **kw, **flags)
+        return Launch(tail_bwd_pipelined_kernel, (programs,), cfg, "bwd", **kw, **flags)
     if cfg.kernel == "team":
-        kernel = _tail_bwd_team_staged_kernel if cfg.pipeline else _tail_bwd_team_kernel
+        kernel = tail_bwd_team_staged_kernel if cfg.pipeline else tail_bwd_team_kernel
         # The dw sum's tile: 64 fp32 a thread (8 partial rows of a 1024-column share at 4 warps):
         # four L2 round trips for 32 teams, and the kernel's registers stay the row loop's (ptxas,
         # sm_90a: 128 capped, 124 uncapped; a 16-row tile takes 158 uncapped).
@@ -204,7 +204,7 @@ def _backward_launch(
             kernel, cfg, "bwd", n_rows, n_cols, num_warps=cfg.num_warps, DW_ROWS=rows, **flags
         )  # fmt: skip
     return Launch(
-        _tail_bwd_slab_kernel, (programs, triton.cdiv(n_cols, cfg.block_n)), cfg, "bwd",
+        tail_bwd_slab_kernel, (programs, triton.cdiv(n_cols, cfg.block_n)), cfg, "bwd",
         SPLITS=triton.next_power_of_2(n_splits), NUM_STAGES=cfg.num_stages, **kw, **flags,
     )  # fmt: skip
 
@@ -234,7 +234,7 @@ class _BackwardPlan:
             self.n_splits = triton.cdiv(n_cols, self.span)
             if need_g or need_u or need_r:
                 self.rowdot = Launch(
-                    _tail_bwd_rowdot_kernel, (n_rows, self.n_splits), cfg, "bwd row dot",
+                    tail_bwd_rowdot_kernel, (n_rows, self.n_splits), cfg, "bwd row dot",
                     BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, num_warps=cfg.num_warps,
                 )  # fmt: skip
         self.main = _backward_launch(cfg, self.programs, n_rows, n_cols, needs, self.n_splits)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from profuse.kernels.colsum import sum_when_last
-from profuse.kernels.tail.fused import _store_input_grads
+from profuse.kernels.tail.fused import store_input_grads
 from profuse.kernels.teams import gather, publish
 
 
@@ -81,7 +81,7 @@ def _team_y(Y_ptr, RSTD_ptr, row, y_row_stride, cols, mask, rstd_mask, h, w, rst
 
 
 @triton.jit
-def _tail_fwd_team_kernel(
+def tail_fwd_team_kernel(
     G_ptr,
     U_ptr,
     R_ptr,
@@ -167,7 +167,7 @@ def _tail_fwd_team_kernel(
 
 
 @triton.jit
-def _tail_fwd_team_staged_kernel(
+def tail_fwd_team_staged_kernel(
     G_ptr, U_ptr, R_ptr, W_ptr, Y_ptr, RSTD_ptr, g_row_stride, u_row_stride, r_row_stride, y_row_stride,
     n_rows, n_cols, eps, SLOT_ptr, SEQ_ptr,
     MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, LAG: tl.constexpr,
@@ -176,7 +176,7 @@ def _tail_fwd_team_staged_kernel(
     SPIN: tl.constexpr,  # wait in inline assembly (a GPU); the interpreter takes `gather`'s loop
     APPROX: tl.constexpr,  # a GPU: `_sigmoid`'s approximate one
 ):  # fmt: skip
-    """The team forward (arguments as `_tail_fwd_team_kernel`'s) with its row loop left to
+    """The team forward (arguments as `tail_fwd_team_kernel`'s) with its row loop left to
     Triton's software pipeliner: each turn loads its row, publishes, waits and writes y, while
     the loads of the next STAGES - 1 rows land in shared memory. A loop inside the loop (the
     wait's polling) would stop the pipeliner, so the wait polls in inline assembly. The bytes in
@@ -225,7 +225,7 @@ def _tail_fwd_team_staged_kernel(
 
 
 @triton.jit
-def _tail_fwd_row_team_kernel(
+def tail_fwd_row_team_kernel(
     G_ptr, U_ptr, R_ptr, W_ptr, Y_ptr, RSTD_ptr, g_row_stride, u_row_stride, r_row_stride, y_row_stride,
     n_rows, n_cols, eps,
     SLOT_ptr,  # (n_rows, SLOTS) int64 slot words, one buffer: kernels/teams.py
@@ -300,12 +300,12 @@ def _team_grads(
     gf = g.to(tl.float32)
     s = _sigmoid(gf, APPROX)
     dh = (w * dy.to(tl.float32) - x_hat * (total / n_cols)) * rstd
-    _store_input_grads(DG_ptr, DU_ptr, DR_ptr, row * n_cols + cols, mask, dh, gf, u.to(tl.float32), s, gf * s,
+    store_input_grads(DG_ptr, DU_ptr, DR_ptr, row * n_cols + cols, mask, dh, gf, u.to(tl.float32), s, gf * s,
                        COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, "evict_first")  # fmt: skip
 
 
 @triton.jit
-def _tail_bwd_team_kernel(
+def tail_bwd_team_kernel(
     DY_ptr,
     G_ptr,
     U_ptr,
@@ -418,7 +418,7 @@ def _tail_bwd_team_kernel(
 
 
 @triton.jit
-def _tail_bwd_team_staged_kernel(
+def tail_bwd_team_staged_kernel(
     DY_ptr, G_ptr, U_ptr, R_ptr, W_ptr, RSTD_ptr, DG_ptr, DU_ptr, DR_ptr, DW_ptr, DWSUM_ptr,
     dy_row_stride, g_row_stride, u_row_stride, r_row_stride, n_rows, n_cols, SLOT_ptr, SEQ_ptr,
     MEMBERS: tl.constexpr, SLOTS: tl.constexpr, BLOCK_N: tl.constexpr, LAG: tl.constexpr,
@@ -428,7 +428,7 @@ def _tail_bwd_team_staged_kernel(
     SPIN: tl.constexpr,  # wait in inline assembly (a GPU); the interpreter takes `gather`'s loop
     APPROX: tl.constexpr,  # a GPU: `_sigmoid`'s approximate one
 ):  # fmt: skip
-    """The team backward (arguments as `_tail_bwd_team_kernel`'s) with its row loop left to
+    """The team backward (arguments as `tail_bwd_team_kernel`'s) with its row loop left to
     Triton's software pipeliner, as the staged team forward: each turn loads its row, publishes
     its part of the row's dot, waits and writes its share of dg, du, dr, while the next rows'
     loads land in shared memory."""
