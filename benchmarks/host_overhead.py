@@ -46,7 +46,7 @@ from profuse.bench.tail_bench import (
 from profuse.env import environment, sm_count
 from profuse.files import write_json
 from profuse.kernels import configs as C
-from profuse.kernels import tail as K
+from profuse.kernels.tail import plans as K
 from profuse.timers import host_times
 
 EPS = 1e-6

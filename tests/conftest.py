@@ -45,14 +45,17 @@ class PoisonedTorch:
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    """profuse.kernels.tail allocates through PoisonedTorch for the test's duration."""
+    """The tail's launchers allocate through PoisonedTorch for the test's duration: every
+    output, gradient, rstd and dw partial the tail allocates comes from
+    profuse.kernels.tail.plans (the kernel modules allocate nothing; ops.py only calls the
+    launchers, or makes fake tensors for torch.compile)."""
     from profuse.kernels import HAS_TRITON
 
     if not HAS_TRITON:
         pytest.skip("triton is not installed")
-    import profuse.kernels.tail as ktail
+    from profuse.kernels.tail import plans
 
-    monkeypatch.setattr(ktail, "torch", PoisonedTorch())
+    monkeypatch.setattr(plans, "torch", PoisonedTorch())
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ from profuse import tail as T  # noqa: E402
 from profuse.env import sm_count  # noqa: E402
 from profuse.kernels import autotune as A  # noqa: E402
 from profuse.kernels import configs as C  # noqa: E402
-from profuse.kernels import tail as K  # noqa: E402
 from profuse.kernels.configs import KernelConfig  # noqa: E402
+from profuse.kernels.tail import plans as K  # noqa: E402
 
 CUDA = torch.device("cuda")
 CONFIGS = [KernelConfig("fused", 1, 1024, w) for w in (1, 2, 4, 8)]

@@ -98,7 +98,7 @@ def test_part_b_end_to_end(tmp_path, capsys):
 def test_part_b_warns_where_report_would():
     """The main job prints the warnings `profuse report` gives for its file: too few trials for
     the CI, and a variant whose trials were disturbed, with the command to time it again."""
-    from profuse.bench.tail import TailBenchConfig, run_tail_bench
+    from profuse.bench.tail_bench import TailBenchConfig, run_tail_bench
     from profuse.report.bench import format_tail_bench
 
     cfg = TailBenchConfig(rows=16, cols=40, trials=30, warmup=0, variants=("eager", "rms_norm"))
@@ -122,12 +122,12 @@ TINY_MODEL = ["--layers", "1", "--d-model", "32", "--heads", "2", "--vocab-size"
 
 
 def test_ctrl_c_in_part_b_says_that_part_a_is_kept(tmp_path, capsys, monkeypatch):
-    import profuse.bench.tail
+    import profuse.bench.tail_bench
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(profuse.bench.tail, "run_tail_bench", interrupted)
+    monkeypatch.setattr(profuse.bench.tail_bench, "run_tail_bench", interrupted)
     code, _out, err = run([*TINY_MODEL, "--device", "cpu", "--out", str(tmp_path)], capsys)
     assert code == 130
     summary = tmp_path / "profile.json"
@@ -441,7 +441,7 @@ BAD_OUT = {"a file": _a_file, "a folder under a file": _under_a_file, "a name to
 @pytest.fixture
 def no_work(monkeypatch):
     """Any measuring fails the test: a bad output folder must be found before it starts."""
-    import profuse.bench.tail
+    import profuse.bench.tail_bench
     import profuse.distributed
     import profuse.profiling
     import profuse.sweep
@@ -449,7 +449,7 @@ def no_work(monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("the work started before the output folder was checked")
 
-    work = [(profuse.bench.tail, "run_tail_bench"), (profuse.sweep, "run_sweep"),
+    work = [(profuse.bench.tail_bench, "run_tail_bench"), (profuse.sweep, "run_sweep"),
             (profuse.profiling, "run_profile"), (profuse.distributed, "launch"),
             (profuse.distributed, "run_worker")]  # fmt: skip
     for module, name in work:
@@ -846,7 +846,7 @@ def test_report_markdown(saved):
 
 
 def test_report_prints_a_single_run(tmp_path):
-    from profuse.bench.tail import TailBenchConfig, run_tail_bench
+    from profuse.bench.tail_bench import TailBenchConfig, run_tail_bench
     from profuse.files import write_json
 
     cfg = TailBenchConfig(rows=16, cols=40, trials=2, warmup=0, variants=("eager", "rms_norm"))

@@ -19,7 +19,7 @@ if not (torch.cuda.is_available() and HAS_TRITON):
     pytest.skip("CUDA graphs need a CUDA GPU and triton", allow_module_level=True)
 
 from profuse.kernels import autotune as A  # noqa: E402
-from profuse.kernels import tail as K  # noqa: E402
+from profuse.kernels.tail import plans as K  # noqa: E402
 
 DEV = torch.device("cuda")
 EPS = 1e-6
@@ -111,7 +111,7 @@ def test_a_first_call_inside_a_capture_runs_untuned(monkeypatch):
 
 
 def test_part_b_graph_timing_times_every_variant():
-    from profuse.bench.tail import TailBenchConfig, run_tail_bench
+    from profuse.bench.tail_bench import TailBenchConfig, run_tail_bench
 
     cfg = TailBenchConfig(
         rows=512, cols=1024, dtype=torch.bfloat16, device=DEV, trials=3, backward=True,

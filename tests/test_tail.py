@@ -59,11 +59,11 @@ def assert_elementwise(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype)
 
 def test_poisoned_allocation_is_poisoned(poisoned):
     """The poison works: otherwise the element-wise checks below would prove less than they say."""
-    import profuse.kernels.tail as ktail
+    from profuse.kernels.tail import plans
 
-    assert torch.isnan(ktail.torch.empty((2, 3), dtype=torch.bfloat16)).all()
-    assert (ktail.torch.empty(4, dtype=torch.int32) == -1).all()
-    assert torch.isnan(ktail.torch.empty_like(torch.ones(2, 3))).all()
+    assert torch.isnan(plans.torch.empty((2, 3), dtype=torch.bfloat16)).all()
+    assert (plans.torch.empty(4, dtype=torch.int32) == -1).all()
+    assert torch.isnan(plans.torch.empty_like(torch.ones(2, 3))).all()
 
 
 # --------------------------------------------------------------------------------------------

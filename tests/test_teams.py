@@ -31,8 +31,9 @@ from profuse.kernels import (
     teams,  # noqa: E402
 )
 from profuse.kernels import configs as C  # noqa: E402
-from profuse.kernels import tail as K  # noqa: E402
 from profuse.kernels.configs import KernelConfig  # noqa: E402
+from profuse.kernels.tail import plans as K  # noqa: E402
+from profuse.kernels.tail import team as KT  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 ALL = (True, True, True, True)
@@ -144,7 +145,7 @@ def test_sequence_numbers_carry_over_between_calls(dtype, stages, device):
     for seed in range(3):
         xs, dy = tail_inputs(shape, dtype, device, seed=seed, dy=True)
         _check(xs, dy, cfg, dtype)
-    fwd = K._team_launch(K._tail_fwd_team_kernel, cfg, "fwd", 10, 50, num_warps=2)
+    fwd = K._team_launch(K.tail_fwd_team_kernel, cfg, "fwd", 10, 50, num_warps=2)
     slots, counts = fwd.scratch(xs)
     assert slots.shape == (4, 2 * stages, 1)  # teams, buffers (4 with two stages), slots
     assert fwd.prepare(xs) == 4
@@ -265,7 +266,7 @@ def _check_backward(xs, dy, cfg, dtype):
 @triton.jit
 def _sigmoid_probe(X_ptr, Y_ptr, n, APPROX: tl.constexpr, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    tl.store(Y_ptr + i, K._sigmoid(tl.load(X_ptr + i, mask=i < n), APPROX), mask=i < n)
+    tl.store(Y_ptr + i, KT._sigmoid(tl.load(X_ptr + i, mask=i < n), APPROX), mask=i < n)
 
 
 @gpu
@@ -374,7 +375,7 @@ y, rstd = torch.empty_like(x), torch.empty(n_rows, device="cuda")
 slots = torch.zeros(n_rows, slots_for(4), dtype=torch.int64, device="cuda")
 grid = (n_rows * 4 - 1,)
 args = (x, x, x, x[0], y, rstd, n_cols, n_cols, n_cols, n_cols, n_rows, n_cols, 1e-6, slots)
-K._tail_fwd_row_team_kernel[grid](*args, MEMBERS=4, SLOTS=4, BLOCK_N=block_n, SPIN=True, PATIENCE=1000,
+K.tail_fwd_row_team_kernel[grid](*args, MEMBERS=4, SLOTS=4, BLOCK_N=block_n, SPIN=True, PATIENCE=1000,
                                   APPROX=True, num_warps=4)
 torch.cuda.synchronize()
 print("no error")

@@ -335,7 +335,7 @@ class Progress:
 
 
 def _bench_config(args, device, rows: int, cols: int):
-    from profuse.bench.tail import TailBenchConfig, default_variants
+    from profuse.bench.tail_bench import TailBenchConfig, default_variants
     from profuse.env import resolve_dtype
 
     names = (
@@ -402,7 +402,7 @@ def run_part_a(args, device) -> None:
 
 
 def run_part_b(args, cfg) -> None:
-    from profuse.bench.tail import run_tail_bench
+    from profuse.bench.tail_bench import run_tail_bench
     from profuse.files import write_json
     from profuse.report.bench import format_tail_bench
 

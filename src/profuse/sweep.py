@@ -21,7 +21,7 @@ import torch
 from profuse import __version__
 from profuse import compile as _compile
 from profuse.bench import traffic as B
-from profuse.bench.tail import DEFAULT_VARIANTS, TailBenchConfig, TailBenchResult, run_tail_bench
+from profuse.bench.tail_bench import DEFAULT_VARIANTS, TailBenchConfig, TailBenchResult, run_tail_bench
 from profuse.env import dtype_name, environment
 from profuse.errors import UsageError
 from profuse.tail import DEFAULT_EPS

@@ -42,7 +42,7 @@ from profuse.kernels import configs as C
 from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing, compiled_op
 from profuse.kernels.colsum import col_sum_launch
 from profuse.kernels.configs import KernelConfig
-from profuse.kernels.rows import as_rows, check_runnable
+from profuse.kernels.rows import as_rows, check_runnable, double_backward_error
 
 MAX_COLS = C.ADD_RMS_NORM_MAX_COLS
 
@@ -386,11 +386,13 @@ def _backward_op(
     need_weight: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dresidual, dweight); an empty tensor where not asked for, and in dresidual's place
-    where it is dx itself (same dtype, both asked for: an op's outputs may not alias)."""
+    where it is dx itself (same dtype, both asked for): an op's outputs may not alias each other,
+    so each empty is its own (one shared empty fails torch's aliasing check when only one
+    gradient is asked for)."""
     dx, dr, dw = add_rms_norm_backward(dy, dh if has_dh else None, h, weight, rstd, x_dtype, residual_dtype,
                                        (need_x, need_residual, need_weight))  # fmt: skip
-    empty = h.new_empty(0)
-    return empty if dx is None else dx, empty if dr is None or dr is dx else dr, empty if dw is None else dw
+    return (h.new_empty(0) if dx is None else dx, h.new_empty(0) if dr is None or dr is dx else dr,
+            h.new_empty(0) if dw is None else dw)  # fmt: skip
 
 
 def _backward_fake(
@@ -410,7 +412,9 @@ _backward_compiled = compiled_op("add_rms_norm_bwd", _backward_op, _backward_fak
 
 class AddRMSNormFunction(torch.autograd.Function):
     """Saves h (an output) and one fp32 rstd per row; gradients flow in through y and h, either
-    of which may get none (set_materialize_grads(False): no zeros made or read for it).
+    of which may get none (set_materialize_grads(False): no zeros made or read for it). Double
+    backward (create_graph=True) is refused in one line (rows.double_backward_error), except
+    where y gets no gradient and dh passes through in torch ops, which autograd differentiates.
 
     Eager calls go to the launchers directly; only a traced call (torch.compile) goes through
     the compiled ops.
@@ -446,6 +450,8 @@ class AddRMSNormFunction(torch.autograd.Function):
             if need_x and need_r and x_dtype == r_dtype:
                 dr = dx
             return (dx if need_x else None), (dr if need_r else None), (dw if need_w else None), None
+        if torch.is_grad_enabled():  # create_graph=True: the kernel's gradients have no grad_fn
+            raise double_backward_error("add_rms_norm", "profuse.blockops.add_rms_norm_eager")
         return (
             *add_rms_norm_backward(dy, dh, h, weight, rstd, x_dtype, r_dtype, (need_x, need_r, need_w)),
             None,

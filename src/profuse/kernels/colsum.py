@@ -3,7 +3,7 @@
 A backward on a persistent grid sums dy * x_hat over its own rows into one fp32 partial row per
 program; this kernel then adds the (programs, N) partials up column by column, always in the
 same order, and rounds once to the weight's dtype. No atomics on the values: the same bits every
-run. Shared by kernels/tail.py and kernels/add_rms_norm.py.
+run. Shared by kernels/tail/ and kernels/add_rms_norm.py.
 
 A team backward (kernels/teams.py) sums its partials itself instead, with no launch of its own:
 `sum_when_last` stores each program's partial and lets the last of the programs that share a

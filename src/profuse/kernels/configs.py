@@ -1,6 +1,6 @@
 """Launch configs of the Triton kernels: what a launch looks like, and which ones are worth trying.
 
-Policy apart from mechanism: the kernels and their launchers (kernels/tail.py) run whatever
+Policy apart from mechanism: the kernels and their launchers (kernels/tail/) run whatever
 config they are given; this module proposes the candidates for a shape and dtype, the
 heuristic's favourite first, each choice with the measurement behind it. The autotuner
 (kernels/autotune.py) times the candidates on the device and keeps the fastest.
@@ -47,7 +47,7 @@ class KernelConfig:
     # Team kernels: 0 loads the next row into registers before the wait (and num_stages 2 lags
     # the wait a row); n >= 2 lets Triton's software pipeliner load rows n - 1 ahead into shared
     # memory instead (tl.range's num_stages), so the DRAM keeps reading during the wait without
-    # registers held for it (kernels/tail.py's staged team kernels).
+    # registers held for it (kernels/tail/team.py's staged kernels).
     pipeline: int = 0
     # Fused kernels: 0, or a second block of columns (a power of two) after block_n, the row
     # held as block_n + block_n2 lanes: 5120 columns as 4096 + 1024 rather than 8192.
@@ -87,29 +87,30 @@ def two_blocks(n_cols: int) -> tuple[int, int] | None:
 # stages lag a row's exchange behind the next row's work. With a pipelining depth (the staged
 # kernels) the next rows load into shared memory through Triton's software pipeliner, so the DRAM
 # keeps reading during a team's wait without registers held for it; the grid is then as many
-# programs as the compiled kernel lets share an SM (at most the programs per SM given). Measured
-# on the H200 at 32M elements (benchmarks/NOTES.md, session 9): the staged, lagged shapes won at
-# every width from 5120 to 65536 (forward 84-87% of copy, backward kernel 77-80%); the unstaged
-# shapes that won in session 8 stay for the tuner. Session 10: the staged, lagged backward in
-# teams of 512-column shares at 2 warps (8 programs an SM at 127 registers) beat the 1024-column
-# shares at 4 warps by 1.6-2.4% (138.2 against 140.5 us at 6553 x 5120, 134.8 against 138.1 at
-# 1024 x 32768); a register cap of 96 on the latter (5 programs an SM, with spills) never won the
-# tuner's pick. Session 11: finer still lost: 256-column shares at 1 warp (16 programs an SM) took
-# 175-233 us at 32M elements against 136-139 for the best, 512 columns at 4 warps 163-165 us.
-# Session 15: shares of 2048-4096 columns at 8-16 warps, a pipelining depth of 4, and caps of
-# 80-112 registers on the 512-column backward (spills: 192-206 us against 135) never won.
-# Programs an SM 0: row teams, a team a row on a grid of one program per share (the forward
-# only; kernels/tail.py's row team kernel). Session 14, 32M elements: 70.2 us at 4096 x 8192
-# (the best launch before, 72.4-72.9), 72.1-72.6 at 3048 x 11008 (74.1-74.4), 72.1 at 2048 x
-# 16384 (72.8-73.2); at 128M elements 2-4% faster from 5120 to 32768 columns. With more
-# members a team waits longer for its last one: at 32768-65536 columns the staged teams still
-# win. Shares of 8192 columns at 16 warps, 2048 at 8 and 1024 at 4 never came within 5%.
-# Session 16: row teams of 32 columns a thread (4096 at 4 warps, 2048 at 2; 62-64 registers,
-# 8-16 programs an SM) won the pick at 14336-32768 columns and took the forward at 32M from
-# 71.3-71.5 us to 70.4-70.5 at 2048 x 16384, 72.0-72.2 to 71.4 at 1024 x 32768.
-# Session 17: what a row team loses at 32768-65536 columns is its exchange (without it the same
-# kernel runs as fast as the one-row forward: benchmarks/row_team_probe.py); register caps that
-# fit more members an SM (32-56) and teams of 2-4 rows in turn did not win it back.
+# programs as the compiled kernel lets share an SM (at most the programs per SM given). Programs
+# an SM 0: row teams, a team a row on a grid of one program per share (the forward only;
+# kernels/tail/team.py's row team kernel).
+# Evidence, H200, bf16, kernel time at 32M elements unless said (benchmarks/NOTES.md):
+# - Staged, lagged shapes won at every width from 5120 to 65536 (2026-12-03): forward 84-87% of
+#   copy, backward kernel 77-80%. The unstaged shapes that won before them stay for the tuner.
+# - Backward shares of 512 columns at 2 warps (8 programs an SM at 127 registers) beat 1024 at 4
+#   warps by 1.6-2.4% (2026-12-03: 138.2 against 140.5 us at 6553 x 5120, 134.8 against 138.1 at
+#   1024 x 32768); a register cap of 96 on the latter (5 programs an SM, with spills) never won
+#   the tuner's pick. Finer lost: 256-column shares at 1 warp (16 programs an SM) took 175-233 us
+#   against 136-139 for the best, 512 columns at 4 warps 163-165 us (2026-12-03). Shares of
+#   2048-4096 columns at 8-16 warps, a pipelining depth of 4, and caps of 80-112 registers on the
+#   512-column backward (spills: 192-206 us against 135) never won (2026-12-04).
+# - Row teams (2026-12-03): forward 70.2 us at 4096 x 8192 (the best launch before, 72.4-72.9),
+#   72.1-72.6 at 3048 x 11008 (74.1-74.4), 72.1 at 2048 x 16384 (72.8-73.2); at 128M elements
+#   2-4% faster from 5120 to 32768 columns. With more members a team waits longer for its last
+#   one: at 32768-65536 columns the staged teams still win. Row team shares of 8192 columns at 16
+#   warps, 2048 at 8 and 1024 at 4 never came within 5%.
+# - Row teams of 32 columns a thread (4096 at 4 warps, 2048 at 2; 62-64 registers, 8-16 programs
+#   an SM) won the pick at 14336-32768 columns (2026-12-04): forward 71.3-71.5 -> 70.4-70.5 us at
+#   2048 x 16384, 72.0-72.2 -> 71.4 at 1024 x 32768.
+# - What a row team loses at 32768-65536 columns is its exchange: without it the same kernel
+#   runs as fast as the one-row forward (benchmarks/row_team_probe.py, 2026-12-04). Register caps
+#   that fit more members an SM (32-56) and teams of 2-4 rows in turn did not win it back.
 FWD_TEAM_SHARES = (
     (8192, 8, 0, 1),
     (4096, 8, 0, 1),
@@ -142,9 +143,9 @@ def teams_enabled() -> bool:
 
 
 # Rows up to this wide are never shared by a team: one program holds a whole row at 16 elements
-# a thread or fewer. At 1024 x 4096 the team forward won the tuner's draw but lost 5% in the
-# grid to the kernels without teams, timed in the same run (14.6 against 13.9 us, session 10),
-# and at 8192 and 32768 rows the fused kernels won the pick.
+# a thread or fewer. On the H200 (2026-12-03) at 1024 x 4096 the team forward won the tuner's
+# draw but lost 5% in the grid to the kernels without teams, timed in the same run (14.6 against
+# 13.9 us), and at 8192 and 32768 rows the fused kernels won the pick.
 TEAM_MIN_COLS = 4097
 
 

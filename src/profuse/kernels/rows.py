@@ -1,5 +1,6 @@
-"""What the block ops' launchers do to their inputs first: see a (..., N) tensor as (rows, N)
-with one row stride (no copy where a view can say it), and check that its device can run Triton.
+"""What the fused ops' launchers do to their inputs first: see a (..., N) tensor as (rows, N)
+with one row stride (no copy where a view can say it), and check that its device can run Triton;
+and the one line their backwards raise where a second derivative is asked for.
 """
 
 from __future__ import annotations
@@ -32,3 +33,19 @@ def check_runnable(device: torch.device, op: str) -> None:
             f"{op} needs CUDA tensors (got {device}); "
             "set TRITON_INTERPRET=1 to run it on CPU tensors through the interpreter"
         )
+
+
+def double_backward_error(op: str, instead: str) -> RuntimeError:
+    """The refusal of a fused op's backward run with grad mode on, that is under
+    backward(create_graph=True) or autograd.grad(create_graph=True).
+
+    The gradients come out of a Triton kernel that autograd cannot see into: returned from that
+    pass they would carry no grad_fn, and a gradient penalty sum(dL/dx ** 2) would be taken as
+    a constant, its own gradient silently dropped. The backward checks torch.is_grad_enabled()
+    (a C call, no measurable host time) in its eager branch; under torch.compile, AOTAutograd
+    refuses double backward itself.
+    """
+    return RuntimeError(
+        f"profuse: {op} does not support double backward (create_graph=True): its gradients come "
+        f"from a Triton kernel autograd cannot differentiate; use {instead} for higher-order gradients"
+    )

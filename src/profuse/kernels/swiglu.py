@@ -34,7 +34,7 @@ import triton.language as tl
 from profuse.kernels import configs as C
 from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing, compiled_op
 from profuse.kernels.configs import KernelConfig
-from profuse.kernels.rows import as_rows, check_runnable
+from profuse.kernels.rows import as_rows, check_runnable, double_backward_error
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -288,7 +288,8 @@ _packed_backward_compiled = compiled_op(
 
 class SiluMulFunction(torch.autograd.Function):
     """gate and up as two tensors: saves them (nothing new: they are alive anyway), returns a
-    gradient for each. Eager calls go to the launchers; a traced call, to the compiled ops."""
+    gradient for each. Eager calls go to the launchers; a traced call, to the compiled ops.
+    Double backward (create_graph=True) is refused in one line (rows.double_backward_error)."""
 
     @staticmethod
     def forward(ctx, gate, up):
@@ -306,11 +307,14 @@ class SiluMulFunction(torch.autograd.Function):
         if torch.compiler.is_compiling():
             dg, du = _backward_compiled(gate)(grad, gate, up, need_g, need_u)
             return (dg if need_g else None), (du if need_u else None)
+        if torch.is_grad_enabled():  # create_graph=True: the kernel's gradients have no grad_fn
+            raise double_backward_error("silu_mul", "profuse.blockops.silu_mul_eager")
         return silu_mul_backward(grad, gate, up, (need_g, need_u))
 
 
 class SiluMulPackedFunction(torch.autograd.Function):
-    """The packed (..., 2F) gate_up: saves it, returns its gradient as one (..., 2F) tensor."""
+    """The packed (..., 2F) gate_up: saves it, returns its gradient as one (..., 2F) tensor.
+    Double backward (create_graph=True) is refused in one line, as SiluMulFunction's."""
 
     @staticmethod
     def forward(ctx, gate_up):
@@ -326,6 +330,8 @@ class SiluMulPackedFunction(torch.autograd.Function):
         (gate_up,) = ctx.saved_tensors
         if torch.compiler.is_compiling():
             return _packed_backward_compiled(gate_up)(grad, gate_up)
+        if torch.is_grad_enabled():  # create_graph=True: the kernel's gradient has no grad_fn
+            raise double_backward_error("silu_mul", "profuse.blockops.silu_mul_eager")
         return silu_mul_packed_backward(grad, gate_up)
 
 

@@ -1,6 +1,6 @@
 """Rows shared by a team of programs: each holds a share of the row, and they swap partial sums.
 
-A row too wide for one program's registers is either read twice (kernels/tail.py's chunked
+A row too wide for one program's registers is either read twice (kernels/tail/chunked.py's
 kernels: the second pass from the L2, which held them near 75-80% of the copy rate) or split
 over a team of co-resident programs, each holding `BLOCK_N` columns of it in registers. Triton
 has no cluster reduction, so a team swaps its partial sums through global memory:
@@ -12,7 +12,7 @@ has no cluster reduction, so a team swaps its partial sums through global memory
               takes the values in member order: every member adds them up in the same order and
               gets the same bits, run after run. With SPIN it waits inside one inline-assembly op,
               so a row loop around it holds no loop of its own and Triton's software pipeliner
-              can stage its loads (kernels/tail.py's staged team kernels).
+              can stage its loads (kernels/tail/team.py's staged kernels).
 
 Slots are double-buffered by the number's parity: a member cannot publish row i + 2 before every
 member has published row i + 1, which each does only after it has read row i. A kernel that
@@ -268,7 +268,7 @@ class RowTeamLaunch(TeamLaunch):
     one-dimensional grid's programs in id order, so a member's partners are running or next to
     start, and only one team's members need to be resident at once, not the whole grid. A member
     that polls for ~1 s without seeing them stops the kernel with a trap rather than hang
-    (kernels/tail.py's row team kernel). Scratch per stream: (n_rows, slots) int64 words, each
+    (kernels/tail/team.py's row team kernel). Scratch per stream: (n_rows, slots) int64 words, each
     carrying the last call's number."""
 
     __slots__ = ()

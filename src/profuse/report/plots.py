@@ -45,7 +45,7 @@ DPI = 120
 # sizes sit closer (hidden sizes 14336 and 16384 are 0.19 apart).
 DODGE = 0.06
 # One colour per variant key, whatever the run holds, so a variant looks the same in both plots
-# and in every run (keys in bench.tail.variants() order). No red: the copy ceiling is crimson;
+# and in every run (keys in bench.tail_bench.variants() order). No red: the copy ceiling is crimson;
 # no gray: it draws the groups' line styles in a grid's legend.
 VARIANT_COLORS = {
     "eager": "C0",
