@@ -28,6 +28,14 @@ STATISTIC = "ratio of medians: median(baseline) / median(variant), paired bootst
 # handful the interval reflects the few values drawn, not the spread of the timings.
 FEW_TRIALS = 10
 
+# A trial more than UNSTEADY_RATIO x its variant's fastest was disturbed (another process, a
+# clock change, threads waiting on each other): steady runs on an H200 keep every trial within
+# ~10% of the fastest. Where more than UNSTEADY_SHARE of a variant's trials were, its median is
+# disturbed too. One rule for every report (Part B, sweeps, Part C, report, diff) and every
+# library user (Comparison.unsteady).
+UNSTEADY_RATIO = 1.5
+UNSTEADY_SHARE = 0.2
+
 FASTER = "faster"
 SLOWER = "slower"
 NO_GAIN = "no measurable gain"
@@ -58,6 +66,70 @@ class Speedup:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "verdict": self.verdict}
+
+
+@dataclass(frozen=True)
+class Steadiness:
+    """How far one variant's trials wandered from its fastest: `slow_trials` of `trials` took more
+    than UNSTEADY_RATIO x `fastest_s`. `unsteady` where over UNSTEADY_SHARE of them did."""
+
+    trials: int
+    slow_trials: int
+    fastest_s: float
+    median_s: float
+    slowest_s: float
+
+    @property
+    def unsteady(self) -> bool:
+        return self.slow_trials > UNSTEADY_SHARE * self.trials
+
+    @property
+    def spread(self) -> float:
+        """slowest / fastest trial."""
+        return self.slowest_s / self.fastest_s if self.fastest_s > 0 else float("inf")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "unsteady": self.unsteady}
+
+
+def steadiness(times_s) -> Steadiness | None:
+    """The steadiness of one variant's trials (None for no trials)."""
+    t = np.asarray(times_s, dtype=float)
+    if t.size == 0:
+        return None
+    fastest = float(t.min())
+    slow = int(np.sum(t > UNSTEADY_RATIO * fastest))
+    return Steadiness(int(t.size), slow, fastest, float(np.median(t)), float(t.max()))
+
+
+def unsteady_warning(counts: dict[str, Steadiness], where: str = "", again: str = "") -> str:
+    """The one warning for unsteady trials, the same in every report:
+    'WARNING unsteady timings: eager 9/20 trials over 1.5x its fastest (8.70 ms to 552 ms), ...;
+    their medians, and the speedups and predictions made from them, are not to be trusted. ...'
+    `counts`: label -> Steadiness of every variant timed together (the unsteady ones are named
+    first); `where`: what was timed ('4096 x 64'); `again`: the command that times it again."""
+    shown = sorted(counts.items(), key=lambda kv: not kv[1].unsteady)
+    parts = [
+        f"{label} {s.slow_trials}/{s.trials} trials over {UNSTEADY_RATIO}x its fastest "
+        f"({_seconds(s.fastest_s)} to {_seconds(s.slowest_s)})"
+        for label, s in shown
+        if s.slow_trials
+    ]
+    text = (
+        f"WARNING{' ' + where if where else ''}: unsteady timings ({'; '.join(parts)}); their medians, "
+        "and the speedups and predictions made from them, are not to be trusted"
+    )
+    if again:
+        text += f". On a quiet machine, time it again: {again}"
+    return text
+
+
+def _seconds(t: float) -> str:
+    """'8.7 ms', '552 ms', '57.3 us': three figures, for a warning's range."""
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if t >= scale:
+            return f"{t / scale:.3g} {unit}"
+    return f"{t * 1e9:.3g} ns"
 
 
 def _ratio_of_medians(base: np.ndarray, var: np.ndarray, axis: int = -1) -> np.ndarray:
