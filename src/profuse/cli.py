@@ -112,6 +112,27 @@ def _add_device_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+THREADS_HELP = (
+    "CPU threads for torch's intra-op work (torch.set_num_threads), recorded in the results' "
+    "environment (default: torch's own, one per core, which is fastest on a quiet machine). On a "
+    "shared or busy CPU those threads wait on other processes and the trials swing (a tiny step "
+    "went from 2.6 ms to 545 ms on a loaded 2-core machine, 2.9-3.5 ms on one thread): the reports "
+    "then say the CPU was oversubscribed and suggest a count here"
+)
+
+
+def _add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N", help=THREADS_HELP)
+
+
+def set_threads(args) -> None:
+    """--threads, before any work (torch imported here, after the arguments were checked)."""
+    if getattr(args, "threads", None) is not None:
+        from profuse.env import set_threads as _set
+
+        _set(args.threads)
+
+
 def _add_bench_args(p: argparse.ArgumentParser, sizes_are_lists: bool = False) -> None:
     size = int_list if sizes_are_lists else positive_int
     what = "comma-separated list of " if sizes_are_lists else ""
@@ -140,6 +161,7 @@ def _add_bench_args(p: argparse.ArgumentParser, sizes_are_lists: bool = False) -
         "do_bench see them (about the larger of host and device time); graph = CUDA-graph replay, "
         "device time with no launch cost. Host time per call is measured in every mode",
     )  # fmt: skip
+    _add_threads_arg(g)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -424,6 +446,7 @@ def cmd_main(argv: list[str]) -> int:
         raise UsageError("--skip-profile and --profile-only leave nothing to run: pick one")
     names = () if args.skip_profile else part_a_files(args.compile_step)
     check_out(args, names + (() if args.profile_only else (RESULTS_JSON,)))
+    set_threads(args)
     from profuse.env import resolve_device
 
     device = resolve_device(args.device)
@@ -585,6 +608,7 @@ def build_diff_parser() -> argparse.ArgumentParser:
 def cmd_sweep(argv: list[str]) -> int:
     args = build_sweep_parser().parse_args(argv)
     check_out(args, (RESULTS_JSON, RESULTS_CSV, PARTIAL_JSON, *PLOTS))
+    set_threads(args)
     from profuse.env import resolve_device
     from profuse.files import write_json
     from profuse.report import plots
@@ -679,6 +703,7 @@ def sizes_left_commands(args, cfg, finished: set[tuple[int, int]]) -> list[str]:
     settings += ["--backward"] if args.backward else []
     settings += ["--warm-cache"] if args.warm_cache else []
     settings += ["--seed", str(args.seed)] if args.seed else []
+    settings += ["--threads", str(args.threads)] if getattr(args, "threads", None) else []
     out = Path(args.out)
     commands = []
     for i, (sizes, cols) in enumerate(groups.items()):
@@ -807,6 +832,7 @@ def build_step_parser() -> argparse.ArgumentParser:
         help="profiled steps per variant, for kernels per step and the Amdahl prediction; 0 skips the "
         "profiles and the prediction (default: 3)",
     )  # fmt: skip
+    _add_threads_arg(p)
     _add_out_arg(p, ".", "step.json and the traces (trace-step-VARIANT.json)")
     return p
 
@@ -857,6 +883,7 @@ def cmd_step(argv: list[str]) -> int:
     from profuse.env import resolve_device
 
     check_out(args, ())  # a folder that cannot be written fails now, not after the measuring
+    set_threads(args)
     cfg = _step_config(args, resolve_device(args.device), args.preset)
     check_step(cfg)
     run_part_c(cfg)
