@@ -270,7 +270,7 @@ BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}"
 # Lines that native code writes straight to the process's stderr, each of which would break a bar
 # on screen: torch's profiler (Kineto) at every start and stop, and a CUDA build of torch on a
 # machine without a GPU. While a bar is shown they are held back and dropped; any other line
-# comes out when the bar closes.
+# comes out when the bar closes. (env.NATIVE_NOISE: the same pattern; cli keeps torch unimported.)
 NATIVE_NOISE = re.compile(r"^(USDT|STAGE):|gpuGetDeviceCount failed|No CUDA runtime is found")
 CUDA_BUILD_NOISE = re.compile(r"gpuGetDeviceCount failed|No CUDA runtime is found")
 CPU_BUILD_HINT = (

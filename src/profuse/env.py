@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -256,3 +258,38 @@ def _triton_version() -> str | None:
     except ImportError:
         return None
     return triton.__version__
+
+
+# Lines that native code writes straight to the process's stderr (fd 2), past Python: torch's
+# profiler (Kineto) at every start and stop ("USDT: ... profiler_start", "STAGE: ... Warm Up",
+# at any KINETO_LOG_LEVEL), and a CUDA build of torch on a machine without a GPU.
+NATIVE_NOISE = re.compile(r"^(USDT|STAGE):|gpuGetDeviceCount failed|No CUDA runtime is found")
+
+
+@contextlib.contextmanager
+def quiet_native_stderr(noise: re.Pattern = NATIVE_NOISE):
+    """Hold fd 2 in a temporary file for the block, then write back what came there less the
+    lines `noise` matches: the profiler's start and stop lines go, anything else (a warning, an
+    error) still comes out, after the block and in its order. Where fd 2 cannot be held (no such
+    descriptor), the block runs as it is."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    held = tempfile.TemporaryFile()
+    try:
+        sys.stderr.flush()
+        os.dup2(held.fileno(), 2)
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        held.seek(0)
+        text = held.read().decode("utf-8", errors="replace")
+        held.close()
+        kept = "".join(line for line in text.splitlines(keepends=True) if not noise.search(line))
+        if kept:
+            os.write(2, kept.encode("utf-8"))
