@@ -469,7 +469,7 @@ def test_quiet_native_stderr_drops_only_the_noise(capfd):
 
     assert NATIVE_NOISE.pattern == cli.NATIVE_NOISE.pattern  # one pattern, two places
     with quiet_native_stderr():
-        os.write(2, b"USDT:2026-12-02 18:41:36 3704:3704 SyncActivityProfilerHandler.cpp:52] profiler_start\n")
+        os.write(2, b"USDT:2026-12-02 18:41:36 3704:3704 SyncActivityProfilerHandler.cpp:52] start\n")
         os.write(2, b"kept\n")
     with pytest.raises(RuntimeError), quiet_native_stderr():  # released on an error too
         os.write(2, b"before the error\n")

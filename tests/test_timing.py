@@ -343,7 +343,8 @@ def test_unsteady_trials_are_flagged_on_the_comparison():
                                 for t in res.timings["swinging"].times_s)  # fmt: skip
     assert s.slow_trials > stats.UNSTEADY_SHARE * trials and s.spread > 50
     (warning,) = res.warnings
-    assert warning.startswith(f"WARNING: unsteady timings (trials over {stats.UNSTEADY_RATIO}x their fastest: ")
+    rule = f"trials over {stats.UNSTEADY_RATIO}x their fastest"
+    assert warning.startswith(f"WARNING: unsteady timings ({rule}: ")
     assert f"eager 0/{trials}, swinging {s.slow_trials}/{trials} (" in warning
     assert "not to be trusted" in warning
     d = json.loads(json.dumps(res.to_dict()))
