@@ -65,19 +65,27 @@ def trial_count(text: str) -> int:
     return value
 
 
+def _items(text: str, what: str) -> list[str]:
+    """The comma-separated items of `text`; an empty one ('64,,128', '64,') is an error, not
+    silently dropped."""
+    parts = text.replace(" ", "").split(",")
+    if not any(parts):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}")
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"an empty item in {text!r}: give a comma-separated list of {what}")
+    return parts
+
+
 def int_list(text: str) -> list[int]:
     """'1024,8192,32768' -> [1024, 8192, 32768]; each must be positive."""
-    parts = [p for p in text.replace(" ", "").split(",") if p]
-    if not parts:
-        raise argparse.ArgumentTypeError("expected a comma-separated list of sizes")
-    return [positive_int(p) for p in parts]
+    return [positive_int(p) for p in _items(text, "sizes")]
 
 
 def element_list(text: str) -> list[int]:
     """'4M,32M,128M' -> [4194304, 33554432, 134217728] (K, M and G are powers of 1024)."""
     scale = {"K": 2**10, "M": 2**20, "G": 2**30}
     out = []
-    for part in (p for p in text.replace(" ", "").split(",") if p):
+    for part in _items(text, "element counts such as 4M,32M,128M"):
         unit = scale.get(part[-1].upper(), 1)
         number = part[:-1] if unit > 1 else part
         out.append(positive_int(number) * unit)
@@ -92,6 +100,12 @@ def variant_keys(text: str) -> list[str]:
     if not keys:
         raise argparse.ArgumentTypeError("expected comma-separated variant keys, e.g. triton,compile")
     return keys
+
+
+def variant_text(text: str) -> str:
+    """--variants of Part B and sweep: the keys as one string ('eager,triton'); an empty list is an
+    error here, not a run of eager alone."""
+    return ",".join(variant_keys(text))
 
 
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
@@ -147,7 +161,7 @@ def _add_bench_args(p: argparse.ArgumentParser, sizes_are_lists: bool = False) -
     g.add_argument("--backward", action="store_true",
                    help="time forward + backward (gradients of gate, up, residual and weight)")  # fmt: skip
     g.add_argument(
-        "--variants", default=None,
+        "--variants", type=variant_text, default=None,
         help="comma-separated variants to run, from: eager, rms_norm, compile, compile-max, triton, "
         "liger (default on CUDA: all but compile-max; on CPU: eager, compile; eager, the "
         "baseline, is always in)",
@@ -423,6 +437,23 @@ def run_part_a(args, device) -> None:
     print()
 
 
+def triton_note(args, device) -> str:
+    """Why the CPU's default Part B has no Triton variant, and how to check it here ('' where the
+    user chose the variants, or where it runs by default)."""
+    from profuse.bench.tail import default_variants
+    from profuse.kernels import HAS_TRITON, TRITON_MISSING
+
+    if args.variants is not None or "triton" in default_variants(device):
+        return ""
+    if not HAS_TRITON:
+        return f"triton variant skipped: {TRITON_MISSING}"
+    return (
+        "triton variant skipped: its kernels need a CUDA GPU to be timed; TRITON_INTERPRET=1 with "
+        "--variants eager,compile,triton runs them on this CPU through Triton's interpreter to check "
+        "their math (slow: its times are the interpreter's, never a kernel's)"
+    )
+
+
 def run_part_b(args, cfg) -> None:
     from profuse.bench.tail import run_tail_bench
     from profuse.files import write_json
@@ -434,6 +465,9 @@ def run_part_b(args, cfg) -> None:
     finally:
         progress.close()
     print(format_tail_bench(res))
+    note = triton_note(args, cfg.device)
+    if note:
+        print(note)
     path = Path(args.out) / RESULTS_JSON
     earlier = replaced_note(path)
     write_json(path, res.to_dict())
@@ -598,10 +632,11 @@ def build_diff_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="profuse diff",
         description="Compare two saved runs (two cards, or before and after a change) size by size and "
-        "variant by variant: the ratio of medians B/A with a bootstrap CI, and where it is measurable.",
+        "variant by variant: the ratio of medians B/A with a bootstrap CI, and where it is measurable. "
+        "Two results.json (Part B or a sweep), or two step.json (Part C, step by step).",
     )
-    p.add_argument("a", type=Path, help="results.json of run A (the reference)")
-    p.add_argument("b", type=Path, help="results.json of run B (compared with A)")
+    p.add_argument("a", type=Path, help="results.json or step.json of run A (the reference)")
+    p.add_argument("b", type=Path, help="the same kind of file of run B (compared with A)")
     return p
 
 
@@ -619,6 +654,8 @@ def cmd_sweep(argv: list[str]) -> int:
     # The one-size config maps the shared flags (dtype, variants, --warm-cache) as Part B does.
     first = _bench_config(args, device, args.rows[0], args.cols[0])
     cfg = SweepConfig.from_bench(first, args.rows, args.cols, args.elements)
+    for line in cfg.rounding():
+        print(f"note: {line}")
     out = Path(args.out)
     partial = out / PARTIAL_JSON
 
@@ -691,7 +728,7 @@ def sizes_left_commands(args, cfg, finished: set[tuple[int, int]]) -> list[str]:
     axis, values = ("--elements", cfg.elements) if cfg.elements else ("--rows", cfg.rows)
     per_cols: dict[int, tuple[int, ...]] = {}
     for c in cfg.cols:
-        sizes = [v for v in values if ((max(1, v // c) if cfg.elements else v), c) in left]
+        sizes = [v for v in values if ((v // c if cfg.elements else v), c) in left]
         if sizes:
             per_cols[c] = tuple(sizes)
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -779,9 +816,21 @@ def _print_part_a(data, args) -> bool:
 
 def cmd_diff(argv: list[str]) -> int:
     args = build_diff_parser().parse_args(argv)
+    from profuse.report.step import format_step_diff, load_step
     from profuse.report.sweep import format_diff, load_results
 
-    print(format_diff(load_results(args.a), load_results(args.b), names=(str(args.a), str(args.b))))
+    names = (str(args.a), str(args.b))
+    steps = load_step(args.a), load_step(args.b)
+    if all(s is not None for s in steps):  # two Part C runs
+        print(format_step_diff(*steps, names=names))
+        return 0
+    if any(s is not None for s in steps):
+        step, other = (args.a, args.b) if steps[0] is not None else (args.b, args.a)
+        raise UsageError(
+            f"{step} is Part C's step.json and {other} is not: diff compares two step.json files, "
+            "or two results.json of Part B or a sweep"
+        )
+    print(format_diff(load_results(args.a), load_results(args.b), names=names))
     return 0
 
 

@@ -41,8 +41,9 @@ def _per_step(r: ProfileResult) -> str:
     return f"{s.launches_per_step:.0f} aten operator calls per step (the CPU's stand-in for kernels)"
 
 
-def format_profile(r: ProfileResult) -> str:
-    """The lab's 'Part A' block, then step time, category shares, launches, idle share, hot spot."""
+def format_profile(r: ProfileResult, saved: bool = False) -> str:
+    """The lab's 'Part A' block, then step time, category shares, launches, idle share, hot spot.
+    `saved`: printed again from profile.json, so the trace was written then, not now."""
     s = r.summary
     lines = [
         f"=== Part A: top operators over {_steps(r.steps)} ({_device_label(r)}) ===",
@@ -62,7 +63,8 @@ def format_profile(r: ProfileResult) -> str:
         lines.append(f"launch-bound: {s.launch_bound_reading()}")
     lines.append(f"hot spot: {r.hotspot}")
     size = fmt_bytes(r.trace_bytes, digits=1)
-    lines.append(f"trace written: {_shown_path(r.trace_path)} ({size}) - open it at {PERFETTO}")
+    what = "trace (written by that run)" if saved else "trace written"
+    lines.append(f"{what}: {_shown_path(r.trace_path)} ({size}) - open it at {PERFETTO}")
     return "\n".join(lines)
 
 
@@ -157,7 +159,7 @@ def format_saved_profile(data: dict, source: str) -> str:
     report.distributed.format_saved_ddp_profile)."""
     try:
         eager = ProfileResult.from_dict(data["eager"])
-        text = format_profile(eager)
+        text = format_profile(eager, saved=True)
         if data.get("compiled"):
             text += "\n\n" + format_profile_comparison(eager, ProfileResult.from_dict(data["compiled"]))
         return text

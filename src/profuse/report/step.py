@@ -10,10 +10,18 @@ import json
 import shlex
 from pathlib import Path
 
-from profuse.bench.stats import FEW_TRIALS, STATISTIC, steadiness, unsteady_warning
+from profuse.bench.stats import FEW_TRIALS, STATISTIC, steadiness, time_ratio_ci, unsteady_warning
 from profuse.bench.timing import WARMUP_BUDGET_S, warmup_warning
-from profuse.env import describe
-from profuse.report.sweep import few_trials_note, interpreter_note, threads_flag, threads_note, warmup_line
+from profuse.env import card_name, describe
+from profuse.errors import UsageError
+from profuse.report.sweep import (
+    few_trials_note,
+    interpreter_note,
+    render_table,
+    threads_flag,
+    threads_note,
+    warmup_line,
+)
 from profuse.report.units import fmt_bytes, fmt_time, speedup_terms, time_unit
 
 W = 14  # variant column: fits "compile+fused"
@@ -320,3 +328,75 @@ def format_step(data: dict) -> str:
     env = data["env"]
     lines.append(describe(env))
     return "\n".join(line.rstrip() if line else line for line in lines)
+
+
+# --------------------------------------------------------------------------------------------
+# diff: two saved Part C runs, variant by variant
+# --------------------------------------------------------------------------------------------
+
+
+def _setup(data: dict) -> str:
+    cfg, env = data.get("config") or {}, data.get("env") or {}
+    triton = env.get("triton") or "not installed"
+    trials = (data.get("comparison") or {}).get("trials", cfg.get("trials"))
+    return (
+        f"{card_name(env)}, torch {env.get('torch')}, triton {triton}, preset {cfg.get('preset')}, "
+        f"{cfg.get('precision')}, {cfg.get('device')}, {trials} trials"
+    )
+
+
+def _short(sp: dict | None) -> str:
+    if not sp:
+        return "baseline"
+    if sp["verdict"] == "no measurable gain":
+        return "no gain"
+    return speedup_terms(sp["median"], sp["low"], sp["high"], sp["verdict"])[0]
+
+
+def format_step_diff(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
+    """Two saved Part C runs (two cards, or before and after a change) variant by variant: the
+    ratio of step medians B/A with a bootstrap CI over each run's saved trials."""
+    for data, name in ((a, names[0]), (b, names[1])):
+        if not (data.get("comparison") or {}).get("timings"):
+            raise UsageError(f"{name} timed no step (its eager step did not run): nothing to compare")
+    lines = [
+        "=== diff: step time ratio B/A per variant (below 1: B is faster) ===",
+        f"A: {names[0]} ({_setup(a)})",
+        f"B: {names[1]} ({_setup(b)})",
+    ]
+    ca, cb = a.get("config") or {}, b.get("config") or {}
+    differs = [
+        what
+        for what, key in (("model", "model"), ("device", "device"), ("precision", "precision"))
+        if ca.get(key) != cb.get(key)
+    ]
+    if differs:
+        lines.append(f"note: A and B differ in {', '.join(differs)}: the steps are not like for like")
+    ta, tb = a["comparison"]["timings"], b["comparison"]["timings"]
+    ra, rb = a.get("results") or {}, b.get("results") or {}
+    unit = time_unit(ta[next(iter(ta))]["median_s"])
+    header = ["variant", "median A", "median B", "B/A (95% CI)", "verdict", "vs eager A -> B"]
+    body = []
+    for name in [n for n in ta if n in tb]:
+        x, y = ta[name], tb[name]
+        cells = [name, fmt_time(x["median_s"], unit).strip(), fmt_time(y["median_s"], unit).strip()]
+        if len(x.get("times_s", [])) >= 2 and len(y.get("times_s", [])) >= 2:
+            r = time_ratio_ci(x["times_s"], y["times_s"])
+            cells += [f"{r.median:.2f}x ({r.low:.2f}-{r.high:.2f})", r.verdict]
+        else:
+            cells += [f"{y['median_s'] / x['median_s']:.2f}x", "no per-trial times saved: cannot tell"]
+        sa, sb = (ra.get(name) or {}).get("speedup"), (rb.get(name) or {}).get("speedup")
+        cells.append(f"{_short(sa)} -> {_short(sb)}")
+        body.append(cells)
+    lines.append(render_table(header, body, right={1, 2}, markdown=False) if body else "no variant in common")
+    for side, only in (("A", [n for n in ta if n not in tb]), ("B", [n for n in tb if n not in ta])):
+        if only:
+            lines.append(f"only in {side}: {', '.join(only)}")
+    lines.append(
+        "B/A: median(B) / median(A) of whole steps, 95% CI from a bootstrap resampling each run's trials "
+        "on its own; the two runs were not interleaved, so drift between them (clocks, heat, other "
+        "work) is not in the CI: treat a small measurable difference with care"
+    )
+    for side, data in (("A", a), ("B", b)):
+        lines += [f"{side}: {warning}" for warning in step_warnings(data)]
+    return "\n".join(lines)

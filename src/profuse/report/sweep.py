@@ -26,6 +26,11 @@ CSV_FIELDS = (
 )  # fmt: skip
 
 BASELINE_VERDICT = "baseline"
+# Every kind of file `profuse report` reads, for the error on any other.
+KNOWN_FILES = (
+    "results.json of profuse or profuse sweep, results.partial.json of a sweep stopped part-way, "
+    "profile.json or profile_ddp.json of Part A, or step.json of profuse step"
+)
 NOT_TIMED = "not timed"
 
 
@@ -151,13 +156,11 @@ def parse(data: dict, source: str = "results") -> SavedRun:
             )
         if kind == "step":
             raise UsageError(
-                f"{source} is Part C's step.json: `profuse report {source}` prints it again; diff, --vs "
-                "and --variants read the results.json of Part B or a sweep"
+                f"{source} is Part C's step.json: `profuse report {source}` prints it again and "
+                "`profuse diff` compares it with another step.json; --vs and --variants read the "
+                "results.json of Part B or a sweep"
             )
-        raise UsageError(
-            f"{source} is not a profuse results file (expected the results.json that profuse or "
-            "profuse sweep writes)"
-        )
+        raise UsageError(f"{source} is not a file profuse writes (expected {KNOWN_FILES})")
     try:
         return _parse(data)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
@@ -262,7 +265,7 @@ def select_variants(run: SavedRun, keys: list[str]) -> SavedRun:
 # --------------------------------------------------------------------------------------------
 
 
-def _render(header: list[str], body: list[list[str]], right: set[int], markdown: bool) -> str:
+def render_table(header: list[str], body: list[list[str]], right: set[int], markdown: bool) -> str:
     if markdown:
         esc = lambda c: c.replace("|", "\\|")
         lines = ["| " + " | ".join(header) + " |"]
@@ -478,7 +481,7 @@ def format_run(run: SavedRun, markdown: bool = False) -> str:
             cells.append(f"{r.fraction_of_copy:.0%}" if r.fraction_of_copy is not None else "-")
         body.append(cells)
     right = {2, 3, 5, 6} if host else {2, 4, 5}
-    table = _render(header, body, right=right, markdown=markdown) if body else "nothing was measured"
+    table = render_table(header, body, right=right, markdown=markdown) if body else "nothing was measured"
     notes = _notes(run)
     if markdown:
         return "\n".join([f"**{title}**", "", table, "", *[f"- {note}" for note in notes]])
@@ -620,7 +623,7 @@ def format_diff(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
         cells.append(f"{_short_speedup(x)} -> {_short_speedup(y)}")
         body.append(cells)
     lines.append(
-        _render(header, body, right={2, 3}, markdown=False) if body else "no size and variant in common"
+        render_table(header, body, right={2, 3}, markdown=False) if body else "no size and variant in common"
     )
     for side, items in only.items():
         if items:
