@@ -334,6 +334,7 @@ def _steady(data: dict) -> dict:
     for cmp in comparisons:
         for t in cmp["timings"].values():
             t["times_s"] = [3e-3 * (1 + 0.1 * (i % 2)) for i in range(20)]
+            t["median_s"] = 3.15e-3
             t["warmup_steady"] = True
     return data
 
@@ -503,6 +504,8 @@ def test_step_command_eager_and_compile(tmp_path, capsys, monkeypatch):
         (["--heads", "3"], "divisible"),
         (["--trials", "1"], "at least 2"),
         (["--profile-steps", "-1"], "0 or more"),
+        (["--variants", ""], "variant keys"),  # not a run of eager alone
+        (["--threads", "0"], "must be positive"),
     ],
 )
 def test_bad_step_input_exits_2_with_one_line_before_any_work(flags, words, tmp_path, capsys):
@@ -531,3 +534,40 @@ def test_main_job_on_a_cpu_ends_with_how_to_run_part_c(tmp_path, capsys):
     assert not (tmp_path / "step.json").exists()
     code, out, _ = run([*argv, "--skip-profile"], capsys)
     assert code == 0 and "Part C" not in out  # Part B only, as the flag says
+
+
+# --------------------------------------------------------------------------------------------
+# diff of two step.json
+# --------------------------------------------------------------------------------------------
+
+
+def test_diff_compares_two_step_files_variant_by_variant(eager_vs_fused, tmp_path, capsys):
+    """Two Part C runs: the ratio of step medians B/A per variant with a CI from the saved trials."""
+    a = _steady(eager_vs_fused[0].to_dict())
+    b = copy.deepcopy(a)
+    fused_b = b["comparison"]["timings"]["fused"]
+    fused_b["times_s"] = [x / 2 for x in fused_b["times_s"]]  # B's fused step takes half the time
+    fused_b["median_s"] /= 2
+    del b["comparison"]["timings"]["eager"]["times_s"][:-1]  # one trial left: no CI from it
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    code, out, err = run(["diff", str(pa), str(pb)], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("=== diff: step time ratio B/A per variant")
+    assert lines[1].startswith(f"A: {pa} (") and "preset lab" in lines[1]
+    [fused] = [line for line in lines if line.startswith("fused ")]
+    assert "3.150 ms" in fused and "1.575 ms" in fused
+    low, high = map(float, re.search(r"0\.50x \((\d\.\d\d)-(\d\.\d\d)\)", fused).groups())
+    assert low <= 0.5 <= high and "B faster (-50%)" in fused
+    [eager] = [line for line in lines if line.startswith("eager ")]
+    assert "no per-trial times saved" in eager
+    code, out, err = run(["diff", str(pa), str(pa)], capsys)
+    assert code == 0 and "no measurable difference" in out
+    b["config"]["model"]["d_model"] *= 2
+    b["comparison"]["timings"]["eager"]["times_s"] = [3e-3] * 12 + [1.0] * 8  # unsteady
+    pb.write_text(json.dumps(b))
+    code, out, err = run(["diff", str(pa), str(pb)], capsys)
+    assert "note: A and B differ in model" in out
+    assert any(line.startswith("B: WARNING step: unsteady timings") for line in out.splitlines())

@@ -93,8 +93,8 @@ class SweepConfig:
     def rounding(self) -> list[str]:
         """One line per --elements value that --cols does not divide: the size it becomes."""
         return [
-            f"--elements {e} with --cols {c} times {e // c} x {c} = {e // c * c} elements "
-            f"(rows = {e} // {c}; {e % c} left over)"
+            f"--elements {e} with --cols {c}: timed as {e // c} x {c} = {e // c * c} elements "
+            f"(rows = elements // cols; {e % c} left over)"
             for c in self.cols
             for e in self.elements
             if e % c
