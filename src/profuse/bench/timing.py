@@ -28,7 +28,15 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from profuse.bench.stats import STATISTIC, Speedup, Steadiness, speedup_ci, steadiness, unsteady_warning
+from profuse.bench.stats import (
+    STATISTIC,
+    UNSTEADY_RATIO,
+    Speedup,
+    Steadiness,
+    speedup_ci,
+    steadiness,
+    unsteady_warning,
+)
 from profuse.env import resolve_device
 from profuse.timers import GraphError, GraphTimer, host_times, make_timer
 
@@ -41,7 +49,7 @@ LOOP_HOST_MARGIN = 1.1
 # (seconds of warm-up calls per variant, the first call not counted) runs out. Five calls: three
 # slow calls in a row (a compile's follow-up builds) would read as steady.
 STEADY_CALLS = 5
-STEADY_RATIO = 1.5
+STEADY_RATIO = UNSTEADY_RATIO
 WARMUP_BUDGET_S = 5.0
 
 
