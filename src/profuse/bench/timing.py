@@ -100,7 +100,10 @@ def host_bound(host_s: float | None, time_s: float, timing: str) -> bool:
 
 @dataclass
 class Comparison:
-    """What `compare` measured. `speedups[name]` is baseline time / variant time with its CI."""
+    """What `compare` measured. `speedups[name]` is baseline time / variant time with its CI.
+
+    Read `unsteady` (variants whose trials swung: their medians are not to be trusted) and
+    `warnings` (the same lines every report prints) before trusting a median or a speedup."""
 
     baseline: str
     device: str
