@@ -475,3 +475,23 @@ def test_quiet_native_stderr_drops_only_the_noise(capfd):
         os.write(2, b"before the error\n")
         raise RuntimeError("boom")
     assert capfd.readouterr().err == "kept\nbefore the error\n"
+
+
+def test_an_unsteady_profiled_step_time_is_warned_of(profiled):
+    """Part A prints a median step time: where the profiled steps swung, it says so (the one rule
+    of bench.stats), for the run and for eager beside compiled."""
+    from dataclasses import replace
+
+    result = profiled[0]
+    steady = replace(result, steps=4, step_times_ms=[3.0, 3.1, 3.2, 3.0], step_ms=3.05)
+    assert "unsteady" not in format_profile(steady)
+    swung = replace(steady, step_times_ms=[3.0, 3.1, 545.0, 3.0])
+    lines = format_profile(swung).splitlines()
+    [warning] = [line for line in lines if "unsteady" in line]
+    assert warning.startswith("WARNING Part A step time: unsteady timings (trials over 1.5x their fastest: ")
+    assert "step 1/4 (" in warning
+    assert "3 ms to 545 ms" in warning and "--threads 1" in warning
+    step_line = next(i for i, line in enumerate(lines) if line.startswith("step time:"))
+    assert lines.index(warning) == step_line + 1
+    both = format_profile_comparison(swung, steady)
+    assert "eager 1/4 (3 ms to 545 ms), compiled 0/4" in both
