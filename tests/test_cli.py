@@ -116,6 +116,61 @@ def test_part_b_warns_where_report_would():
     assert any(line.startswith("WARNING only 3 trials") for line in format_tail_bench(res).splitlines())
 
 
+def test_threads_flag_sets_torchs_threads_and_is_recorded(tmp_path, capsys):
+    before = torch.get_num_threads()
+    try:
+        code, out, err = run([*SMALL, "--device", "cpu", "--threads", "1", "--out", str(tmp_path)], capsys)
+        assert code == 0, err
+        env = json.loads((tmp_path / "results.json").read_text())["env"]
+        assert env["threads"] == 1 == torch.get_num_threads()
+        assert env["cores_available"] >= 1 and "load_1m" in env
+    finally:
+        torch.set_num_threads(before)
+    for parser in (cli.build_parser(), cli.build_sweep_parser(), cli.build_step_parser()):
+        assert parser.parse_args(["--threads", "3"]).threads == 3
+        assert "torch.set_num_threads" in parser.format_help()
+
+
+@pytest.mark.parametrize(
+    ("env", "noted", "flag"),
+    [
+        ({"threads": 2, "cores_available": 2, "load_1m": 1.0}, False, "2"),
+        ({"threads": 2, "cores_available": 2, "load_1m": 5.2}, True, "1"),  # six jobs on two cores
+        ({"threads": 8, "cores_available": 2, "load_1m": 0.1}, True, "1"),
+        ({"threads": 4, "cores_available": 8, "load_1m": 9.0}, True, "3"),
+        ({"threads": 1, "cores_available": 2, "load_1m": 4.0}, True, "1"),
+        ({"gpu": "NVIDIA H200", "threads": 64, "cores_available": 2, "load_1m": 9.0}, False, None),
+        ({}, False, None),  # a file saved before threads were recorded
+    ],
+)
+def test_an_oversubscribed_cpu_is_named_with_a_thread_count(env, noted, flag):
+    from profuse.env import oversubscribed
+
+    note = oversubscribed(env)
+    assert bool(note) is noted
+    if noted:
+        assert note.startswith("note: the CPU was oversubscribed (")
+        assert (f"--threads {flag}" in note) is (env["threads"] > 1)
+    assert R.threads_flag(env) == ([] if flag is None else ["--threads", flag])
+
+
+def test_the_cpu_job_says_the_triton_variant_was_left_out_and_how_to_add_it(tmp_path, capsys, monkeypatch):
+    from profuse.bench import tail as bench_tail
+    from profuse.kernels import HAS_TRITON
+
+    monkeypatch.setattr(bench_tail, "CPU_DEFAULT_VARIANTS", ("eager",))  # no torch.compile: quick
+    argv = ["--skip-profile", "--rows", "8", "--cols", "8", "--trials", "2", "--device", "cpu"]
+    code, out, err = run([*argv, "--out", str(tmp_path)], capsys)
+    assert code == 0, err
+    [note] = [line for line in out.splitlines() if line.startswith("triton variant skipped: ")]
+    if HAS_TRITON:
+        assert "TRITON_INTERPRET=1" in note and "--variants eager,compile,triton" in note
+    else:
+        assert "pip install" in note
+    code, out, err = run([*argv, "--variants", "eager", "--out", str(tmp_path)], capsys)
+    assert code == 0 and "triton variant skipped" not in out  # the user chose the variants
+
+
 # A model small enough that Part A takes a second or two on the CPU.
 TINY_MODEL = ["--layers", "1", "--d-model", "32", "--heads", "2", "--vocab-size", "64", "--seq-len", "16",
               "--batch-size", "2", "--profile-steps", "1"]  # fmt: skip
@@ -157,7 +212,10 @@ def test_part_a_names_its_summary_and_report_prints_it_again(part_a, capsys):
     assert str(summary) in line and f"profuse report {summary}" in line
     code, text, err = run(["report", str(summary)], capsys)
     assert code == 0, err
-    assert text.strip() == printed.split("\nsummary: ")[0].strip()  # the block the run printed
+    # The block the run printed, but for its trace: written by that run, not by the report.
+    block = printed.split("\nsummary: ")[0].strip()
+    assert "\ntrace written: " in block and "trace written" not in text
+    assert text.strip() == block.replace("\ntrace written: ", "\ntrace (written by that run): ")
 
 
 def test_report_reads_a_part_a_summary_saved_before_it_had_a_kind(part_a, tmp_path, capsys):
@@ -367,6 +425,9 @@ BAD = {
     "unknown timing": ["--timing", "wall"],
     "graph timing on a cpu": ["--timing", "graph", "--device", "cpu"],
     "seed negative": ["--seed", "-1"],
+    "variants empty": ["--variants", ""],  # was a run of eager alone
+    "variants only commas": ["--variants", " , "],
+    "threads 0": ["--threads", "0"],
 }
 
 
@@ -685,7 +746,7 @@ def test_sweep_without_matplotlib_writes_json_and_csv(tmp_path, monkeypatch):
 
 
 def test_elements_give_each_cols_its_own_rows(tmp_path):
-    code, _, stderr = run_cli(
+    code, stdout, stderr = run_cli(
         "sweep", "--elements", "6K,12K", "--cols", "96,200", "--trials", "3", "--variants", "eager",
         "--device", "cpu", "--out", str(tmp_path),
     )  # fmt: skip
@@ -695,13 +756,45 @@ def test_elements_give_each_cols_its_own_rows(tmp_path):
     # rows = elements // cols, per cols value: 6144 // 96 = 64, 12288 // 96 = 128, ...
     assert sizes == [(64, 96), (128, 96), (30, 200), (61, 200)]
     assert data["config"]["elements"] == [6144, 12288]
+    notes = [line for line in stdout.splitlines() if line.startswith("note: --elements")]
+    assert len(notes) == 2 and "timed as 30 x 200 = 6000 elements" in notes[0]
 
 
-@pytest.mark.parametrize("value", ["0", "-4M", "4X", ","])
+@pytest.mark.parametrize("value", ["0", "-4M", "4X", ",", "4M,,8M", "4M,"])
 def test_bad_elements_are_one_line_errors(value):
     code, _, stderr = run_cli("sweep", "--elements", value)
     assert code == 2
     assert len(stderr.strip().splitlines()) == 1 and "--elements" in stderr
+
+
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["--rows", "64,,128"], "an empty item in '64,,128'"),  # was silently 64,128
+        (["--cols", "64,"], "an empty item"),
+        (["--elements", "50", "--cols", "64"], "--elements 50 is fewer than --cols 64"),  # was 1 x 64
+        (["--variants", ""], "--variants"),
+    ],
+)
+def test_sweep_lists_with_holes_are_one_line_errors(argv, words, tmp_path):
+    code, out, stderr = run_cli("sweep", *argv, "--device", "cpu", "--trials", "2", "--out", str(tmp_path))
+    assert code == 2 and out == "" and len(stderr.strip().splitlines()) == 1
+    assert words in stderr
+    assert not list(tmp_path.iterdir())
+
+
+def test_elements_that_cols_does_not_divide_are_noted():
+    """--elements 100 --cols 64 became 1 x 64 without a word; now the sweep says so first."""
+    assert S.SweepConfig(elements=[100], cols=[64], variants=("eager",)).rounding() == [
+        "--elements 100 with --cols 64: timed as 1 x 64 = 64 elements (rows = elements // cols; 36 left over)"
+    ]
+    cfg = S.SweepConfig(elements=[6144, 12288], cols=[96, 200], variants=("eager",))
+    assert cfg.rounding() == [
+        "--elements 6144 with --cols 200: timed as 30 x 200 = 6000 elements (rows = elements // cols; "
+        "144 left over)",
+        "--elements 12288 with --cols 200: timed as 61 x 200 = 12200 elements (rows = elements // cols; "
+        "88 left over)",
+    ]
 
 
 def test_sweep_where_nothing_fits_writes_nothing(tmp_path):
@@ -949,8 +1042,8 @@ def test_diff_compares_two_saved_sweeps(saved):
     [
         (None, "no such file"),
         ('{"kind": "sweep", "runs": [', "not valid JSON"),
-        ('{"kind": "profile"}', "not a profuse results file"),
-        ("[1, 2]", "not a profuse results file"),
+        ('{"kind": "profile"}', "not a file profuse writes"),
+        ("[1, 2]", "not a file profuse writes"),
         ('{"kind": "sweep", "config": {}}', "malformed"),
     ],
 )
@@ -967,9 +1060,20 @@ def test_bad_results_files_are_one_line_errors(tmp_path, saved, content, message
 def test_diff_of_a_step_file_says_what_it_is(tmp_path, saved):
     path = tmp_path / "step.json"
     path.write_text('{"kind": "step"}')
-    code, out, err = run_cli("diff", str(saved["a"][0] / "results.json"), str(path))
+    results = saved["a"][0] / "results.json"
+    for argv in ((results, path), (path, results)):
+        code, out, err = run_cli("diff", *map(str, argv))
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
+        assert f"{path} is Part C's step.json and {results} is not" in err and "two step.json" in err
+
+
+def test_a_foreign_json_is_refused_naming_every_kind_report_reads(tmp_path):
+    path = tmp_path / "other.json"
+    path.write_text('{"hello": 1}')
+    code, out, err = run_cli("report", str(path))
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
-    assert "Part C's step.json" in err and f"profuse report {path}" in err and "kind" not in err
+    for kind in ("results.json", "results.partial.json", "profile.json", "profile_ddp.json", "step.json"):
+        assert kind in err, kind
 
 
 def test_report_vs_an_untimed_variant_is_a_one_line_error(saved):

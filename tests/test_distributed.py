@@ -134,6 +134,19 @@ def test_report_prints_the_saved_job_again(ddp_run, capsys):
     assert "rank 1's collectives in its trace: gloo:all_reduce x2" in text
 
 
+def test_unsteady_rank_step_times_are_warned_of(ddp_run):
+    from profuse.report.distributed import format_saved_ddp_profile
+
+    data = json.loads((ddp_run[1] / SUMMARY_NAME).read_text())
+    for rank in data["ranks"]:
+        rank["step_times_ms"] = [3.0, 3.1, 3.0, 3.2]
+    assert "unsteady" not in format_saved_ddp_profile(data, "job")
+    data["ranks"][1]["step_times_ms"] = [3.0, 3.1, 545.0, 3.2]
+    [warning] = [ln for ln in format_saved_ddp_profile(data, "job").splitlines() if "unsteady" in ln]
+    assert warning.startswith("WARNING Part A step time: unsteady timings")
+    assert "rank 0 0/4, rank 1 1/4 (" in warning
+
+
 def test_ctrl_c_leaves_no_logs_of_the_run(no_rank_env, tmp_path, monkeypatch, capsys):
     """The launcher's logs/ under --out is kept for a rank that failed (its message names the
     log); a run stopped with Ctrl-C has nothing to look into there, so it leaves none."""

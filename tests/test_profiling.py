@@ -433,3 +433,65 @@ def test_a_region_on_the_cpu_counts_self_time():
     # 5 - 1, SiluBackward0 10 - 5, aten::silu_backward 5 - 1. Not the add, forward or backward.
     region_us = s.region_pct["profuse.block_op: silu_mul"] * s.total_us / 100
     assert math.isclose(region_us, 5 + 4 + 5 + 4)
+
+
+# --------------------------------------------------------------------------------------------
+# The profiler's native start and stop lines
+# --------------------------------------------------------------------------------------------
+
+
+def test_profiled_steps_leave_no_usdt_lines_on_stderr_but_keep_others(capfd):
+    """torch's profiler writes 'USDT: ... profiler_start' (and _stop) to fd 2 at every start, past
+    Python and at any KINETO_LOG_LEVEL: every profiling command printed them. They are held and
+    dropped; another line written to fd 2 meanwhile still comes out."""
+    import os
+
+    from profuse.profiling import _profiled_steps
+
+    def step():
+        torch.ones(8).add_(1)
+        os.write(2, b"a line of its own\n")
+
+    cfg = ProfileConfig(model=TINY, steps=2, warmup=0, device="cpu")
+    capfd.readouterr()
+    _, times = _profiled_steps(cfg, step, 1, lambda _msg: None)
+    err = capfd.readouterr().err
+    assert len(times) == 2
+    assert "USDT" not in err and "profiler_start" not in err and "STAGE:" not in err
+    assert err.count("a line of its own") == 3  # the warm-up step and the two recorded ones
+
+
+def test_quiet_native_stderr_drops_only_the_noise(capfd):
+    import os
+
+    from profuse import cli
+    from profuse.env import NATIVE_NOISE, quiet_native_stderr
+
+    assert NATIVE_NOISE.pattern == cli.NATIVE_NOISE.pattern  # one pattern, two places
+    with quiet_native_stderr():
+        os.write(2, b"USDT:2026-12-02 18:41:36 3704:3704 SyncActivityProfilerHandler.cpp:52] start\n")
+        os.write(2, b"kept\n")
+    with pytest.raises(RuntimeError), quiet_native_stderr():  # released on an error too
+        os.write(2, b"before the error\n")
+        raise RuntimeError("boom")
+    assert capfd.readouterr().err == "kept\nbefore the error\n"
+
+
+def test_an_unsteady_profiled_step_time_is_warned_of(profiled):
+    """Part A prints a median step time: where the profiled steps swung, it says so (the one rule
+    of bench.stats), for the run and for eager beside compiled."""
+    from dataclasses import replace
+
+    result = profiled[0]
+    steady = replace(result, steps=4, step_times_ms=[3.0, 3.1, 3.2, 3.0], step_ms=3.05)
+    assert "unsteady" not in format_profile(steady)
+    swung = replace(steady, step_times_ms=[3.0, 3.1, 545.0, 3.0])
+    lines = format_profile(swung).splitlines()
+    [warning] = [line for line in lines if "unsteady" in line]
+    assert warning.startswith("WARNING Part A step time: unsteady timings (trials over 1.5x their fastest: ")
+    assert "step 1/4 (" in warning
+    assert "3 ms to 545 ms" in warning and "--threads 1" in warning
+    step_line = next(i for i, line in enumerate(lines) if line.startswith("step time:"))
+    assert lines.index(warning) == step_line + 1
+    both = format_profile_comparison(swung, steady)
+    assert "eager 1/4 (3 ms to 545 ms), compiled 0/4" in both

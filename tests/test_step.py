@@ -12,6 +12,7 @@ import copy
 import json
 import math
 import re
+import shlex
 
 import pytest
 import torch
@@ -326,6 +327,74 @@ def test_few_trials_carry_a_caveat_in_the_step_report(eager_vs_fused):
     assert any(line.startswith("WARNING only 3 trials") for line in format_step(data).splitlines())
 
 
+def _steady(data: dict) -> dict:
+    """The saved run with every trial of the steps and ops within 10% of its fastest."""
+    data = copy.deepcopy(data)
+    comparisons = [data["comparison"], *(op["comparison"] for op in data["ops"].values())]
+    for cmp in comparisons:
+        for t in cmp["timings"].values():
+            t["times_s"] = [3e-3 * (1 + 0.1 * (i % 2)) for i in range(20)]
+            t["median_s"] = 3.15e-3
+            t["warmup_steady"] = True
+    return data
+
+
+def test_unsteady_steps_are_warned_of_with_the_command_that_times_them_again(eager_vs_fused):
+    """The CPU run that printed 'eager 340.143 ms' with trials from 8.7 to 552 ms said nothing;
+    now the step, and Amdahl's line that reads its median, say it."""
+    from profuse import cli
+
+    data = _steady(eager_vs_fused[0].to_dict())
+    data["env"].update(threads=2, cores_available=2, load_1m=0.5)
+    text = format_step(data)
+    assert "unsteady" not in text and "oversubscribed" not in text
+    data["comparison"]["timings"]["eager"]["times_s"] = [8.7e-3] * 12 + [0.3, 0.552, 0.4] * 2 + [9e-3] * 2
+    data["env"]["load_1m"] = 5.0  # other work wanted the cores too
+    lines = format_step(data).splitlines()
+    [warning] = [line for line in lines if "unsteady timings" in line]
+    assert warning.startswith("WARNING step: unsteady timings (trials over 1.5x their fastest: eager 6/20 (")
+    assert "8.7 ms to 552 ms" in warning and "fused 0/20" in warning
+    command = warning.split("time it again: ", 1)[1]
+    args = cli.build_step_parser().parse_args(shlex.split(command)[2:])
+    assert args.device == "cpu" and args.variants == ["eager", "fused"] and args.trials >= FEW_TRIALS
+    assert (args.layers, args.d_model) == (TINY.n_layer, TINY.d_model)
+    assert args.threads == 1  # fewer than the 2 threads that fought for 2 busy cores
+    [note] = [line for line in lines if "oversubscribed" in line]
+    assert note.startswith("note: the CPU was oversubscribed (2 intra-op threads on 2 cores with a 1-minute")
+    assert "--threads 1" in note
+    [caveat] = [line for line in lines if "rest on unsteady medians" in line]
+    assert "the eager step" in caveat
+    assert lines.index(caveat) > next(i for i, line in enumerate(lines) if line.startswith("Amdahl:"))
+
+
+def test_unsteady_op_timings_mark_the_amdahl_prediction(eager_vs_fused):
+    data = _steady(eager_vs_fused[0].to_dict())
+    data["ops"]["silu_mul"]["comparison"]["timings"]["fused"]["times_s"][:6] = [1.0] * 6
+    lines = format_step(data).splitlines()
+    [warning] = [line for line in lines if "unsteady timings" in line]
+    assert warning.startswith("WARNING op silu_mul: unsteady timings") and "fused 6/20" in warning
+    [caveat] = [line for line in lines if "rest on unsteady medians" in line]
+    assert "silu_mul (fused)" in caveat and "step" not in caveat.split("(")[1]
+
+
+def test_warm_up_steps_are_counted_and_a_budget_run_out_is_named(eager_vs_fused):
+    data = _steady(eager_vs_fused[0].to_dict())
+    assert all(t["warmup_calls"] >= 5 for t in data["comparison"]["timings"].values())
+    assert any(line.startswith("warm-up, untimed, until the last 5 steps agree") for line in
+               format_step(data).splitlines())  # fmt: skip
+    data["comparison"]["timings"]["fused"].update(warmup_steady=False, warmup_calls=4)
+    [w] = [line for line in format_step(data).splitlines() if "warm-up stopped" in line]
+    assert w.startswith("WARNING fused: warm-up stopped at its 5 s budget after 4 calls")
+
+
+def test_no_fused_variant_asked_for_no_fused_block_ops_line(eager_vs_fused):
+    data = copy.deepcopy(eager_vs_fused[0].to_dict())
+    assert any(line.startswith("fused block ops:") for line in format_step(data).splitlines())
+    data["config"]["variants"] = ["eager", "compile"]
+    data["results"].pop("fused")
+    assert not any(line.startswith("fused block ops:") for line in format_step(data).splitlines())
+
+
 def test_a_slowdown_reads_as_how_many_times_slower():
     """As in every report: '1.33x slower (1.27-1.37)', its CI turned round, never '0.75x slower'."""
     from profuse.report.step import _speedup
@@ -435,6 +504,8 @@ def test_step_command_eager_and_compile(tmp_path, capsys, monkeypatch):
         (["--heads", "3"], "divisible"),
         (["--trials", "1"], "at least 2"),
         (["--profile-steps", "-1"], "0 or more"),
+        (["--variants", ""], "variant keys"),  # not a run of eager alone
+        (["--threads", "0"], "must be positive"),
     ],
 )
 def test_bad_step_input_exits_2_with_one_line_before_any_work(flags, words, tmp_path, capsys):
@@ -463,3 +534,40 @@ def test_main_job_on_a_cpu_ends_with_how_to_run_part_c(tmp_path, capsys):
     assert not (tmp_path / "step.json").exists()
     code, out, _ = run([*argv, "--skip-profile"], capsys)
     assert code == 0 and "Part C" not in out  # Part B only, as the flag says
+
+
+# --------------------------------------------------------------------------------------------
+# diff of two step.json
+# --------------------------------------------------------------------------------------------
+
+
+def test_diff_compares_two_step_files_variant_by_variant(eager_vs_fused, tmp_path, capsys):
+    """Two Part C runs: the ratio of step medians B/A per variant with a CI from the saved trials."""
+    a = _steady(eager_vs_fused[0].to_dict())
+    b = copy.deepcopy(a)
+    fused_b = b["comparison"]["timings"]["fused"]
+    fused_b["times_s"] = [x / 2 for x in fused_b["times_s"]]  # B's fused step takes half the time
+    fused_b["median_s"] /= 2
+    del b["comparison"]["timings"]["eager"]["times_s"][:-1]  # one trial left: no CI from it
+    pa, pb = tmp_path / "a.json", tmp_path / "b.json"
+    pa.write_text(json.dumps(a))
+    pb.write_text(json.dumps(b))
+    code, out, err = run(["diff", str(pa), str(pb)], capsys)
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("=== diff: step time ratio B/A per variant")
+    assert lines[1].startswith(f"A: {pa} (") and "preset lab" in lines[1]
+    [fused] = [line for line in lines if line.startswith("fused ")]
+    assert "3.150 ms" in fused and "1.575 ms" in fused
+    low, high = map(float, re.search(r"0\.50x \((\d\.\d\d)-(\d\.\d\d)\)", fused).groups())
+    assert low <= 0.5 <= high and "B faster (-50%)" in fused
+    [eager] = [line for line in lines if line.startswith("eager ")]
+    assert "no per-trial times saved" in eager
+    code, out, err = run(["diff", str(pa), str(pa)], capsys)
+    assert code == 0 and "no measurable difference" in out
+    b["config"]["model"]["d_model"] *= 2
+    b["comparison"]["timings"]["eager"]["times_s"] = [3e-3] * 12 + [1.0] * 8  # unsteady
+    pb.write_text(json.dumps(b))
+    code, out, err = run(["diff", str(pa), str(pb)], capsys)
+    assert "note: A and B differ in model" in out
+    assert any(line.startswith("B: WARNING step: unsteady timings") for line in out.splitlines())

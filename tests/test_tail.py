@@ -281,8 +281,8 @@ def test_fused_tail_module_matches_functional(impl, device):
 def test_fused_tail_weight_is_learnable(device):
     """The weight is a parameter, gets the right gradient, and a step on it lowers a loss."""
     n = 40
-    mod = T.FusedTail(n, eps=EPS, device=device)  # default impl: triton where it is installed
-    assert mod.impl == ("triton" if HAS_TRITON else "eager")
+    mod = T.FusedTail(n, eps=EPS, device=device)  # default impl: auto, triton where it can run
+    assert mod.impl == "auto" and mod.impl_for(device) == ("triton" if HAS_TRITON else "eager")
     params = dict(mod.named_parameters())
     assert list(params) == ["weight"] and params["weight"].requires_grad
     assert "weight" in mod.state_dict()
@@ -311,6 +311,22 @@ def test_fused_tail_dtype_and_bad_arguments():
         T.FusedTail(0)
     with pytest.raises(ValueError, match="impl"):
         T.FusedTail(8, impl="nope")
+
+
+def test_fused_tail_on_a_cpu_without_the_interpreter_runs_eager_or_refuses(monkeypatch):
+    """FusedTail(64) on a CPU picked triton and failed only at its first call. Now "auto" runs
+    eager on CPU inputs (triton on CUDA ones), and an explicit impl="triton" that cannot run here
+    is refused at construction, in one line."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    mod = T.FusedTail(64, eps=EPS)
+    assert mod.impl_for("cpu") == "eager" and mod.impl_for("cuda") == ("triton" if HAS_TRITON else "eager")
+    g, u, r, _ = tail_inputs((3, 64), torch.float32, "cpu", seed=11)
+    ref = T.tail_reference(g, u, r, mod.weight.detach(), EPS)
+    assert T.relative_error(mod(g, u, r), ref) <= T.FORWARD_TOL[torch.float32]
+    with pytest.raises(ValueError, match="^impl='triton' cannot run") as err:
+        T.FusedTail(64, impl="triton")
+    assert "\n" not in str(err.value)
 
 
 def test_public_api():

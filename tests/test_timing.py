@@ -4,7 +4,7 @@ ratio is known (its statistics: tests/test_stats.py).
 A fake clock makes timings exact: each callable advances it by d * (1 + 0.2 * U), U ~ uniform
 [0, 1) from a seeded generator, so the true ratio of median times of two callables is the ratio
 of their d, and every run is deterministic given its seeds. No assertion here depends on the
-speed of this machine, except the one coarse real-clock test at the end.
+speed of this machine or on how busy it is: no test reads a real clock's timings.
 """
 
 from __future__ import annotations
@@ -14,12 +14,14 @@ import random
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
 import profuse
+from profuse.bench import stats
 from profuse.bench.stats import FASTER, NO_GAIN, SLOWER, STATISTIC, Speedup
-from profuse.bench.timing import Comparison, compare
+from profuse.bench.timing import STEADY_CALLS, STEADY_RATIO, Comparison, compare
 from profuse.timers import CpuTimer
 
 NOISE = 0.2
@@ -123,9 +125,12 @@ def test_trials_are_interleaved_and_shuffled_by_seed():
     for order in res.orders:
         assert sorted(order) == sorted(names)  # every trial times each variant once
     assert len({tuple(o) for o in res.orders}) > 1, "the order never changes across trials"
-    # The calls really happened in the recorded orders, after all warm-up calls.
-    n_warm = len(names) * (1 + warmup)  # the first call, then the warm-up calls
-    assert Counter(log[:n_warm]) == {n: 1 + warmup for n in names}
+    # The calls really happened in the recorded orders, after all warm-up calls: at least
+    # `warmup`, and on until STEADY_CALLS agree (these callables are steady from the start).
+    per = max(warmup, STEADY_CALLS)
+    n_warm = len(names) * (1 + per)  # the first call, then the warm-up calls
+    assert Counter(log[:n_warm]) == {n: 1 + per for n in names}
+    assert all(res.timings[n].warmup_calls == per and res.timings[n].warmup_steady for n in names)
     assert log[n_warm:] == [n for order in res.orders for n in order]
     for name in names:
         assert len(res.timings[name].times_s) == trials
@@ -141,13 +146,11 @@ def test_warm_up_and_first_call_stay_out_of_the_trials():
     clock = FakeClock()
     rng = random.Random(1)
     calls = {"n": 0}
-    compile_s = 0.02  # real time: timed_call measures the first call on the wall clock
 
     def slow_first():
         calls["n"] += 1
         if calls["n"] == 1:
-            time.sleep(compile_s)  # sleep returns no earlier than asked
-            clock.now += 1000.0  # and a huge fake duration, which no trial may contain
+            clock.now += 1000.0  # a huge duration, which no trial may contain
         else:
             clock.now += 1e-3 * (1 + NOISE * rng.random())
 
@@ -157,8 +160,8 @@ def test_warm_up_and_first_call_stay_out_of_the_trials():
         "base", trials=5, device="cpu", warmup=3, n_resamples=200, timer=CpuTimer(clock),
         progress=lambda stage, done, total: stages.append((stage, done, total)),
     )  # fmt: skip
-    assert calls["n"] == 1 + 3 + 5  # first call, warm-up, trials
-    assert res.timings["compiled"].first_call_s >= compile_s
+    assert calls["n"] == 1 + STEADY_CALLS + 5  # first call, warm-up until steady, trials
+    assert res.timings["compiled"].first_call_s == 1000.0  # the timer's clock times it too
     assert max(res.timings["compiled"].times_s) < 1.0
     assert res.warmup == 3
     assert [s for s in stages if s[0] == "warm-up"] == [("warm-up", 1, 2), ("warm-up", 2, 2)]
@@ -182,7 +185,7 @@ def test_first_calls_given_are_not_called_again():
         timer=CpuTimer(clock),
     )
     assert res.timings["a"].first_call_s == 12.5
-    assert log.count("a") == 3 and log.count("b") == 1 + 3
+    assert log.count("a") == STEADY_CALLS + 3 and log.count("b") == 1 + STEADY_CALLS + 3
 
 
 def test_to_dict_is_json_and_holds_every_timing():
@@ -221,29 +224,146 @@ def test_public_api_exports_the_harness():
 
 
 # --------------------------------------------------------------------------------------------
-# The real clock, once, coarsely
+# The real clock: which one is used, never what it reads
 # --------------------------------------------------------------------------------------------
 
 
-def _busy(seconds: float):
+def test_without_a_timer_cpu_calls_are_timed_by_perf_counter(monkeypatch):
+    """compare's default timer on a CPU reads time.perf_counter; here the timer's clock is then
+    swapped for a fake one, since a real clock's readings depend on what else the machine runs."""
+    from profuse.timers import make_timer
+
+    assert make_timer("device", torch.device("cpu")).clock is time.perf_counter
+    clock = FakeClock()
+    monkeypatch.setattr(CpuTimer.__init__, "__defaults__", (clock,))
+    rng = random.Random(7)
+    variants = {"base": synthetic(clock, 4e-3, rng), "fast": synthetic(clock, 2e-3, rng)}
+    res = compare(variants, "base", trials=15, device="cpu", warmup=1, n_resamples=500)
+    assert res.timer == "time.perf_counter"
+    sp = res.speedups["fast"]
+    assert sp.low <= 2.0 <= sp.high and sp.verdict == FASTER
+    assert 4e-3 <= res.median_s("base") <= 4e-3 * (1 + NOISE)
+
+
+# --------------------------------------------------------------------------------------------
+# Warm-up until steady, on a fake clock
+# --------------------------------------------------------------------------------------------
+
+
+def settling(clock: FakeClock, slow_s: float, n_slow: int, fast_s: float):
+    """A callable whose first call and next `n_slow` calls take `slow_s`, then `fast_s`: a
+    torch.compile on a CPU (24-28 ms for a few calls, then 57 us)."""
+    calls = {"n": 0}
+
     def fn():
-        end = time.perf_counter() + seconds
-        while time.perf_counter() < end:
-            pass
+        calls["n"] += 1
+        clock.now += slow_s if calls["n"] <= 1 + n_slow else fast_s
 
     return fn
 
 
-def test_real_clock_busy_wait_ratio():
-    """Busy-waits of 4 ms and 2 ms: the point estimate lands within 15% of 2 and the verdict is
-    'faster'. Only that: on a noisy shared 2-core machine a real CI cannot promise coverage."""
+def test_warm_up_runs_until_the_last_calls_agree():
+    """A variant still slow after one warm-up call warms on until STEADY_CALLS calls agree, so
+    no trial sees its slow calls and the verdict is the steady one (the CPU run that read
+    '145x slower' at 3 trials)."""
+    clock = FakeClock()
+    rng = random.Random(3)
+    variants = {"eager": synthetic(clock, 60e-6, rng), "compile": settling(clock, 26e-3, 4, 57e-6)}
+    res = compare(variants, "eager", trials=6, device="cpu", warmup=1, n_resamples=300, timer=CpuTimer(clock))
+    t = res.timings["compile"]
+    assert t.warmup_calls == 4 + STEADY_CALLS and t.warmup_steady
+    assert max(t.times_s) == pytest.approx(57e-6)
+    assert res.timings["eager"].warmup_calls == STEADY_CALLS
+    assert res.speedups["compile"].verdict == FASTER
+    assert res.warnings == []
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["timings"]["compile"]["warmup_calls"] == 4 + STEADY_CALLS
+    assert d["timings"]["compile"]["warmup_steady"] is True
+    assert d["steady_rule"] == {"calls": STEADY_CALLS, "ratio": STEADY_RATIO}
+
+
+def test_warm_up_that_never_settles_stops_at_its_budget_and_says_so():
+    clock = FakeClock()
+    flip = {"n": 0}
+
+    def jumpy():  # 1 ms and 3 ms in turn: never STEADY_CALLS within STEADY_RATIO
+        flip["n"] += 1
+        clock.now += 1e-3 if flip["n"] % 2 else 3e-3
+
+    rng = random.Random(4)
     res = compare(
-        {"base": _busy(4e-3), "fast": _busy(2e-3)}, "base", trials=15, device="cpu", warmup=1, n_resamples=500
-    )
-    sp = res.speedups["fast"]
-    assert abs(sp.median - 2.0) <= 0.3, f"ratio {sp.median:.2f}"
-    assert sp.verdict == FASTER
-    assert res.timer == "time.perf_counter"
+        {"base": synthetic(clock, 1e-3, rng), "jumpy": jumpy}, "base", trials=4, device="cpu",
+        warmup=1, warmup_budget_s=0.05, n_resamples=200, timer=CpuTimer(clock),
+    )  # fmt: skip
+    t = res.timings["jumpy"]
+    assert not t.warmup_steady
+    spent = sum(3e-3 if i % 2 == 0 else 1e-3 for i in range(t.warmup_calls))  # the first call was 1 ms
+    assert 0.05 <= spent < 0.05 + 3e-3  # it stopped at the first call past its budget
+    assert res.timings["base"].warmup_steady
+    (warning,) = [w for w in res.warnings if "warm-up" in w]
+    assert warning.startswith("WARNING jumpy: warm-up stopped at its 0.05 s budget after ")
+    assert f"last {STEADY_CALLS} agreed within {STEADY_RATIO}x" in warning
+
+
+def test_warm_up_honours_its_least_count_and_rejects_a_bad_budget():
+    clock = FakeClock()
+    log: list[str] = []
+    rng = random.Random(5)
+    res = compare({"a": synthetic(clock, 1e-3, rng, log, "a"), "b": synthetic(clock, 1e-3, rng, log, "b")},
+                  "a", trials=2, device="cpu", warmup=9, n_resamples=100, timer=CpuTimer(clock))  # fmt: skip
+    assert res.timings["a"].warmup_calls == 9 and log.count("a") == 1 + 9 + 2
+    with pytest.raises(ValueError, match="warmup_budget_s"):
+        compare({"a": lambda: None}, "a", trials=2, device="cpu", warmup_budget_s=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Unsteady trials: one rule (stats.steadiness), carried by the Comparison
+# --------------------------------------------------------------------------------------------
+
+
+def test_unsteady_trials_are_flagged_on_the_comparison():
+    """A variant whose trials swing (threads fighting other processes: 2.6 ms to 545 ms) is named
+    in Comparison.unsteady and its warning; a steady one is not."""
+    clock = FakeClock()
+    rng = random.Random(6)
+    n = {"calls": 0}
+    trials = 20
+
+    def swinging():
+        n["calls"] += 1
+        # steady through its warm-up, then every third trial ~100x slower
+        slow = n["calls"] > 1 + STEADY_CALLS and n["calls"] % 3 == 0
+        clock.now += 0.3 if slow else 3e-3 * (1 + 0.1 * rng.random())
+
+    res = compare({"eager": synthetic(clock, 3e-3, rng), "swinging": swinging}, "eager", trials=trials,
+                  device="cpu", warmup=1, n_resamples=200, timer=CpuTimer(clock))  # fmt: skip
+    assert set(res.unsteady) == {"swinging"}
+    s = res.unsteady["swinging"]
+    assert s.slow_trials == sum(t > stats.UNSTEADY_RATIO * min(res.timings["swinging"].times_s)
+                                for t in res.timings["swinging"].times_s)  # fmt: skip
+    assert s.slow_trials > stats.UNSTEADY_SHARE * trials and s.spread > 50
+    (warning,) = res.warnings
+    rule = f"trials over {stats.UNSTEADY_RATIO}x their fastest"
+    assert warning.startswith(f"WARNING: unsteady timings ({rule}: ")
+    assert f"eager 0/{trials}, swinging {s.slow_trials}/{trials} (" in warning
+    assert "not to be trusted" in warning
+    d = json.loads(json.dumps(res.to_dict()))
+    assert d["timings"]["swinging"]["steadiness"]["unsteady"] is True
+    assert d["timings"]["eager"]["steadiness"]["unsteady"] is False
+    steady = fake_compare({"a": 1e-3, "b": 2e-3}, "a")
+    assert steady.unsteady == {} and steady.warnings == []
+
+
+@pytest.mark.parametrize("slow", [0, 1, 4, 5, 9])
+def test_the_unsteady_rule_is_over_a_fifth_of_trials_past_its_factor(slow):
+    rng = np.random.default_rng(slow)
+    times = list(1e-3 * (1 + 0.1 * rng.random(20 - slow))) + list(2e-3 * (1 + rng.random(slow)))
+    rng.shuffle(times)
+    s = stats.steadiness(times)
+    assert s.trials == 20 and s.slow_trials == slow
+    assert s.unsteady is (slow > 4)
+    assert s.fastest_s == min(times) and s.slowest_s == max(times)
+    assert stats.steadiness([]) is None
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,7 +383,8 @@ def test_host_rounds_time_every_call_interleaved():
         variants, "a", trials=trials, device="cpu", warmup=0, n_resamples=200, timer=CpuTimer(clock),
         host_rounds=True,
     )  # fmt: skip
-    host_log = log[3 : 3 + 3 * trials]  # after the first calls, before the trials
+    warm = 3 * (1 + STEADY_CALLS)  # the first calls and the warm-up
+    host_log = log[warm : warm + 3 * trials]  # after the warm-up, before the trials
     rounds = [host_log[i : i + 3] for i in range(0, len(host_log), 3)]
     assert all(sorted(r) == ["a", "b", "c"] for r in rounds)
     assert len({tuple(r) for r in rounds}) > 1, "every round ran in the same order"

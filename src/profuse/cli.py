@@ -65,19 +65,27 @@ def trial_count(text: str) -> int:
     return value
 
 
+def _items(text: str, what: str) -> list[str]:
+    """The comma-separated items of `text`; an empty one ('64,,128', '64,') is an error, not
+    silently dropped."""
+    parts = text.replace(" ", "").split(",")
+    if not any(parts):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of {what}")
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"an empty item in {text!r}: give a comma-separated list of {what}")
+    return parts
+
+
 def int_list(text: str) -> list[int]:
     """'1024,8192,32768' -> [1024, 8192, 32768]; each must be positive."""
-    parts = [p for p in text.replace(" ", "").split(",") if p]
-    if not parts:
-        raise argparse.ArgumentTypeError("expected a comma-separated list of sizes")
-    return [positive_int(p) for p in parts]
+    return [positive_int(p) for p in _items(text, "sizes")]
 
 
 def element_list(text: str) -> list[int]:
     """'4M,32M,128M' -> [4194304, 33554432, 134217728] (K, M and G are powers of 1024)."""
     scale = {"K": 2**10, "M": 2**20, "G": 2**30}
     out = []
-    for part in (p for p in text.replace(" ", "").split(",") if p):
+    for part in _items(text, "element counts such as 4M,32M,128M"):
         unit = scale.get(part[-1].upper(), 1)
         number = part[:-1] if unit > 1 else part
         out.append(positive_int(number) * unit)
@@ -92,6 +100,12 @@ def variant_keys(text: str) -> list[str]:
     if not keys:
         raise argparse.ArgumentTypeError("expected comma-separated variant keys, e.g. triton,compile")
     return keys
+
+
+def variant_text(text: str) -> str:
+    """--variants of Part B and sweep: the keys as one string ('eager,triton'); an empty list is an
+    error here, not a run of eager alone."""
+    return ",".join(variant_keys(text))
 
 
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
@@ -112,6 +126,27 @@ def _add_device_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+THREADS_HELP = (
+    "CPU threads for torch's intra-op work (torch.set_num_threads), recorded in the results' "
+    "environment (default: torch's own, one per core, which is fastest on a quiet machine). On a "
+    "shared or busy CPU those threads wait on other processes and the trials swing (a tiny step "
+    "went from 2.6 ms to 545 ms on a loaded 2-core machine, 2.9-3.5 ms on one thread): the reports "
+    "then say the CPU was oversubscribed and suggest a count here"
+)
+
+
+def _add_threads_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=positive_int, default=None, metavar="N", help=THREADS_HELP)
+
+
+def set_threads(args) -> None:
+    """--threads, before any work (torch imported here, after the arguments were checked)."""
+    if getattr(args, "threads", None) is not None:
+        from profuse.env import set_threads as _set
+
+        _set(args.threads)
+
+
 def _add_bench_args(p: argparse.ArgumentParser, sizes_are_lists: bool = False) -> None:
     size = int_list if sizes_are_lists else positive_int
     what = "comma-separated list of " if sizes_are_lists else ""
@@ -126,7 +161,7 @@ def _add_bench_args(p: argparse.ArgumentParser, sizes_are_lists: bool = False) -
     g.add_argument("--backward", action="store_true",
                    help="time forward + backward (gradients of gate, up, residual and weight)")  # fmt: skip
     g.add_argument(
-        "--variants", default=None,
+        "--variants", type=variant_text, default=None,
         help="comma-separated variants to run, from: eager, rms_norm, compile, compile-max, triton, "
         "liger (default on CUDA: all but compile-max; on CPU: eager, compile; eager, the "
         "baseline, is always in)",
@@ -140,6 +175,7 @@ def _add_bench_args(p: argparse.ArgumentParser, sizes_are_lists: bool = False) -
         "do_bench see them (about the larger of host and device time); graph = CUDA-graph replay, "
         "device time with no launch cost. Host time per call is measured in every mode",
     )  # fmt: skip
+    _add_threads_arg(g)
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -248,7 +284,7 @@ BAR_FORMAT = "{desc}: {percentage:3.0f}%|{bar}| {elapsed}<{remaining}"
 # Lines that native code writes straight to the process's stderr, each of which would break a bar
 # on screen: torch's profiler (Kineto) at every start and stop, and a CUDA build of torch on a
 # machine without a GPU. While a bar is shown they are held back and dropped; any other line
-# comes out when the bar closes.
+# comes out when the bar closes. (env.NATIVE_NOISE: the same pattern; cli keeps torch unimported.)
 NATIVE_NOISE = re.compile(r"^(USDT|STAGE):|gpuGetDeviceCount failed|No CUDA runtime is found")
 CUDA_BUILD_NOISE = re.compile(r"gpuGetDeviceCount failed|No CUDA runtime is found")
 CPU_BUILD_HINT = (
@@ -401,6 +437,23 @@ def run_part_a(args, device) -> None:
     print()
 
 
+def triton_note(args, device) -> str:
+    """Why the CPU's default Part B has no Triton variant, and how to check it here ('' where the
+    user chose the variants, or where it runs by default)."""
+    from profuse.bench.tail import default_variants
+    from profuse.kernels import HAS_TRITON, TRITON_MISSING
+
+    if args.variants is not None or "triton" in default_variants(device):
+        return ""
+    if not HAS_TRITON:
+        return f"triton variant skipped: {TRITON_MISSING}"
+    return (
+        "triton variant skipped: its kernels need a CUDA GPU to be timed; TRITON_INTERPRET=1 with "
+        "--variants eager,compile,triton runs them on this CPU through Triton's interpreter to check "
+        "their math (slow: its times are the interpreter's, never a kernel's)"
+    )
+
+
 def run_part_b(args, cfg) -> None:
     from profuse.bench.tail_bench import run_tail_bench
     from profuse.files import write_json
@@ -412,6 +465,9 @@ def run_part_b(args, cfg) -> None:
     finally:
         progress.close()
     print(format_tail_bench(res))
+    note = triton_note(args, cfg.device)
+    if note:
+        print(note)
     path = Path(args.out) / RESULTS_JSON
     earlier = replaced_note(path)
     write_json(path, res.to_dict())
@@ -424,6 +480,7 @@ def cmd_main(argv: list[str]) -> int:
         raise UsageError("--skip-profile and --profile-only leave nothing to run: pick one")
     names = () if args.skip_profile else part_a_files(args.compile_step)
     check_out(args, names + (() if args.profile_only else (RESULTS_JSON,)))
+    set_threads(args)
     from profuse.env import resolve_device
 
     device = resolve_device(args.device)
@@ -575,16 +632,18 @@ def build_diff_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="profuse diff",
         description="Compare two saved runs (two cards, or before and after a change) size by size and "
-        "variant by variant: the ratio of medians B/A with a bootstrap CI, and where it is measurable.",
+        "variant by variant: the ratio of medians B/A with a bootstrap CI, and where it is measurable. "
+        "Two results.json (Part B or a sweep), or two step.json (Part C, step by step).",
     )
-    p.add_argument("a", type=Path, help="results.json of run A (the reference)")
-    p.add_argument("b", type=Path, help="results.json of run B (compared with A)")
+    p.add_argument("a", type=Path, help="results.json or step.json of run A (the reference)")
+    p.add_argument("b", type=Path, help="the same kind of file of run B (compared with A)")
     return p
 
 
 def cmd_sweep(argv: list[str]) -> int:
     args = build_sweep_parser().parse_args(argv)
     check_out(args, (RESULTS_JSON, RESULTS_CSV, PARTIAL_JSON, *PLOTS))
+    set_threads(args)
     from profuse.env import resolve_device
     from profuse.files import write_json
     from profuse.report import plots
@@ -595,6 +654,8 @@ def cmd_sweep(argv: list[str]) -> int:
     # The one-size config maps the shared flags (dtype, variants, --warm-cache) as Part B does.
     first = _bench_config(args, device, args.rows[0], args.cols[0])
     cfg = SweepConfig.from_bench(first, args.rows, args.cols, args.elements)
+    for line in cfg.rounding():
+        print(f"note: {line}")
     out = Path(args.out)
     partial = out / PARTIAL_JSON
 
@@ -667,7 +728,7 @@ def sizes_left_commands(args, cfg, finished: set[tuple[int, int]]) -> list[str]:
     axis, values = ("--elements", cfg.elements) if cfg.elements else ("--rows", cfg.rows)
     per_cols: dict[int, tuple[int, ...]] = {}
     for c in cfg.cols:
-        sizes = [v for v in values if ((max(1, v // c) if cfg.elements else v), c) in left]
+        sizes = [v for v in values if ((v // c if cfg.elements else v), c) in left]
         if sizes:
             per_cols[c] = tuple(sizes)
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -679,6 +740,7 @@ def sizes_left_commands(args, cfg, finished: set[tuple[int, int]]) -> list[str]:
     settings += ["--backward"] if args.backward else []
     settings += ["--warm-cache"] if args.warm_cache else []
     settings += ["--seed", str(args.seed)] if args.seed else []
+    settings += ["--threads", str(args.threads)] if getattr(args, "threads", None) else []
     out = Path(args.out)
     commands = []
     for i, (sizes, cols) in enumerate(groups.items()):
@@ -754,9 +816,21 @@ def _print_part_a(data, args) -> bool:
 
 def cmd_diff(argv: list[str]) -> int:
     args = build_diff_parser().parse_args(argv)
+    from profuse.report.step import format_step_diff, load_step
     from profuse.report.sweep import format_diff, load_results
 
-    print(format_diff(load_results(args.a), load_results(args.b), names=(str(args.a), str(args.b))))
+    names = (str(args.a), str(args.b))
+    steps = load_step(args.a), load_step(args.b)
+    if all(s is not None for s in steps):  # two Part C runs
+        print(format_step_diff(*steps, names=names))
+        return 0
+    if any(s is not None for s in steps):
+        step, other = (args.a, args.b) if steps[0] is not None else (args.b, args.a)
+        raise UsageError(
+            f"{step} is Part C's step.json and {other} is not: diff compares two step.json files, "
+            "or two results.json of Part B or a sweep"
+        )
+    print(format_diff(load_results(args.a), load_results(args.b), names=names))
     return 0
 
 
@@ -807,6 +881,7 @@ def build_step_parser() -> argparse.ArgumentParser:
         help="profiled steps per variant, for kernels per step and the Amdahl prediction; 0 skips the "
         "profiles and the prediction (default: 3)",
     )  # fmt: skip
+    _add_threads_arg(p)
     _add_out_arg(p, ".", "step.json and the traces (trace-step-VARIANT.json)")
     return p
 
@@ -857,6 +932,7 @@ def cmd_step(argv: list[str]) -> int:
     from profuse.env import resolve_device
 
     check_out(args, ())  # a folder that cannot be written fails now, not after the measuring
+    set_threads(args)
     cfg = _step_config(args, resolve_device(args.device), args.preset)
     check_step(cfg)
     run_part_c(cfg)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
+import tempfile
 
 import torch
 
@@ -146,6 +148,7 @@ def environment(device: torch.device) -> dict:
         "argv": sys.argv[1:],
         # Triton's kernels ran through its interpreter: their times are the interpreter's.
         "triton_interpret": device.type != "cuda" and interpreting(),
+        **cpu_threads(),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
@@ -162,6 +165,57 @@ def environment(device: torch.device) -> dict:
             info["driver"] = smi.pop("driver_version", None)
             info["nvidia_smi"] = smi
     return info
+
+
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask), or os.cpu_count()."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def cpu_threads() -> dict:
+    """torch's intra-op threads, the cores this process may use, and the 1-minute load average:
+    what says whether the CPU was oversubscribed while it timed (oversubscribed())."""
+    try:
+        load = round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        load = None
+    return {"threads": torch.get_num_threads(), "cores_available": available_cores(), "load_1m": load}
+
+
+def set_threads(n: int | None) -> None:
+    """torch.set_num_threads(n) for the CPU's intra-op work (None: leave torch's default, one
+    thread per core); the environment dict then records it."""
+    if n is not None:
+        if n < 1:
+            raise UsageError(f"--threads must be 1 or more, got {n}")
+        torch.set_num_threads(n)
+
+
+def oversubscribed(env: dict) -> str:
+    """A one-line note where a CPU run's threads outnumbered the cores free for them (more intra-op
+    threads than cores, or a load average above the cores: other work wanted them too), else ''.
+    Such threads wait for each other and for other processes, and a trial's time swings with them
+    (a tiny step went from 2.6 ms to 545 ms on a shared 2-core machine; 2.9-3.5 ms on one thread)."""
+    if env.get("gpu") or "threads" not in env:
+        return ""
+    threads, load = env["threads"], env.get("load_1m")
+    cores = env.get("cores_available") or env.get("cpu_count") or 1
+    busy = load is not None and load > cores
+    if threads <= cores and not busy:
+        return ""
+    why = f"{threads} intra-op thread{'s' if threads != 1 else ''} on {cores} core{'s' if cores != 1 else ''}"
+    if load is not None:
+        why += f" with a 1-minute load of {load:g}"
+    fewer = max(1, min(threads - 1, cores - 1)) if threads > 1 else 1
+    fix = (
+        f"--threads {fewer} (torch.set_num_threads) leaves cores to the rest and keeps trials steadier"
+        if threads > 1
+        else "time it on a quieter machine"
+    )
+    return f"note: the CPU was oversubscribed ({why}): threads waited on other work, so trials swing; {fix}"
 
 
 def cpu_model() -> str:
@@ -204,3 +258,38 @@ def _triton_version() -> str | None:
     except ImportError:
         return None
     return triton.__version__
+
+
+# Lines that native code writes straight to the process's stderr (fd 2), past Python: torch's
+# profiler (Kineto) at every start and stop ("USDT: ... profiler_start", "STAGE: ... Warm Up",
+# at any KINETO_LOG_LEVEL), and a CUDA build of torch on a machine without a GPU.
+NATIVE_NOISE = re.compile(r"^(USDT|STAGE):|gpuGetDeviceCount failed|No CUDA runtime is found")
+
+
+@contextlib.contextmanager
+def quiet_native_stderr(noise: re.Pattern = NATIVE_NOISE):
+    """Hold fd 2 in a temporary file for the block, then write back what came there less the
+    lines `noise` matches: the profiler's start and stop lines go, anything else (a warning, an
+    error) still comes out, after the block and in its order. Where fd 2 cannot be held (no such
+    descriptor), the block runs as it is."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    held = tempfile.TemporaryFile()
+    try:
+        sys.stderr.flush()
+        os.dup2(held.fileno(), 2)
+        yield
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        held.seek(0)
+        text = held.read().decode("utf-8", errors="replace")
+        held.close()
+        kept = "".join(line for line in text.splitlines(keepends=True) if not noise.search(line))
+        if kept:
+            os.write(2, kept.encode("utf-8"))

@@ -49,7 +49,7 @@ from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, record_function, schedule
 
 from profuse.compile import compile_model
-from profuse.env import check_fits
+from profuse.env import check_fits, quiet_native_stderr
 from profuse.errors import UsageError
 from profuse.files import atomic_path
 from profuse.model import GPT, GPTConfig, random_batch
@@ -514,7 +514,7 @@ def _profiled_steps(
         sched = schedule(wait=0, warmup=profiler_warmup, active=cfg.steps, repeat=1)
     say(f"profiling {cfg.steps} training steps on {device}")
     step_times: list[float] = []
-    with torch_profiler.profile(activities=activities, schedule=sched) as prof:
+    with quiet_native_stderr(), torch_profiler.profile(activities=activities, schedule=sched) as prof:
         for i in range(profiler_warmup + cfg.steps):
             t0 = time.perf_counter()
             train_step()

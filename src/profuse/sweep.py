@@ -65,6 +65,13 @@ class SweepConfig:
         self.cols = tuple(dict.fromkeys(int(c) for c in self.cols))
         if not self.rows or not self.cols:
             raise UsageError("a sweep needs at least one --rows and one --cols value")
+        short = [(e, c) for e in self.elements for c in self.cols if e < c]
+        if short:
+            e, c = short[0]
+            raise UsageError(
+                f"--elements {e} is fewer than --cols {c}: each size needs at least one row of {c} "
+                "elements (rows = elements // cols)"
+            )
         # Building every size's config checks the settings (sizes, trials, dtype, variants) before
         # the first size runs: a typo fails at once, and a UsageError raised later by a size can
         # only mean that the size does not fit.
@@ -80,8 +87,18 @@ class SweepConfig:
 
     def sizes(self) -> list[tuple[int, int]]:
         if self.elements:
-            return list(dict.fromkeys((max(1, e // c), c) for c in self.cols for e in self.elements))
+            return list(dict.fromkeys((e // c, c) for c in self.cols for e in self.elements))
         return [(r, c) for r in self.rows for c in self.cols]
+
+    def rounding(self) -> list[str]:
+        """One line per --elements value that --cols does not divide: the size it becomes."""
+        return [
+            f"--elements {e} with --cols {c}: timed as {e // c} x {c} = {e // c * c} elements "
+            f"(rows = elements // cols; {e % c} left over)"
+            for c in self.cols
+            for e in self.elements
+            if e % c
+        ]
 
     def bench_config(self, rows: int, cols: int) -> TailBenchConfig:
         return TailBenchConfig(rows=rows, cols=cols, **_settings(self))

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from profuse import compile as _compile
+from profuse.env import interpreting
 from profuse.kernels import HAS_TRITON, TRITON_MISSING
 
 DEFAULT_EPS = 1e-6
@@ -124,22 +125,41 @@ def _load_fused():
 class FusedTail(torch.nn.Module):
     """y = rms_norm(silu(gate) * up + residual) * weight, with the weight as a parameter.
 
-    `impl` picks the variant: "triton" (default where triton is there), "eager", "rms_norm"
-    or "compile".
+    `impl` picks the variant: "triton", "eager", "rms_norm" or "compile"; left out, "auto": the
+    Triton kernels for CUDA inputs (where triton is installed), eager for CPU inputs (the kernels
+    run on a CPU only through Triton's interpreter, TRITON_INTERPRET=1, which "auto" then uses).
+    An impl that cannot run on this machine is refused here, not at the first call.
     """
 
     def __init__(self, dim: int, eps: float = DEFAULT_EPS, impl: str | None = None, dtype=None, device=None):
         super().__init__()
         if dim <= 0:
             raise ValueError(f"dim must be positive, got {dim}")
+        self.impl = impl or "auto"
+        if self.impl != "auto" and self.impl not in _MODULE_IMPLS:
+            raise ValueError(f"impl must be auto or one of {sorted(_MODULE_IMPLS)}, got {self.impl!r}")
+        if self.impl == "triton" and not HAS_TRITON:
+            raise ValueError(f"impl='triton' cannot run: {TRITON_MISSING}")
+        if self.impl == "triton" and not (torch.cuda.is_available() or interpreting()):
+            raise ValueError(
+                "impl='triton' cannot run here: its kernels need a CUDA GPU (or TRITON_INTERPRET=1 set "
+                "before triton is imported, slow); leave impl out to run eager on a CPU"
+            )
         self.weight = torch.nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
         self.eps = eps
-        self.impl = impl or ("triton" if HAS_TRITON else "eager")
-        if self.impl not in _MODULE_IMPLS:
-            raise ValueError(f"impl must be one of {sorted(_MODULE_IMPLS)}, got {self.impl!r}")
+        # "auto", chosen once: the per-call choice is one attribute read (gate.is_cuda).
+        self._auto = {
+            True: "triton" if HAS_TRITON else "eager",
+            False: "triton" if HAS_TRITON and interpreting() else "eager",
+        }
+
+    def impl_for(self, device: torch.device | str) -> str:
+        """The variant a call with inputs on `device` runs."""
+        return self._auto[torch.device(device).type == "cuda"] if self.impl == "auto" else self.impl
 
     def forward(self, gate, up, residual):
-        return _MODULE_IMPLS[self.impl](gate, up, residual, self.weight, self.eps)
+        impl = self._auto[gate.is_cuda] if self.impl == "auto" else self.impl
+        return _MODULE_IMPLS[impl](gate, up, residual, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"dim={self.weight.shape[0]}, eps={self.eps}, impl={self.impl!r}"

@@ -28,6 +28,14 @@ STATISTIC = "ratio of medians: median(baseline) / median(variant), paired bootst
 # handful the interval reflects the few values drawn, not the spread of the timings.
 FEW_TRIALS = 10
 
+# A trial more than UNSTEADY_RATIO x its variant's fastest was disturbed (another process, a
+# clock change, threads waiting on each other): steady runs on an H200 keep every trial within
+# ~10% of the fastest. Where more than UNSTEADY_SHARE of a variant's trials were, its median is
+# disturbed too. One rule for every report (Part B, sweeps, Part C, report, diff) and every
+# library user (Comparison.unsteady).
+UNSTEADY_RATIO = 1.5
+UNSTEADY_SHARE = 0.2
+
 FASTER = "faster"
 SLOWER = "slower"
 NO_GAIN = "no measurable gain"
@@ -58,6 +66,70 @@ class Speedup:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "verdict": self.verdict}
+
+
+@dataclass(frozen=True)
+class Steadiness:
+    """How far one variant's trials wandered from its fastest: `slow_trials` of `trials` took more
+    than UNSTEADY_RATIO x `fastest_s`. `unsteady` where over UNSTEADY_SHARE of them did."""
+
+    trials: int
+    slow_trials: int
+    fastest_s: float
+    median_s: float
+    slowest_s: float
+
+    @property
+    def unsteady(self) -> bool:
+        return self.slow_trials > UNSTEADY_SHARE * self.trials
+
+    @property
+    def spread(self) -> float:
+        """slowest / fastest trial."""
+        return self.slowest_s / self.fastest_s if self.fastest_s > 0 else float("inf")
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "unsteady": self.unsteady}
+
+
+def steadiness(times_s) -> Steadiness | None:
+    """The steadiness of one variant's trials (None for no trials)."""
+    t = np.asarray(times_s, dtype=float)
+    if t.size == 0:
+        return None
+    fastest = float(t.min())
+    slow = int(np.sum(t > UNSTEADY_RATIO * fastest))
+    return Steadiness(int(t.size), slow, fastest, float(np.median(t)), float(t.max()))
+
+
+def unsteady_warning(counts: dict[str, Steadiness], where: str = "", again: str = "") -> str:
+    """The one warning for unsteady trials, the same in every report and for library users:
+    'WARNING 128 x 96: unsteady timings (trials over 1.5x their fastest: eager 0/30, triton 9/30
+    (1.02 ms to 3.1 ms)); their medians, and the speedups and predictions made from them, are not
+    to be trusted. On a quiet machine, time it again: profuse ...'
+    `counts`: label -> Steadiness of each variant timed together; `where`: what was timed
+    ('128 x 96'); `again`: the command that times it again."""
+    parts = [
+        f"{label} {s.slow_trials}/{s.trials}"
+        + (f" ({_seconds(s.fastest_s)} to {_seconds(s.slowest_s)})" if s.unsteady else "")
+        for label, s in counts.items()
+    ]
+    text = (
+        f"WARNING{' ' + where if where else ''}: unsteady timings (trials over {UNSTEADY_RATIO}x their "
+        f"fastest: {', '.join(parts)}); their medians, and the speedups and predictions made from them, "
+        "are not to be trusted"
+    )
+    if again:
+        text += f". On a quiet machine, time it again: {again}"
+    return text
+
+
+def _seconds(t: float) -> str:
+    """'8.7 ms', '552 ms', '57.3 us': three figures, for a warning's range."""
+    for scale, unit in ((1.0, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if t >= scale:
+            return f"{t / scale:.3g} {unit}"
+    return f"{t * 1e9:.3g} ns"
 
 
 def _ratio_of_medians(base: np.ndarray, var: np.ndarray, axis: int = -1) -> np.ndarray:

@@ -7,7 +7,7 @@ import math
 from profuse.bench.stats import STATISTIC
 from profuse.bench.traffic import EAGER_FORWARD_TENSORS
 from profuse.env import describe, dtype_name
-from profuse.report.sweep import host_note, parse, timing_warnings
+from profuse.report.sweep import host_note, parse, timing_warnings, warmup_line
 from profuse.report.units import fmt_bandwidth, fmt_bytes, fmt_speedup, fmt_time, time_unit
 
 W = 22  # label column, right-aligned as in the lab's output
@@ -96,6 +96,7 @@ def format_tail_bench(res) -> str:
         lines.append(host_note(comp.timing, comp.trials))
     firsts = ", ".join(f"{res.labels[k]} {t.first_call_s:.2f} s" for k, t in comp.timings.items())
     lines.append(f"first call (compilation, kernel builds): {firsts}")
+    lines.append(warmup_line({res.labels[k]: t.warmup_calls for k, t in comp.timings.items()}))
     lines.append(describe(res.env))
     # The warnings `profuse report` gives for this run's file, read the same way from its data.
     lines += timing_warnings(parse(res.to_dict(), "this run"))

@@ -8,7 +8,7 @@ import signal
 from profuse.distributed import JOB_CATEGORIES, DDPProfile
 from profuse.errors import UsageError
 from profuse.profiling import CATEGORY_LABELS
-from profuse.report.profile import PERFETTO, category_line
+from profuse.report.profile import PERFETTO, category_line, step_time_warnings
 from profuse.report.units import fmt_bytes
 
 LABELS = {**CATEGORY_LABELS, "communication": "communication (all-reduce)"}
@@ -53,6 +53,7 @@ def format_ddp_profile(job: DDPProfile, summary_path: str | None = None) -> str:
     lines.append(
         "(step time: median, synchronised; all-reduce, overlapped, exposed: a step, on the rank's timeline)"
     )
+    lines += step_time_warnings({f"rank {r.rank}": r for r in job.ranks})
     slow, fast = job.slowest, job.fastest
     if job.world_size > 1:
         spread = 100.0 * (slow.step_ms - fast.step_ms) / fast.step_ms if fast.step_ms > 0 else 0.0

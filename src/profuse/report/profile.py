@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from profuse.bench.stats import steadiness, unsteady_warning
 from profuse.errors import UsageError
 from profuse.profiling import CATEGORIES, CATEGORY_LABELS, SUMMARY_KIND, ProfileResult
 from profuse.report.units import fmt_bytes
@@ -41,8 +42,23 @@ def _per_step(r: ProfileResult) -> str:
     return f"{s.launches_per_step:.0f} aten operator calls per step (the CPU's stand-in for kernels)"
 
 
-def format_profile(r: ProfileResult) -> str:
-    """The lab's 'Part A' block, then step time, category shares, launches, idle share, hot spot."""
+def step_time_warnings(results: dict[str, ProfileResult]) -> list[str]:
+    """The unsteady-timings warning (bench.stats's one rule) on the profiled steps' median, where
+    their times swung; none where they held."""
+    counts = {name: steadiness([t / 1e3 for t in r.step_times_ms]) for name, r in results.items()}
+    counts = {name: st for name, st in counts.items() if st is not None}
+    if not any(st.unsteady for st in counts.values()):
+        return []
+    return [
+        unsteady_warning(counts, "Part A step time")
+        + ". On a quiet machine (or with --threads 1 on a busy CPU), profile it again, with more "
+        "--profile-steps"
+    ]
+
+
+def format_profile(r: ProfileResult, saved: bool = False) -> str:
+    """The lab's 'Part A' block, then step time, category shares, launches, idle share, hot spot.
+    `saved`: printed again from profile.json, so the trace was written then, not now."""
     s = r.summary
     lines = [
         f"=== Part A: top operators over {_steps(r.steps)} ({_device_label(r)}) ===",
@@ -50,6 +66,7 @@ def format_profile(r: ProfileResult) -> str:
         "",
         f"step time: median {r.step_ms:.3f} ms over {r.steps} steps ({r.precision}, synchronised, "
         "under the profiler)",
+        *step_time_warnings({"step": r}),
         f"time by category ({s.basis}, {s.total_us / 1e3 / max(s.steps, 1):.3f} ms per step):",
     ]
     for cat in CATEGORIES:
@@ -62,7 +79,8 @@ def format_profile(r: ProfileResult) -> str:
         lines.append(f"launch-bound: {s.launch_bound_reading()}")
     lines.append(f"hot spot: {r.hotspot}")
     size = fmt_bytes(r.trace_bytes, digits=1)
-    lines.append(f"trace written: {_shown_path(r.trace_path)} ({size}) - open it at {PERFETTO}")
+    what = "trace (written by that run)" if saved else "trace written"
+    lines.append(f"{what}: {_shown_path(r.trace_path)} ({size}) - open it at {PERFETTO}")
     return "\n".join(lines)
 
 
@@ -84,6 +102,7 @@ def format_profile_comparison(eager: ProfileResult, compiled: ProfileResult) -> 
         f"{compiled.step_ms:.3f} ms",
         f"   eager / compiled = {ratio:.2f}x",
     )
+    lines += step_time_warnings({"eager": eager, "compiled": compiled})
     row(
         f"{unit} per step",
         f"{eager.summary.launches_per_step:.0f}",
@@ -157,7 +176,7 @@ def format_saved_profile(data: dict, source: str) -> str:
     report.distributed.format_saved_ddp_profile)."""
     try:
         eager = ProfileResult.from_dict(data["eager"])
-        text = format_profile(eager)
+        text = format_profile(eager, saved=True)
         if data.get("compiled"):
             text += "\n\n" + format_profile_comparison(eager, ProfileResult.from_dict(data["compiled"]))
         return text

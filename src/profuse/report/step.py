@@ -7,15 +7,31 @@ prints a run saved on another card exactly as the run printed it.
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
-from profuse.bench.stats import STATISTIC
-from profuse.env import describe
-from profuse.report.sweep import few_trials_note, interpreter_note
+from profuse.bench.stats import FEW_TRIALS, STATISTIC, steadiness, time_ratio_ci, unsteady_warning
+from profuse.bench.timing import WARMUP_BUDGET_S, warmup_warning
+from profuse.env import card_name, describe
+from profuse.errors import UsageError
+from profuse.report.sweep import (
+    few_trials_note,
+    interpreter_note,
+    render_table,
+    threads_flag,
+    threads_note,
+    warmup_line,
+)
 from profuse.report.units import fmt_bytes, fmt_time, speedup_terms, time_unit
 
 W = 14  # variant column: fits "compile+fused"
 KIND = "step"
+FUSED_VARIANTS = ("fused", "compile+fused")  # the variants that swap in the fused block ops
+# The model flags of `profuse step`, by the field of the saved model config they set.
+MODEL_FLAGS = {
+    "n_layer": "--layers", "d_model": "--d-model", "n_head": "--heads", "vocab_size": "--vocab-size",
+    "seq_len": "--seq-len", "batch_size": "--batch-size",
+}  # fmt: skip
 
 
 def load_step(path: str | Path) -> dict | None:
@@ -186,6 +202,67 @@ def _amdahl_lines(data: dict) -> list[str]:
     return lines
 
 
+def again_command(data: dict) -> str:
+    """The `profuse step` command that times a saved Part C run again (at least FEW_TRIALS trials,
+    into a folder of its own), with a thread count that suits the CPU it ran on."""
+    cfg = data.get("config") or {}
+    argv = ["profuse", "step", "--device", str(cfg.get("device", "auto")).split(":", 1)[0]]
+    if cfg.get("preset"):
+        argv += ["--preset", str(cfg["preset"])]
+    if cfg.get("resized"):
+        for field, flag in MODEL_FLAGS.items():
+            if field in (cfg.get("model") or {}):
+                argv += [flag, str(cfg["model"][field])]
+    if cfg.get("variants"):
+        argv += ["--variants", ",".join(cfg["variants"])]
+    argv += ["--trials", str(max(int(cfg.get("trials", FEW_TRIALS)), FEW_TRIALS))]
+    argv += ["--seed", str(cfg["seed"])] if cfg.get("seed") else []
+    argv += threads_flag(data.get("env") or {})
+    return shlex.join([*argv, "--out", "again"])
+
+
+def _counts(comparison: dict | None) -> dict:
+    """variant -> Steadiness of a saved comparison's trials."""
+    timings = (comparison or {}).get("timings") or {}
+    return {name: steadiness(t["times_s"]) for name, t in timings.items() if t.get("times_s")}
+
+
+def _unsteady(comparison: dict | None) -> list[str]:
+    return [name for name, st in _counts(comparison).items() if st.unsteady]
+
+
+def step_warnings(data: dict) -> list[str]:
+    """What makes the step's numbers less than they look: unsteady trials (of the steps, or of
+    the ops Amdahl reads), warm-ups out of budget, an oversubscribed CPU."""
+    cmp = data.get("comparison")
+    out = []
+    counts = _counts(cmp)
+    if any(st.unsteady for st in counts.values()):
+        out.append(unsteady_warning(counts, "step", again_command(data)))
+    for op, timing in (data.get("ops") or {}).items():
+        op_counts = _counts(timing.get("comparison"))
+        if any(st.unsteady for st in op_counts.values()):
+            out.append(unsteady_warning(op_counts, f"op {op}", again_command(data)))
+    budget = (cmp or {}).get("warmup_budget_s", WARMUP_BUDGET_S)
+    for name, t in ((cmp or {}).get("timings") or {}).items():
+        if not t.get("warmup_steady", True):
+            out.append(warmup_warning(name, t.get("warmup_calls", 0), budget))
+    return out + threads_note(data.get("env") or {})
+
+
+def _amdahl_caveat(data: dict) -> list[str]:
+    """The line under Amdahl's prediction where a median it rests on was unsteady."""
+    shaky = [f"the {name} step" for name in _unsteady(data.get("comparison")) if name in ("eager", "fused")]
+    for op, timing in (data.get("ops") or {}).items():
+        shaky += [f"{op} ({name})" for name in _unsteady(timing.get("comparison"))]
+    if not shaky:
+        return []
+    return [
+        f"  the prediction and the measured gain rest on unsteady medians ({', '.join(shaky)}): "
+        "see the WARNING above; time it again before reading them"
+    ]
+
+
 def format_step(data: dict) -> str:
     """Part C's block: the setup, the same-math check, the step table, the Amdahl prediction."""
     cfg = data["config"]
@@ -194,8 +271,10 @@ def format_step(data: dict) -> str:
         f"=== Part C: the whole training step, eager vs fused vs torch.compile "
         f"({kind}, preset {cfg['preset']}{', resized by the model flags' if cfg.get('resized') else ''}) ===",
         _model_line(data),
-        f"fused block ops: {data['block_ops']} (silu_mul on the packed gate/up, add_rms_norm)",
     ]
+    asked = cfg.get("variants") or list(data.get("results") or {})
+    if any(name in FUSED_VARIANTS for name in asked):  # none asked for: nothing fused to name
+        lines.append(f"fused block ops: {data['block_ops']} (silu_mul on the packed gate/up, add_rms_norm)")
     lines += _check_lines(data)
     first = _first_step_line(data)
     if first:
@@ -234,14 +313,90 @@ def format_step(data: dict) -> str:
         notes.append(f"per step and memory-bound share: from a short profile of each variant ({basis})")
     triton_ops = "Triton" in data["block_ops"]  # not the eager stand-ins (fusion.EAGER)
     fused_timed = [n for n in ("fused", "compile+fused") if triton_ops and n in data["results"]]
+    warmed = {name: t["warmup_calls"] for name, t in cmp["timings"].items() if "warmup_calls" in t}
+    if warmed:
+        notes.append(warmup_line(warmed).replace("calls", "steps"))
     lines += notes + few_trials_note(cmp["trials"]) + interpreter_note(data["env"], fused_timed)
+    lines += step_warnings(data)
     amdahl = _amdahl_lines(data)
     if amdahl:
         lines.append("")
-        lines += amdahl
+        lines += amdahl + _amdahl_caveat(data)
     traces = [p["trace_path"] for p in data["profiles"].values()]
     if traces:
         lines.append(f"traces: {', '.join(traces)} - open them at https://ui.perfetto.dev")
     env = data["env"]
     lines.append(describe(env))
     return "\n".join(line.rstrip() if line else line for line in lines)
+
+
+# --------------------------------------------------------------------------------------------
+# diff: two saved Part C runs, variant by variant
+# --------------------------------------------------------------------------------------------
+
+
+def _setup(data: dict) -> str:
+    cfg, env = data.get("config") or {}, data.get("env") or {}
+    triton = env.get("triton") or "not installed"
+    trials = (data.get("comparison") or {}).get("trials", cfg.get("trials"))
+    return (
+        f"{card_name(env)}, torch {env.get('torch')}, triton {triton}, preset {cfg.get('preset')}, "
+        f"{cfg.get('precision')}, {cfg.get('device')}, {trials} trials"
+    )
+
+
+def _short(sp: dict | None) -> str:
+    if not sp:
+        return "baseline"
+    if sp["verdict"] == "no measurable gain":
+        return "no gain"
+    return speedup_terms(sp["median"], sp["low"], sp["high"], sp["verdict"])[0]
+
+
+def format_step_diff(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
+    """Two saved Part C runs (two cards, or before and after a change) variant by variant: the
+    ratio of step medians B/A with a bootstrap CI over each run's saved trials."""
+    for data, name in ((a, names[0]), (b, names[1])):
+        if not (data.get("comparison") or {}).get("timings"):
+            raise UsageError(f"{name} timed no step (its eager step did not run): nothing to compare")
+    lines = [
+        "=== diff: step time ratio B/A per variant (below 1: B is faster) ===",
+        f"A: {names[0]} ({_setup(a)})",
+        f"B: {names[1]} ({_setup(b)})",
+    ]
+    ca, cb = a.get("config") or {}, b.get("config") or {}
+    differs = [
+        what
+        for what, key in (("model", "model"), ("device", "device"), ("precision", "precision"))
+        if ca.get(key) != cb.get(key)
+    ]
+    if differs:
+        lines.append(f"note: A and B differ in {', '.join(differs)}: the steps are not like for like")
+    ta, tb = a["comparison"]["timings"], b["comparison"]["timings"]
+    ra, rb = a.get("results") or {}, b.get("results") or {}
+    unit = time_unit(ta[next(iter(ta))]["median_s"])
+    header = ["variant", "median A", "median B", "B/A (95% CI)", "verdict", "vs eager A -> B"]
+    body = []
+    for name in [n for n in ta if n in tb]:
+        x, y = ta[name], tb[name]
+        cells = [name, fmt_time(x["median_s"], unit).strip(), fmt_time(y["median_s"], unit).strip()]
+        if len(x.get("times_s", [])) >= 2 and len(y.get("times_s", [])) >= 2:
+            r = time_ratio_ci(x["times_s"], y["times_s"])
+            cells += [f"{r.median:.2f}x ({r.low:.2f}-{r.high:.2f})", r.verdict]
+        else:
+            cells += [f"{y['median_s'] / x['median_s']:.2f}x", "no per-trial times saved: cannot tell"]
+        sa, sb = (ra.get(name) or {}).get("speedup"), (rb.get(name) or {}).get("speedup")
+        cells.append(f"{_short(sa)} -> {_short(sb)}")
+        body.append(cells)
+    lines.append(render_table(header, body, right={1, 2}, markdown=False) if body else "no variant in common")
+    for side, only in (("A", [n for n in ta if n not in tb]), ("B", [n for n in tb if n not in ta])):
+        if only:
+            lines.append(f"only in {side}: {', '.join(only)}")
+    lines.append(
+        "B/A: median(B) / median(A) of whole steps, 95% CI from a bootstrap resampling each run's trials "
+        "on its own; the two runs were not interleaved, so drift between them (clocks, heat, other "
+        "work) is not in the CI: treat a small measurable difference with care"
+    )
+    for side, data in (("A", a), ("B", b)):
+        lines += [f"{side}: {warning}" for warning in step_warnings(data)]
+    return "\n".join(lines)

@@ -13,8 +13,9 @@ import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from profuse.bench.stats import FEW_TRIALS, time_ratio_ci
-from profuse.env import card_name, describe
+from profuse.bench.stats import FEW_TRIALS, steadiness, time_ratio_ci, unsteady_warning
+from profuse.bench.timing import STEADY_CALLS, STEADY_RATIO, WARMUP_BUDGET_S, warmup_warning
+from profuse.env import card_name, describe, oversubscribed
 from profuse.errors import UsageError
 from profuse.files import atomic_path
 from profuse.report.units import fmt_bandwidth, fmt_time, speedup_terms
@@ -25,6 +26,11 @@ CSV_FIELDS = (
 )  # fmt: skip
 
 BASELINE_VERDICT = "baseline"
+# Every kind of file `profuse report` reads, for the error on any other.
+KNOWN_FILES = (
+    "results.json of profuse or profuse sweep, results.partial.json of a sweep stopped part-way, "
+    "profile.json or profile_ddp.json of Part A, or step.json of profuse step"
+)
 NOT_TIMED = "not timed"
 
 
@@ -53,6 +59,8 @@ class VariantRow:
     why_not_timed: str = ""
     host_s: float | None = None  # CUDA: CPU time to issue one call (median of interleaved rounds)
     host_bound: bool = False  # the host's time bounds the call (bench.timing.host_bound)
+    warmup_calls: int = 0  # untimed calls after the first (files before warm-up until steady: 0)
+    warmup_steady: bool = True  # False: its warm-up ran out of budget before its calls agreed
 
     @property
     def size(self) -> tuple[int, int]:
@@ -88,6 +96,7 @@ class SavedRun:
     flush_l2: bool = False
     elements: list[int] = field(default_factory=list)  # a grid's --elements (rows = elements // cols)
     timing: str = "device"  # how calls were timed: device, loop or graph (files before it: device)
+    warmup_budget_s: float = WARMUP_BUDGET_S
 
     @property
     def sizes(self) -> list[tuple[int, int]]:
@@ -147,13 +156,11 @@ def parse(data: dict, source: str = "results") -> SavedRun:
             )
         if kind == "step":
             raise UsageError(
-                f"{source} is Part C's step.json: `profuse report {source}` prints it again; diff, --vs "
-                "and --variants read the results.json of Part B or a sweep"
+                f"{source} is Part C's step.json: `profuse report {source}` prints it again and "
+                "`profuse diff` compares it with another step.json; --vs and --variants read the "
+                "results.json of Part B or a sweep"
             )
-        raise UsageError(
-            f"{source} is not a profuse results file (expected the results.json that profuse or "
-            "profuse sweep writes)"
-        )
+        raise UsageError(f"{source} is not a file profuse writes (expected {KNOWN_FILES})")
     try:
         return _parse(data)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
@@ -206,6 +213,8 @@ def _parse(data: dict) -> SavedRun:
                 host = res.get("host_s", timing.get("dispatch_s"))
                 row.host_s = None if host is None else float(host)
                 row.host_bound = bool(res.get("host_bound", False))
+                row.warmup_calls = int(timing.get("warmup_calls", 0))
+                row.warmup_steady = bool(timing.get("warmup_steady", True))
             elif chk.get("error"):
                 row.why_not_timed = f"FAILED to run: {chk['error']}"
             elif not chk["passed"]:
@@ -234,6 +243,7 @@ def _parse(data: dict) -> SavedRun:
         flush_l2=bool(comp0.get("flush_l2", False)),
         elements=[int(e) for e in cfg.get("elements") or []],  # files saved before --elements: none
         timing=str(comp0.get("timing", "device")),
+        warmup_budget_s=float(comp0.get("warmup_budget_s", WARMUP_BUDGET_S)),
     )
 
 
@@ -255,7 +265,7 @@ def select_variants(run: SavedRun, keys: list[str]) -> SavedRun:
 # --------------------------------------------------------------------------------------------
 
 
-def _render(header: list[str], body: list[list[str]], right: set[int], markdown: bool) -> str:
+def render_table(header: list[str], body: list[list[str]], right: set[int], markdown: bool) -> str:
     if markdown:
         esc = lambda c: c.replace("|", "\\|")
         lines = ["| " + " | ".join(header) + " |"]
@@ -308,34 +318,21 @@ def speedup_cell(row: VariantRow) -> str:
     return f"{ratio} ({ci})"
 
 
-# A trial more than UNSTEADY_RATIO x its variant's fastest was disturbed (another process, a
-# clock change): steady runs on the H200 keep every trial within ~10% of the fastest. Where more
-# than UNSTEADY_SHARE of one variant's trials were, its median is disturbed too.
-UNSTEADY_RATIO = 1.5
-UNSTEADY_SHARE = 0.2
-
-
-def unsteady_trials(row: VariantRow) -> int:
-    """How many of the row's trials took more than UNSTEADY_RATIO x its fastest."""
-    if not row.times_s:
-        return 0
-    fastest = min(row.times_s)
-    return sum(t > UNSTEADY_RATIO * fastest for t in row.times_s)
-
-
 def unsteady_notes(run: SavedRun) -> list[str]:
-    """One warning per size where some variant's timings were disturbed, with the command that
-    times that size again."""
+    """One warning per size where some variant's trials were unsteady (bench.stats: over
+    UNSTEADY_SHARE of them past UNSTEADY_RATIO x its fastest), with the command that times that
+    size again; and one per variant whose warm-up ran out of budget before it settled."""
     notes = []
     for size in run.sizes:
-        rows = [(r, unsteady_trials(r)) for r in run.variant_rows if r.size == size and r.times_s]
-        if any(n > UNSTEADY_SHARE * len(r.times_s) for r, n in rows):
-            counts = ", ".join(f"{r.label} {n}/{len(r.times_s)}" for r, n in rows)
-            notes.append(
-                f"WARNING {_size(*size)}: unsteady timings (trials over {UNSTEADY_RATIO}x their "
-                f"fastest: {counts}); its medians are not to be trusted. On a quiet machine, time it "
-                f"again: {again_command(run, size)}"
-            )
+        rows = [r for r in run.variant_rows if r.size == size and r.times_s]
+        counts = {r.label: steadiness(r.times_s) for r in rows}
+        if any(s.unsteady for s in counts.values()):
+            notes.append(unsteady_warning(counts, _size(*size), again_command(run, size)))
+        for r in rows:
+            if not r.warmup_steady:
+                notes.append(
+                    f"{_size(*size)}: " + warmup_warning(r.label, r.warmup_calls, run.warmup_budget_s)
+                )
     return notes
 
 
@@ -351,7 +348,20 @@ def again_command(run: SavedRun, size: tuple[int, int]) -> str:
     argv += ["--device", device]
     argv += ["--warm-cache"] if device == "cuda" and not run.flush_l2 else []
     argv += ["--timing", run.timing] if run.timing != "device" else []
+    argv += threads_flag(run.env)
     return shlex.join([*argv, "--out", "again"])
+
+
+def threads_flag(env: dict) -> list[str]:
+    """['--threads', 'N'] for a command that times a CPU run again: the run's own count, or fewer
+    where the CPU was oversubscribed (env.oversubscribed); [] on a GPU or for older files."""
+    if env.get("gpu") or "threads" not in env:
+        return []
+    threads = int(env["threads"])
+    if oversubscribed(env):
+        cores = int(env.get("cores_available") or env.get("cpu_count") or 1)
+        threads = max(1, min(threads - 1, cores - 1))
+    return ["--threads", str(threads)]
 
 
 def few_trials_note(trials: int) -> list[str]:
@@ -377,13 +387,30 @@ def interpreter_note(env: dict, timed: list[str]) -> list[str]:
     ]
 
 
+def warmup_line(calls: dict[str, int]) -> str:
+    """'warm-up until the last 5 calls agree within 1.5x: eager 5 calls, torch.compile 9 calls'."""
+    counts = ", ".join(f"{label} {n} call{'s' if n != 1 else ''}" for label, n in calls.items())
+    return f"warm-up, untimed, until the last {STEADY_CALLS} calls agree within {STEADY_RATIO}x: {counts}"
+
+
+def threads_note(env: dict) -> list[str]:
+    """The note on a CPU run whose threads outnumbered the free cores (env.oversubscribed)."""
+    note = oversubscribed(env)
+    return [note] if note else []
+
+
 def timing_warnings(run: SavedRun) -> list[str]:
-    """What makes this run's numbers less than they look: too few trials, disturbed sizes,
-    Triton kernels timed through the interpreter."""
+    """What makes this run's numbers less than they look: too few trials, disturbed sizes, warm-ups
+    out of budget, an oversubscribed CPU, Triton kernels timed through the interpreter."""
     timed = list(
         dict.fromkeys(r.variant for r in run.variant_rows if r.variant in INTERPRETED_VARIANTS and r.median_s)
     )
-    return few_trials_note(run.trials) + unsteady_notes(run) + interpreter_note(run.env, timed)
+    return (
+        few_trials_note(run.trials)
+        + unsteady_notes(run)
+        + threads_note(run.env)
+        + interpreter_note(run.env, timed)
+    )
 
 
 def _notes(run: SavedRun) -> list[str]:
@@ -404,6 +431,9 @@ def _notes(run: SavedRun) -> list[str]:
         notes.append(f"timer: {run.timer}{', L2 flushed before each call' if run.flush_l2 else ''}")
     if any(r.host_s is not None for r in run.variant_rows):
         notes.append(host_note(run.timing, run.trials))
+    warmed = {r.label: r.warmup_calls for r in run.variant_rows if r.warmup_calls}
+    if warmed and run.kind == "tail":  # a sweep has a count per size: the JSON keeps them
+        notes.append(warmup_line(warmed))
     for label, why in run.skipped_variants.items():
         notes.append(f"{label}: skipped ({why})")
     for rows, cols, why in run.skipped_sizes:
@@ -451,7 +481,7 @@ def format_run(run: SavedRun, markdown: bool = False) -> str:
             cells.append(f"{r.fraction_of_copy:.0%}" if r.fraction_of_copy is not None else "-")
         body.append(cells)
     right = {2, 3, 5, 6} if host else {2, 4, 5}
-    table = _render(header, body, right=right, markdown=markdown) if body else "nothing was measured"
+    table = render_table(header, body, right=right, markdown=markdown) if body else "nothing was measured"
     notes = _notes(run)
     if markdown:
         return "\n".join([f"**{title}**", "", table, "", *[f"- {note}" for note in notes]])
@@ -593,7 +623,7 @@ def format_diff(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
         cells.append(f"{_short_speedup(x)} -> {_short_speedup(y)}")
         body.append(cells)
     lines.append(
-        _render(header, body, right={2, 3}, markdown=False) if body else "no size and variant in common"
+        render_table(header, body, right={2, 3}, markdown=False) if body else "no size and variant in common"
     )
     for side, items in only.items():
         if items:
