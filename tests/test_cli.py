@@ -155,7 +155,7 @@ def test_an_oversubscribed_cpu_is_named_with_a_thread_count(env, noted, flag):
 
 
 def test_the_cpu_job_says_the_triton_variant_was_left_out_and_how_to_add_it(tmp_path, capsys, monkeypatch):
-    from profuse.bench import tail as bench_tail
+    from profuse.bench import tail_bench as bench_tail
     from profuse.kernels import HAS_TRITON
 
     monkeypatch.setattr(bench_tail, "CPU_DEFAULT_VARIANTS", ("eager",))  # no torch.compile: quick

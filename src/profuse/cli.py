@@ -440,7 +440,7 @@ def run_part_a(args, device) -> None:
 def triton_note(args, device) -> str:
     """Why the CPU's default Part B has no Triton variant, and how to check it here ('' where the
     user chose the variants, or where it runs by default)."""
-    from profuse.bench.tail import default_variants
+    from profuse.bench.tail_bench import default_variants
     from profuse.kernels import HAS_TRITON, TRITON_MISSING
 
     if args.variants is not None or "triton" in default_variants(device):
