@@ -17,6 +17,8 @@ The targets it checks (a fused op must be fast where it is called):
 - forward without gradients: host time at most 1.5x the bare launch; with gradients, at most
   1.5x the minimal Function;
 - forward + backward: host time at most 1.25x eager F.rms_norm's and at most 0.75x torch.compile's;
+- the block ops forward + backward: silu_mul's host time no higher than F.silu(g) * u's,
+  add_rms_norm's no higher than x + r then F.rms_norm's;
 - at the large size, in loop timing and in do_bench: the forward within 10% of its graph-replay
   device time; forward + backward within 10% of max(device, host), and faster than
   torch.compile and eager F.rms_norm there.
@@ -34,6 +36,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
+from profuse import blockops
 from profuse import tail as T
 from profuse.bench.tail_bench import (
     HAS_LIGER,
@@ -115,6 +118,34 @@ def empty_function():
     return Empty.apply
 
 
+def block_op_groups(rows: int, cols: int, dtype: torch.dtype, dev: torch.device, gen) -> dict:
+    """The block ops forward + backward, profuse's fused op beside its eager counterpart:
+    silu_mul against F.silu(g) * u, add_rms_norm against x + r then F.rms_norm (gradients of
+    both outputs, as a model's residual stream uses both)."""
+    g, u, x, dy = (torch.randn(rows, cols, device=dev, dtype=dtype, generator=gen) for _ in range(4))
+    r, dh = (torch.randn(rows, cols, device=dev, generator=gen) for _ in range(2))  # fp32 stream
+    w = 1 + 0.1 * torch.randn(cols, device=dev, generator=gen)
+    gu = [t.clone().requires_grad_() for t in (g, u)]
+    xrw = [t.clone().requires_grad_() for t in (x, r, w)]
+
+    def fb_silu(fn):
+        return lambda: torch.autograd.grad(fn(*gu), gu, dy)
+
+    def fb_norm(fn):
+        return lambda: torch.autograd.grad(fn(*xrw, EPS), xrw, (dy, dh))
+
+    return {
+        "silu_mul, forward + backward": {
+            "eager F.silu(g) * u": fb_silu(blockops.silu_mul_eager),
+            "profuse silu_mul": fb_silu(blockops.silu_mul),
+        },
+        "add_rms_norm, forward + backward": {
+            "eager x + r, F.rms_norm": fb_norm(blockops.add_rms_norm_eager),
+            "profuse add_rms_norm": fb_norm(blockops.add_rms_norm),
+        },
+    }
+
+
 def host_table(rows: int, cols: int, rounds: int, per_round: int, dev: torch.device) -> dict:
     """Median host seconds per call of each variant, forward (no grad), forward (grad) and
     forward + backward, over interleaved rounds."""
@@ -167,6 +198,7 @@ def host_table(rows: int, cols: int, rounds: int, per_round: int, dev: torch.dev
             "Function launching nothing": lambda: torch.autograd.grad(empty(*leaves), leaves[:3], dy),
         },
     }
+    groups.update(block_op_groups(rows, cols, dtype, dev, gen))
     if HAS_LIGER:
         groups["forward, no grad"]["liger-kernel"] = lambda: tail_liger(g, u, r, w, EPS)
         groups["forward, with grad"]["liger-kernel"] = lambda: tail_liger(*leaves, EPS)
@@ -240,6 +272,10 @@ def targets(host: dict, modes: dict) -> list[tuple[str, float, float, bool]]:
     )
     out.append(("fwd+bwd host / eager F.rms_norm", ours(fb) / fb["eager F.rms_norm"]["median_s"], 1.25))
     out.append(("fwd+bwd host / torch.compile", ours(fb) / fb["torch.compile"]["median_s"], 0.75))
+    silu, norm = host["silu_mul, forward + backward"], host["add_rms_norm, forward + backward"]
+    for grp, eager, fused in ((silu, "eager F.silu(g) * u", "profuse silu_mul"),
+                              (norm, "eager x + r, F.rms_norm", "profuse add_rms_norm")):  # fmt: skip
+        out.append((f"fwd+bwd host: {fused} / {eager}", grp[fused]["median_s"] / grp[eager]["median_s"], 1.0))
     f, b = modes["forward"], modes["forward + backward"]
     graph_f = f["modes"]["graph"]["triton"]["median_s"]
     out.append(("forward loop / graph", f["modes"]["loop"]["triton"]["median_s"] / graph_f, 1.10))
