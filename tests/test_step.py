@@ -221,7 +221,8 @@ def test_cli_maps_preset_and_model_flags(capsys):
     args = build_step_parser().parse_args(["--preset", "small", "--layers", "3", "--batch-size", "2",
                                            "--variants", "compile,eager", "--trials", "5"])  # fmt: skip
     cfg = _step_config(args, CPU, args.preset)
-    assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.batch_size, cfg.model.seq_len) == (
+    m = cfg.model.config  # StepConfig.model is a ModelSpec: the built-in GPT's holds its GPTConfig
+    assert (m.n_layer, m.d_model, m.batch_size, m.seq_len) == (
         3,
         1024,
         2,
