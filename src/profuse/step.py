@@ -284,7 +284,7 @@ def plan(cfg: StepConfig, ops: fusion.BlockOps | None) -> tuple[list[str], dict[
         elif name in LIGER_VARIANTS:
             why = L.unavailable(dev, spec.family)
         elif name in GRAPH_VARIANTS and dev.type != "cuda":
-            why = "needs CUDA (CUDA graphs)"
+            why = "needs CUDA: CUDA graphs are a GPU feature"
         if why:
             skipped[name] = why
         else:

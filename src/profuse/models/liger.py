@@ -55,9 +55,9 @@ def unavailable(device: torch.device, family: str) -> str:
     if family == "gpt":
         return "Liger-Kernel patches Hugging Face models, not the built-in GPT: use --model hf:ARCH"
     if torch.device(device).type != "cuda":
-        return f"{LIGER_NEEDS} (this run is on the CPU)"
+        return f"{LIGER_NEEDS}; this run is on the CPU"
     if not HAS_LIGER:
-        return f"{LIGER_NEEDS} ({LIGER_MISSING})"
+        return f"{LIGER_NEEDS}; {LIGER_MISSING}"
     if not hasattr(liger_transformers, f"apply_liger_kernel_to_{family}"):
         return f"{LIGER_NEEDS}: this liger-kernel has no apply_liger_kernel_to_{family}"
     return ""
