@@ -266,7 +266,11 @@ def _read_config_file(path: Path):
     if family not in ARCHS:
         supported = ", ".join(ARCHS)
         raise UsageError(f"--hf-config {path}: model type {family!r} is not one of {supported}")
-    return transformers.AutoConfig.for_model(family, **data)
+    try:
+        return transformers.AutoConfig.for_model(family, **data)
+    except Exception as err:  # transformers validates the fields (huggingface_hub strict dataclasses)
+        reason = str(err).strip().splitlines()[-1].strip() if str(err).strip() else type(err).__name__
+        raise UsageError(f"--hf-config {path}: transformers rejects it: {reason}") from None
 
 
 def hf_spec(
@@ -301,4 +305,9 @@ def hf_spec(
         else:
             choices = ", ".join(preset_names())
             raise UsageError(f"unknown preset {name!r} for hf:{arch}: choose from {choices}")
-    return HFSpec(config, name, batch_size or batch[0], seq_len or batch[1])
+    return HFSpec(
+        config,
+        name,
+        batch[0] if batch_size is None else batch_size,
+        batch[1] if seq_len is None else seq_len,
+    )
