@@ -565,7 +565,7 @@ def _first_steps(cfg, variants, optimizer, batch, failed, tell) -> dict[str, Fir
             if v.name == BASELINE:
                 kept["own"] = (value, grads)
             elif eager is not None and BASELINE in first_steps:
-                key = "own" if v.ref_loss is cfg.spec.loss else v.name
+                key = "own" if v.ref_loss == cfg.spec.loss else v.name
                 if key not in kept:  # eager's step with this variant's loss
                     _, e_value, e_grads = _forward_backward(eager, eager.net, v.ref_loss, params, batch, dev)
                     kept[key] = (e_value, e_grads)
