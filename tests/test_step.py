@@ -712,3 +712,21 @@ def test_old_step_files_still_read(eager_vs_fused):
         "=== Part C: the whole training step, eager vs fused vs torch.compile"
     )
     assert any(line.startswith("VERDICT: ") for line in text.splitlines())
+
+
+def test_a_variant_that_replaces_the_parameters_is_refused(monkeypatch):
+    """The variants share one set of Parameter objects; one whose preparation makes new ones
+    (the same values) cannot be timed against the others from the same weights: failed, in a line."""
+    from profuse.models.gpt import GPTSpec
+
+    def fuse_with_new_parameters(self, model, ops=None, *, label=False):
+        fusion.apply_block_ops(model, ops)
+        mlp = next(m for m in model.modules() if isinstance(m, SwiGLU))
+        mlp.w_down.weight = nn.Parameter(mlp.w_down.weight.detach().clone())
+        return model
+
+    monkeypatch.setattr(GPTSpec, "fuse", fuse_with_new_parameters)
+    cfg = S.StepConfig(model=TINY, variants=("eager", "fused"), trials=2, profile_steps=0)
+    res = S.run_step(cfg, ops=fusion.EAGER)
+    assert "replaced the model's parameters" in res.failed["fused"]
+    assert list(res.comparison.timings) == ["eager"]

@@ -490,9 +490,17 @@ def _build_variants(
     for name in names:
         model = base if name == BASELINE else copy.deepcopy(base, memo=dict(shared))
         try:
-            out.append(_prepare(cfg.spec, name, model, ops))
+            v = _prepare(cfg.spec, name, model, ops)
         except Exception as err:  # e.g. a model fusion cannot fuse: a failed row, not a crash
             failed[name] = _first_line(err)
+            continue
+        if {id(p) for p in v.model.parameters()} != shared.keys():
+            failed[name] = (
+                "preparing it replaced the model's parameters, so it cannot share the run's weights and "
+                "AdamW state, nor be compared from the same initial weights"
+            )
+            continue
+        out.append(v)
     return out, torch.optim.AdamW(base.parameters(), lr=cfg.lr)
 
 

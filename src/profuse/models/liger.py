@@ -26,6 +26,7 @@ liger-kernel is optional and runs on CUDA only (Triton GPU kernels).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -33,13 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-try:
-    import liger_kernel.transformers as liger_transformers
-
-    HAS_LIGER = True
-except Exception:  # ImportError, or a build that fails to load without a GPU
-    liger_transformers = None
-    HAS_LIGER = False
+# Found without importing it: liger-kernel loads Triton and transformers, which a run that never
+# asks for Liger should not pay for. Imported on first use (`_liger`).
+HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
+liger_transformers = None
 
 LIGER_NEEDS = "needs CUDA and liger-kernel"
 LIGER_MISSING = "liger-kernel is not installed: pip install liger-kernel"
@@ -58,9 +56,25 @@ def unavailable(device: torch.device, family: str) -> str:
         return f"{LIGER_NEEDS}; this run is on the CPU"
     if not HAS_LIGER:
         return f"{LIGER_NEEDS}; {LIGER_MISSING}"
-    if not hasattr(liger_transformers, f"apply_liger_kernel_to_{family}"):
+    try:
+        module = _liger()
+    except Exception as err:  # a build that fails to load here
+        return f"{LIGER_NEEDS}: liger_kernel.transformers does not load ({type(err).__name__}: {err})".split(
+            "\n"
+        )[0]
+    if not hasattr(module, f"apply_liger_kernel_to_{family}"):
         return f"{LIGER_NEEDS}: this liger-kernel has no apply_liger_kernel_to_{family}"
     return ""
+
+
+def _liger():
+    """liger_kernel.transformers, imported the first time it is needed."""
+    global liger_transformers
+    if liger_transformers is None:
+        import liger_kernel.transformers
+
+        liger_transformers = liger_kernel.transformers
+    return liger_transformers
 
 
 @dataclass
@@ -93,7 +107,7 @@ def modeling_module(family: str) -> ModuleType:
 def patch(model: nn.Module, family: str, *, ops_only: bool = False) -> ModuleGlobals:
     """Apply Liger to the built `model` (in place) as its users do; the family's modeling module
     is left as it was, and the returned context sets Liger's globals for `model`'s step."""
-    apply = getattr(liger_transformers, f"apply_liger_kernel_to_{family}")
+    apply = getattr(_liger(), f"apply_liger_kernel_to_{family}")
     module = modeling_module(family)
     before = dict(vars(module))
     try:

@@ -272,6 +272,11 @@ def format_step(data: dict) -> str:
         notes.append(f"per step and memory-bound share: from a short profile of each variant ({basis})")
     triton_ops = "Triton" in data["block_ops"]  # not the eager stand-ins (fusion.EAGER)
     fused_timed = [n for n in ("fused", "compile+fused") if triton_ops and n in data["results"]]
+    if kind == "cuda" and "cudagraphs" in data["results"]:
+        notes.append(
+            "cudagraphs' peak memory leaves out its CUDA graphs' memory pool, held between steps "
+            "(about one step's activations)"
+        )
     if "liger" in data["results"]:
         notes.append(LIGER_LOSS_NOTE)
     lines += notes + few_trials_note(cmp["trials"]) + interpreter_note(data["env"], fused_timed)
