@@ -730,3 +730,17 @@ def test_a_variant_that_replaces_the_parameters_is_refused(monkeypatch):
     res = S.run_step(cfg, ops=fusion.EAGER)
     assert "replaced the model's parameters" in res.failed["fused"]
     assert list(res.comparison.timings) == ["eager"]
+
+
+def test_a_model_fusion_cannot_label_is_profiled_unlabelled(monkeypatch):
+    from profuse.models.gpt import GPTSpec
+
+    def refuse(self, model):
+        raise ValueError("no block ops this fusion knows\nsecond line")
+
+    monkeypatch.setattr(GPTSpec, "label", refuse)
+    cfg = S.StepConfig(model=TINY, variants=("eager",), trials=2, profile_steps=1)
+    res = S.run_step(cfg)
+    assert res.profiles["eager"].block_op_pct == {} and res.amdahl is None
+    assert res.amdahl_note.endswith("(ValueError: no block ops this fusion knows)")
+    assert res.amdahl_note in format_step(res.to_dict()).splitlines()

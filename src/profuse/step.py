@@ -675,6 +675,7 @@ class VariantProfile:
     launch_bound: bool
     block_op_pct: dict[str, float]  # op -> % of the basis in it, forward and backward (eager only)
     trace_path: str
+    label_error: str = ""  # eager: why the ops fusion replaces could not be labelled
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -693,9 +694,14 @@ def profile_variant(
     spec, dev = cfg.spec, cfg.device
     model = spec.build(dev, cfg.seed)
     regions: tuple[str, ...] = ()
-    if name == BASELINE and not hf_fuse_unavailable(spec):
-        spec.label(model)  # the ranges that say where the ops fusion replaces run
-        regions = tuple(fusion.BLOCK_OP_RANGES[op] for op in OPS)
+    label_error = hf_fuse_unavailable(spec) if name == BASELINE else ""
+    if name == BASELINE and not label_error:
+        try:
+            spec.label(model)  # the ranges that say where the ops fusion replaces run
+            regions = tuple(fusion.BLOCK_OP_RANGES[op] for op in OPS)
+        except ValueError as err:  # a model fusion cannot fuse: profiled unlabelled, no Amdahl
+            label_error = _first_line(err)
+            model = spec.build(dev, cfg.seed)
     v = _prepare(spec, name, model, ops)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     step = _train_step(v, optimizer, spec.batch(dev, cfg.seed), dev, ranges=True)
@@ -723,6 +729,7 @@ def profile_variant(
         launch_bound=s.launch_bound,
         block_op_pct=block_ops,
         trace_path=result.trace_path,
+        label_error=label_error,
     )
 
 
@@ -939,7 +946,7 @@ def _amdahl_stage(
     if eager_profile is None or comparison is None:
         return {}, None, ""
     if not eager_profile.block_op_pct:
-        why = hf_fuse_unavailable(cfg.spec) or "the eager profile has no labelled block ops"
+        why = eager_profile.label_error or "the eager profile has no labelled block ops"
         return {}, None, f"no Amdahl prediction: the ops fusion replaces could not be labelled ({why})"
     ops_timed: dict[str, OpTiming] = {}
     if any(n in timed for n in FUSED_VARIANTS):
