@@ -222,7 +222,8 @@ def test_cli_maps_preset_and_model_flags(capsys):
     args = build_step_parser().parse_args(["--preset", "small", "--layers", "3", "--batch-size", "2",
                                            "--variants", "compile,eager", "--trials", "5"])  # fmt: skip
     cfg = _step_config(args, CPU, args.preset)
-    assert (cfg.model.n_layer, cfg.model.d_model, cfg.model.batch_size, cfg.model.seq_len) == (
+    m = cfg.model.config  # StepConfig.model is a ModelSpec: the built-in GPT's holds its GPTConfig
+    assert (m.n_layer, m.d_model, m.batch_size, m.seq_len) == (
         3,
         1024,
         2,
@@ -571,3 +572,283 @@ def test_diff_compares_two_step_files_variant_by_variant(eager_vs_fused, tmp_pat
     code, out, err = run(["diff", str(pa), str(pb)], capsys)
     assert "note: A and B differ in model" in out
     assert any(line.startswith("B: WARNING step: unsteady timings") for line in out.splitlines())
+
+
+# --------------------------------------------------------------------------------------------
+# Any model spec: Hugging Face models, Liger-Kernel, CUDA graphs, one shared set of parameters
+# --------------------------------------------------------------------------------------------
+
+HF_TINY = ["--device", "cpu", "--model", "hf:llama", "--preset", "tiny", "--trials", "3"]
+
+
+def hf_tiny(**kw):
+    pytest.importorskip("transformers", reason="transformers is not installed: pip install 'profuse[hf]'")
+    from profuse.models import model_spec
+
+    return model_spec("hf:llama", "tiny", **kw)
+
+
+def needs_hf_fuse():
+    if not hasattr(fusion, "fuse"):
+        pytest.skip("profuse.fusion.fuse (fusing Hugging Face models) is not in this build")
+
+
+def test_variants_share_one_set_of_parameters():
+    cfg = S.StepConfig(model=hf_tiny(), variants=("eager", "compile"), trials=2)
+    failed: dict = {}
+    variants, optimizer = S._build_variants(cfg, ["eager", "compile"], fusion.EAGER, failed)
+    eager, compiled = variants
+    assert not failed and eager.net is eager.model and compiled.net is not compiled.model
+    assert compiled.model is not eager.model  # its own modules ...
+    for (n, p), (m, q) in zip(eager.model.named_parameters(), compiled.model.named_parameters()):
+        assert n == m and p is q  # ... over the very same Parameter objects
+    assert [p for g in optimizer.param_groups for p in g["params"]] == list(eager.model.parameters())
+
+
+def test_default_variants_by_model():
+    assert S.StepConfig(model=TINY).variants == S.VARIANTS
+    hf = S.StepConfig(model=hf_tiny())
+    assert hf.variants == S.ALL_VARIANTS and hf.preset == "tiny"
+    runs, skipped = S.plan(hf, None)
+    assert runs[0] == "eager" and "compile" in runs
+    assert skipped["liger"].startswith("needs CUDA and liger-kernel")
+    assert skipped["liger-ops"].startswith("needs CUDA and liger-kernel")
+    assert skipped["cudagraphs"].startswith("needs CUDA")
+    gpt = S.StepConfig(model=TINY, variants=("liger",))
+    assert S.plan(gpt, None)[1]["liger"].startswith("Liger-Kernel patches Hugging Face models")
+
+
+def test_memory_estimate_counts_the_shared_state_once():
+    from profuse.models import model_spec
+
+    spec = model_spec("hf:llama", "Llama-3.2-1B")
+    cuda = torch.device("cuda")  # only the dtype is read: bf16 under autocast
+    cfg = S.StepConfig(model=spec, device=cuda)
+    p, act = spec.param_count(), spec.activation_bytes(torch.bfloat16)
+    two = S.estimated_bytes(cfg, ["eager", "compile"])
+    assert two == S.estimated_bytes(cfg, ["eager", "fused", "compile", "compile+fused"]) == 22 * p + act
+    assert S.estimated_bytes(cfg, ["eager", "liger"]) == two + 4 * p  # eager's gradients of Liger's loss
+    assert S.estimated_bytes(cfg, ["eager", "cudagraphs"]) == two + act  # the graphs' memory pool
+    every = S.estimated_bytes(cfg, list(S.ALL_VARIANTS))
+    assert every < 0.9 * 139e9 < len(S.ALL_VARIANTS) * 16 * p + act  # fits an H200 shared, not copied
+
+
+def test_a_step_that_will_not_fit_is_refused_in_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr("profuse.env.free_memory_bytes", lambda device: 8e9)
+    argv = [
+        "step",
+        "--device",
+        "cpu",
+        "--model",
+        "hf:llama",
+        "--preset",
+        "Llama-3.2-1B",
+        "--out",
+        str(tmp_path),
+    ]
+    code, out, err = run(argv, capsys)
+    assert_one_clear_line(code, err)
+    assert "1236M parameters" in err and "needs about" in err and "shared" in err
+    assert out == "" and not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--layers", "3"], "--layers: sizes of the built-in GPT"),
+        (["--preset", "lab"], "unknown preset 'lab' for hf:llama"),
+        (["--model", "hf:bert"], "unknown Hugging Face architecture"),
+        (["--hf-config", "nowhere.json", "--preset", "tiny"], "give one"),
+        (["--seq-len", "5000"], "longer than the model's"),
+    ],
+)
+def test_bad_hf_step_input_exits_2_with_one_line(flags, words, tmp_path, capsys):
+    hf_tiny()
+    argv = ["step", *HF_TINY, "--out", str(tmp_path)]
+    argv = [a for a in argv if a not in ("--preset", "tiny")] if "--preset" in flags else argv
+    code, out, err = run([*argv, *flags], capsys)
+    assert_one_clear_line(code, err)
+    assert words in err and out == ""
+
+
+def test_hf_step_command(tmp_path, capsys, monkeypatch):
+    """eager and compile of a tiny Llama through the command line; Liger and CUDA graphs skipped
+    here with their reasons."""
+    hf_tiny()
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    argv = ["step", *HF_TINY, "--variants", "eager,compile,liger,liger-ops,cudagraphs",
+            "--profile-steps", "1", "--out", str(tmp_path)]  # fmt: skip
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    lines = [line.strip() for line in out.splitlines()]
+    assert lines[0] == (
+        "=== Part C: the whole training step of hf:llama tiny, eager vs fused vs Liger-Kernel vs "
+        "torch.compile (cpu) ==="
+    )
+    assert lines[1].startswith(
+        "model: hf:llama tiny (transformers' own class, random weights): 2 layers, d_model 96"
+    )
+    assert "liger: skipped (needs CUDA and liger-kernel; this run is on the CPU)" in lines
+    assert "liger-ops: skipped (needs CUDA and liger-kernel; this run is on the CPU)" in lines
+    assert any(line.startswith("cudagraphs: skipped (needs CUDA") for line in lines)
+    [verdict] = [line for line in lines if line.startswith("VERDICT: ")]
+    # Which variant wins is the clock's to say; what bounds a CPU step is not.
+    assert "the eager step is host-bound (on a CPU the whole step is host time)" in verdict
+    data = json.loads((tmp_path / "step.json").read_text())
+    assert data["config"]["model_arg"] == "hf:llama" and data["config"]["spec"]["model"] == "hf:llama"
+    assert list(data["results"]) == ["eager", "compile"] and set(data["profiles"]) == {"eager", "compile"}
+    assert data["first_steps"]["compile"]["grad_rel_diff"] < 1e-4  # the same step, compiled (fp32)
+    assert data["tokens_per_step"] == 128 and data["n_params"] == hf_tiny().param_count()
+    if not hasattr(fusion, "fuse"):
+        assert data["amdahl"] is None and "could not be labelled" in data["amdahl_note"]
+    code, again, _ = run(["report", str(tmp_path / "step.json")], capsys)
+    assert code == 0 and again.rstrip("\n") == out.rstrip("\n").rsplit("\n", 1)[0]  # all but 'results:'
+
+
+def test_hf_fused_step_with_eager_ops():
+    """The plumbing of a fused Hugging Face model: fusion.fuse's structure with plain-torch ops."""
+    needs_hf_fuse()
+    cfg = S.StepConfig(model=hf_tiny(), variants=("eager", "fused"), trials=2, profile_steps=1)
+    res = S.run_step(cfg, ops=fusion.EAGER)
+    assert res.check.passed and not res.failed, (res.check, res.failed)
+    assert res.first_steps["fused"].grad_rel_diff < BACKWARD_TOL[torch.float32]
+    assert set(res.profiles["eager"].block_op_pct) == {"silu_mul", "add_rms_norm"}
+    assert res.amdahl is not None and res.amdahl.predict() is not None
+
+
+def test_hf_fused_step_through_the_interpreter(monkeypatch):
+    """profuse's Triton kernels in a Hugging Face model: checked against float64, then timed."""
+    needs_hf_fuse()
+    pytest.importorskip("profuse.kernels.swiglu")
+    pytest.importorskip("profuse.kernels.add_rms_norm")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = S.StepConfig(model=hf_tiny(batch_size=2, seq_len=16), device=device, variants=("eager", "fused"),
+                       trials=2, profile_steps=0)  # fmt: skip
+    res = S.run_step(cfg)
+    assert res.check.error == "" and res.check.passed, res.check
+    assert "fused" in res.comparison.timings and not res.failed
+    assert res.first_steps["fused"].grad_rel_diff < BACKWARD_TOL[cfg.dtype]
+
+
+def test_liger_variants_with_a_stand_in_liger(monkeypatch):
+    """liger-kernel runs on CUDA only; a stand-in with its entry point (the same math, and a
+    patched module global as Liger's RoPE is) runs the variants' plumbing here: the same-math
+    checks, liger's first step against eager computing Liger's (shifted) loss, the timed steps
+    and profiles, and the modeling module left as it was."""
+    from test_models import fake_liger
+
+    from profuse.models import liger as L
+
+    calls: list = []
+    fake, rope = fake_liger(calls)
+    monkeypatch.setattr(L, "liger_transformers", fake)
+    monkeypatch.setattr(L, "unavailable", lambda device, family: "")
+    cfg = S.StepConfig(
+        model=hf_tiny(seq_len=24), variants=("eager", "liger-ops", "liger"), trials=2, profile_steps=1
+    )
+    res = S.run_step(cfg)
+    assert not res.failed and not res.skipped, res.failed
+    assert set(res.checks) == {"liger-ops", "liger"} and all(c.passed for c in res.checks.values())
+    assert list(res.comparison.timings) == ["eager", "liger-ops", "liger"]
+    assert res.first_steps["liger-ops"].grad_rel_diff == 0.0  # the stand-in's math is the model's
+    assert (
+        res.first_steps["liger"].grad_rel_diff < BACKWARD_TOL[torch.float32]
+    )  # against eager's shifted loss
+    assert (
+        res.first_steps["liger"].loss != res.first_steps["eager"].loss
+    )  # a different loss: B x (T - 1) tokens
+    assert calls and L.modeling_module("llama").apply_rotary_pos_emb is rope
+    text = format_step(res.to_dict())
+    assert (
+        "same math (liger (Liger-Kernel's default patch" in text and "liger's loss is the model's own" in text
+    )
+
+
+def _verdict_data(eager_vs_fused, speedup, *, cuda=False, idle=None, host_s=None, kernel_s=None):
+    data = copy.deepcopy(eager_vs_fused[0].to_dict())
+    data["results"]["fused"]["speedup"] = speedup
+    if cuda:
+        data["config"]["device"] = "cuda:0"
+        for p in data["profiles"].values():
+            p.update(
+                basis="GPU kernel time", gpu_idle_pct=idle, launch_bound=idle > 50, launch_unit="kernels"
+            )
+        data["profiles"]["eager"]["time_per_step_us"] = kernel_s * 1e6
+        data["results"]["eager"]["host_s"] = host_s
+    return data
+
+
+@pytest.mark.parametrize(
+    "speedup, kw, words",
+    [
+        ({"median": 1.3, "low": 1.2, "high": 1.4, "verdict": "faster"}, {},
+         "VERDICT: fused wins this step, 1.30x (1.20-1.40) faster than eager; the eager step is host-bound"),
+        ({"median": 1.01, "low": 0.97, "high": 1.05, "verdict": "no measurable gain"}, {},
+         "VERDICT: no measurable difference: the CIs of fused against eager straddle 1"),
+        ({"median": 0.8, "low": 0.75, "high": 0.85, "verdict": "slower"}, {},
+         "VERDICT: eager wins this step: every other variant is measurably slower (fused)"),
+        ({"median": 1.3, "low": 1.2, "high": 1.4, "verdict": "faster"},
+         {"cuda": True, "idle": 85.0, "host_s": 0.02, "kernel_s": 0.004},
+         "the eager step is launch-bound (the GPU idles 85% of it, waiting for launches); it issues less"),
+        ({"median": 1.3, "low": 1.2, "high": 1.4, "verdict": "faster"},
+         {"cuda": True, "idle": 5.0, "host_s": 0.01, "kernel_s": 0.05},
+         "device-bound (the CPU issues it in 10.000 ms, its kernels take 50.000 ms); its kernels"),
+        ({"median": 1.3, "low": 1.2, "high": 1.4, "verdict": "faster"},
+         {"cuda": True, "idle": 30.0, "host_s": 0.05, "kernel_s": 0.01},
+         "the eager step is host-bound (the CPU issues it in 50.000 ms, its kernels take 10.000 ms)"),
+    ],
+)  # fmt: skip
+def test_verdict(eager_vs_fused, speedup, kw, words):
+    from profuse.report.step import verdict_line
+
+    data = _verdict_data(eager_vs_fused, speedup, **kw)
+    line = verdict_line(data)
+    assert words in line and "\n" not in line
+    assert [x for x in format_step(data).splitlines() if x.startswith("VERDICT: ")] == [line]
+
+
+def test_old_step_files_still_read(eager_vs_fused):
+    """A step.json written before --model: no model_arg, spec, checks or amdahl_note."""
+    data = eager_vs_fused[0].to_dict()
+    for key in ("model_arg", "spec"):
+        del data["config"][key]
+    del data["checks"], data["amdahl_note"]
+    text = format_step(data)
+    assert text.splitlines()[0].startswith(
+        "=== Part C: the whole training step, eager vs fused vs torch.compile"
+    )
+    assert any(line.startswith("VERDICT: ") for line in text.splitlines())
+
+
+def test_a_variant_that_replaces_the_parameters_is_refused(monkeypatch):
+    """The variants share one set of Parameter objects; one whose preparation makes new ones
+    (the same values) cannot be timed against the others from the same weights: failed, in a line."""
+    from profuse.models.gpt import GPTSpec
+
+    def fuse_with_new_parameters(self, model, ops=None, *, label=False):
+        fusion.apply_block_ops(model, ops)
+        mlp = next(m for m in model.modules() if isinstance(m, SwiGLU))
+        mlp.w_down.weight = nn.Parameter(mlp.w_down.weight.detach().clone())
+        return model
+
+    monkeypatch.setattr(GPTSpec, "fuse", fuse_with_new_parameters)
+    cfg = S.StepConfig(model=TINY, variants=("eager", "fused"), trials=2, profile_steps=0)
+    res = S.run_step(cfg, ops=fusion.EAGER)
+    assert "replaced the model's parameters" in res.failed["fused"]
+    assert list(res.comparison.timings) == ["eager"]
+
+
+def test_a_model_fusion_cannot_label_is_profiled_unlabelled(monkeypatch):
+    from profuse.models.gpt import GPTSpec
+
+    def refuse(self, model):
+        raise ValueError("no block ops this fusion knows\nsecond line")
+
+    monkeypatch.setattr(GPTSpec, "label", refuse)
+    cfg = S.StepConfig(model=TINY, variants=("eager",), trials=2, profile_steps=1)
+    res = S.run_step(cfg)
+    assert res.profiles["eager"].block_op_pct == {} and res.amdahl is None
+    assert res.amdahl_note.endswith("(ValueError: no block ops this fusion knows)")
+    assert res.amdahl_note in format_step(res.to_dict()).splitlines()

@@ -36,10 +36,12 @@ def compile_fn(fn: Callable, mode: str = "default", fullgraph: bool = True) -> C
     return torch.compile(fn, mode=MODES[mode], dynamic=DYNAMIC, fullgraph=fullgraph)
 
 
-def compile_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The whole training model (Part A's --compile-step): default mode, graph breaks allowed."""
+def compile_model(model: torch.nn.Module, *, cudagraphs: bool = False) -> torch.nn.Module:
+    """The whole training model (Part A's --compile-step): default mode, graph breaks allowed.
+    `cudagraphs`: mode "reduce-overhead", the compiled forward and backward replayed as CUDA
+    graphs (Part C's variant for launch-bound steps: a replay costs one launch, not hundreds)."""
     _configure()
-    return torch.compile(model)
+    return torch.compile(model, mode="reduce-overhead" if cudagraphs else None)
 
 
 def reset() -> None:

@@ -1,33 +1,43 @@
 """Part C: how much faster does fusing make the training step, really?
 
-Whole training steps (forward, loss, backward, AdamW step and zero_grad) of the GPT in four
-variants, each with its own copy of the same initial parameters and its own optimizer, all on
-the same batch:
+Whole training steps (forward, loss, backward, AdamW step and zero_grad) of one model
+(profuse.models: the built-in GPT, or a Hugging Face Llama-family model) in several variants, all
+on the same batch, all from the same initial parameters:
 
     eager            the model as written, one op at a time
-    fused            its block ops swapped for the fused Triton ones (profuse.fusion)
+    fused            its block ops swapped for the fused Triton ones (ModelSpec.fuse: profuse.fusion)
+    liger-ops        Liger-Kernel's RMSNorm and SwiGLU alone: op for op with fused (HF, CUDA)
+    liger            Liger-Kernel as its users apply it: RoPE, RMSNorm, SwiGLU and fused linear
+                     cross-entropy, the loss computed Liger's way (profuse.models.liger) (HF, CUDA)
     compile          the whole model under torch.compile (profuse.compile.compile_model)
     compile+fused    the fused model under torch.compile (the block ops are compiled ops: no break)
+    cudagraphs       torch.compile mode "reduce-overhead": the compiled step replayed as CUDA
+                     graphs, for launch-bound steps (CUDA)
 
-bf16 autocast on CUDA, as Part A; fp32 on the CPU. In order, each step before the next:
+The variants share one set of Parameter objects and one AdamW state (each is a deep copy of the
+model whose parameters map to themselves): a step's time does not depend on the weights' values,
+and a 1B-parameter model's 20 GB of fp32 weights, gradients and moments stay resident once, not
+once a variant. bf16 autocast on CUDA, as Part A; fp32 on the CPU. In order:
 
 1. The size is checked against the device's free memory (one line, before any work).
-2. Same math: on a small copy of the model (2 layers, 128 tokens, the run's widths) the fused
-   step's loss and every gradient are compared with float64 and must be as close to it as the
-   unfused step is (within a factor 2, or the dtype's tolerance). A fused step that is not is
-   reported as failed and never timed.
-3. The first step of every variant (compilation included), its loss and gradients compared with
-   eager's at the real size; then interleaved trials of whole steps, back to back as a training
-   loop runs them (bench.timing.compare, timing "loop", no L2 flush: a step's own traffic
-   evicts the cache), and the step speedup over eager with its bootstrap CI.
-4. Peak memory of one step per variant (CUDA): its resident state (parameters, AdamW moments)
+2. Same math: on a small copy of the model (ModelSpec.small: 2 layers, 128 tokens, the run's
+   widths) each variant that swaps ops (fused, liger-ops, liger) computes the loss and every
+   gradient, compared with float64 (profuse's own loss, ModelSpec.loss): it must be as close to
+   it as the unfused step is (within a factor 2, or the dtype's tolerance). A variant that is
+   not is reported as failed and never timed.
+3. The first forward and backward of every variant (compilation included) from the same initial
+   weights, before any optimizer step: loss and gradients compared with eager's at the real size.
+   Then interleaved trials of whole steps, back to back as a training loop runs them
+   (bench.timing.compare, timing "loop", no L2 flush: a step's own traffic evicts the cache),
+   and the step speedup over eager with its bootstrap CI.
+4. Peak memory of one step per variant (CUDA): the resident state (parameters, AdamW moments)
    plus the most a step allocates above it.
-5. A short profile of each variant (profiling.run_profile): kernels per step, the memory-bound
-   share, GPU idle. The eager one labels the block ops (fusion.label_block_ops), so the trace
-   says how much of the step is in the ops fusion replaces, forward and backward.
+5. A short profile of each variant (profiling.profile), one variant built at a time: kernels per
+   step, the memory-bound share, GPU idle. The eager one labels the ops fusion replaces
+   (ModelSpec.label), so the trace says how much of the step is in them, forward and backward.
 6. Amdahl: those ops' share f of the eager step and their own speedups s, timed like Part B
-   (fused vs eager at the model's shapes, forward + backward, device time), predict the step's
-   gain 1 / ((1 - sum f) + sum f / s), printed beside the gain measured in 3.
+   (fused vs eager at the model's shapes, ModelSpec.op_shapes, forward + backward, device time),
+   predict the step's gain 1 / ((1 - sum f) + sum f / s), printed beside the gain measured in 3.
 """
 
 from __future__ import annotations
@@ -36,14 +46,15 @@ import contextlib
 import copy
 import gc
 import importlib
-import json
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch import nn
+from torch.profiler import record_function
 
 from profuse import __version__, fusion
 from profuse import compile as _compile
@@ -53,32 +64,36 @@ from profuse.bench.timing import Comparison, compare
 from profuse.env import check_fits, dtype_name, environment, interpreting
 from profuse.errors import UsageError
 from profuse.kernels import HAS_TRITON, TRITON_MISSING
-from profuse.model import GPT, GPTConfig, random_batch
-from profuse.profiling import ProfileConfig, analyze_trace, run_profile
+from profuse.model import GPTConfig
+from profuse.models import ModelSpec, autocast_for
+from profuse.models import liger as L
+from profuse.models.gpt import PRESETS, GPTSpec, preset_model
+from profuse.models.spec import CHECK_BATCH, CHECK_LAYERS, CHECK_SEQ_LEN
+from profuse.profiling import BACKWARD, FORWARD, OPTIMIZER, profile
 from profuse.tail import BACKWARD_TOL, FORWARD_TOL, relative_error
 
+__all__ = ["CHECK_BATCH", "CHECK_LAYERS", "CHECK_SEQ_LEN", "PRESETS", "preset_model"]
+
 Progress = Callable[[str, int, int], None]
+Batch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 
 BASELINE = "eager"
+# Every variant, in the table's order.
+ALL_VARIANTS = ("eager", "fused", "liger-ops", "liger", "compile", "compile+fused", "cudagraphs")
+# The built-in GPT's default (Liger patches HF models only): the four the lab's Part C compares.
 VARIANTS = ("eager", "fused", "compile", "compile+fused")
 FUSED_VARIANTS = ("fused", "compile+fused")
-COMPILED_VARIANTS = ("compile", "compile+fused")
-
-# Model sizes. lab: the GPTConfig defaults (4 layers, d_model 256, 2048 tokens a step). small and
-# medium: issue #15's sizes, 8 layers and 8192 tokens a step (1024 x 8); head dim 128 in both.
-PRESETS: dict[str, dict] = {
-    "lab": {},
-    "small": dict(n_layer=8, d_model=1024, n_head=8, seq_len=1024, batch_size=8),
-    "medium": dict(n_layer=8, d_model=2048, n_head=16, seq_len=1024, batch_size=8),
-}
+LIGER_VARIANTS = ("liger-ops", "liger")
+COMPILED_VARIANTS = ("compile", "compile+fused", "cudagraphs")
+GRAPH_VARIANTS = ("cudagraphs",)
+# The variants that swap ops in an unfused model: each passes the same-math check first.
+CHECKED_VARIANTS = ("fused", "liger-ops", "liger")
 
 # The kernel modules behind profuse.blockops' fused ops.
 KERNEL_MODULES = ("profuse.kernels.swiglu", "profuse.kernels.add_rms_norm")
 
-# The same-math check's model: the run's widths, few layers and tokens (cheap in float64, and
-# through Triton's interpreter on a CPU).
-CHECK_LAYERS, CHECK_SEQ_LEN, CHECK_BATCH = 2, 64, 2
-# The fused step may be this many times further from float64 than the unfused step: two
+# A checked variant may be this many times further from float64 than the unfused step: two
 # roundings of like size, summed over a whole tensor, differ by much less than 2x.
 CHECK_FACTOR = 2.0
 
@@ -90,22 +105,19 @@ FIRST_STEP_FACTOR = 2.0
 # The ops the fused variants replace: their names in fusion, and the profiler range of each.
 OPS = (fusion.SILU_MUL, fusion.ADD_RMS_NORM)
 
-
-def preset_model(preset: str, **overrides: int | None) -> GPTConfig:
-    """The preset's GPTConfig with the given fields (None: the preset's) overriding it."""
-    if preset not in PRESETS:
-        raise UsageError(f"unknown preset {preset!r}: choose from {', '.join(PRESETS)}")
-    return GPTConfig(**{**PRESETS[preset], **{k: v for k, v in overrides.items() if v is not None}})
+HF_FUSE_MISSING = "profuse.fusion has no fuse() for Hugging Face models in this build"
 
 
 @dataclass
 class StepConfig:
-    """What Part C runs. The CLI maps --preset and the model flags onto `model`."""
+    """What Part C runs. The CLI maps --model, --preset and the size flags onto `model`."""
 
-    model: GPTConfig = field(default_factory=GPTConfig)
-    preset: str = "lab"  # recorded with the results; `model` is what runs
+    # The model and its batch (profuse.models.model_spec). A GPTConfig is taken too, with
+    # `preset` its name: the built-in GPT at those sizes.
+    model: ModelSpec | GPTConfig = field(default_factory=GPTConfig)
+    preset: str | None = None  # recorded with the results; with a spec, the spec's
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    variants: Sequence[str] = VARIANTS  # eager, the baseline, is always in
+    variants: Sequence[str] | None = None  # eager, the baseline, is always in; None: the model's default
     trials: int = 30  # interleaved trials of whole steps (and of each op, for Amdahl)
     warmup: int | None = None  # untimed steps after the first: 3 on CUDA, 1 on CPU (steps take ~1 s)
     seed: int = 0  # weights, the batch of random tokens, the trial order
@@ -116,15 +128,24 @@ class StepConfig:
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
         self.out_dir = Path(self.out_dir)
-        if self.preset not in PRESETS:
-            raise UsageError(f"unknown preset {self.preset!r}: choose from {', '.join(PRESETS)}")
-        names = list(dict.fromkeys(self.variants))
-        unknown = [v for v in names if v not in VARIANTS]
+        if isinstance(self.model, GPTConfig):
+            preset = self.preset or "lab"
+            if preset not in PRESETS:
+                raise UsageError(f"unknown preset {preset!r}: choose from {', '.join(PRESETS)}")
+            self.model = GPTSpec(self.model, preset)
+        elif not isinstance(self.model, ModelSpec):
+            kind = type(self.model).__name__
+            raise TypeError(f"StepConfig.model takes a ModelSpec or a GPTConfig, not {kind}")
+        self.preset = self.model.preset
+        default = VARIANTS if self.model.family == "gpt" else ALL_VARIANTS
+        names = list(dict.fromkeys(default if self.variants is None else self.variants))
+        unknown = [v for v in names if v not in ALL_VARIANTS]
         if unknown:
-            raise UsageError(f"unknown variant(s) {', '.join(unknown)}: choose from {', '.join(VARIANTS)}")
+            choices = ", ".join(ALL_VARIANTS)
+            raise UsageError(f"unknown variant(s) {', '.join(unknown)}: choose from {choices}")
         if BASELINE not in names:
             names.insert(0, BASELINE)
-        self.variants = tuple(v for v in VARIANTS if v in names)  # table order
+        self.variants = tuple(v for v in ALL_VARIANTS if v in names)  # table order
         if self.trials < 2:
             raise UsageError(f"--trials must be at least 2 for a confidence interval, got {self.trials}")
         if self.profile_steps < 0:
@@ -133,6 +154,10 @@ class StepConfig:
             self.warmup = 3 if self.device.type == "cuda" else 1
         if self.warmup < 0:
             raise UsageError(f"warm-up steps cannot be negative ({self.warmup})")
+
+    @property
+    def spec(self) -> ModelSpec:
+        return self.model  # a ModelSpec once constructed
 
     @property
     def precision(self) -> str:
@@ -145,13 +170,20 @@ class StepConfig:
 
     @property
     def tokens(self) -> int:
-        return self.model.tokens
+        return self.spec.tokens
 
     def to_dict(self) -> dict:
+        spec = self.spec
+        out = {
+            "model_arg": spec.model_arg,
+            "preset": spec.preset,
+            "model": spec.dims(),
+        }
+        if isinstance(spec, GPTSpec):
+            out["resized"] = spec.preset not in PRESETS or spec.config != preset_model(spec.preset)
         return {
-            "preset": self.preset,
-            "resized": self.model != preset_model(self.preset),  # model flags changed the preset's
-            "model": {**asdict(self.model), "ffn_hidden": self.model.hidden},
+            **out,
+            "spec": spec.to_dict(),
             "device": str(self.device),
             "variants": list(self.variants),
             "trials": self.trials,
@@ -175,25 +207,31 @@ def num_params(m: GPTConfig) -> int:
     return m.param_count()
 
 
-def estimated_bytes(cfg: StepConfig, n_variants: int) -> int:
+def estimated_bytes(cfg: StepConfig, variants: Sequence[str] | int | None = None) -> int:
     """A generous estimate of the peak memory of the run.
 
-    Per variant, resident: fp32 parameters, gradients and AdamW's two moments (16 bytes a
-    parameter). Once: eager's first-step gradients, kept to compare the others with (4), and
-    autocast's bf16 copies of the weights (2); one step's activations (GPTConfig.activation_bytes).
+    Once, whatever the number of variants (they share them): fp32 parameters, gradients and
+    AdamW's two moments (16 bytes a parameter), autocast's bf16 weight copies (2), eager's
+    first-step gradients kept to compare the others with (4; 4 more where liger runs: eager's
+    gradients of Liger's loss), one step's activations (ModelSpec.activation_bytes). A CUDA-graph
+    variant keeps one more step's activations resident in its graphs' memory pool.
     """
-    p = num_params(cfg.model)
-    return n_variants * 16 * p + 6 * p + cfg.model.activation_bytes()
+    names = cfg.variants if variants is None or isinstance(variants, int) else variants
+    p = cfg.spec.param_count()
+    kept = 4 * p * (2 if "liger" in names else 1)
+    graphs = sum(n in GRAPH_VARIANTS for n in names)
+    return 18 * p + kept + cfg.spec.activation_bytes(cfg.dtype) * (1 + graphs)
 
 
-def check_step_fits(cfg: StepConfig, n_variants: int | None = None) -> None:
+def check_step_fits(cfg: StepConfig, variants: Sequence[str] | int | None = None) -> None:
     """UsageError (one line) when the run will not fit in the device's free memory."""
-    n = len(cfg.variants) if n_variants is None else n_variants
-    m = cfg.model
+    names = cfg.variants if variants is None or isinstance(variants, int) else variants
+    n = variants if isinstance(variants, int) else len(names)
     check_fits(
-        estimated_bytes(cfg, n),
+        estimated_bytes(cfg, variants),
         cfg.device,
-        f"the step of {num_params(m) / 1e6:.0f}M parameters and {cfg.tokens} tokens in {n} variant(s)",
+        f"the step of {cfg.spec.param_count() / 1e6:.0f}M parameters and {cfg.tokens} tokens in {n} "
+        "variant(s) (one copy of the parameters and AdamW state, shared)",
     )
 
 
@@ -216,15 +254,16 @@ def fused_unavailable(device: torch.device) -> str:
     return ""
 
 
+def hf_fuse_unavailable(spec: ModelSpec) -> str:
+    """Why `spec`'s model cannot be fused from outside here ('' where it can)."""
+    if spec.family != "gpt" and not hasattr(fusion, "fuse"):
+        return HF_FUSE_MISSING
+    return ""
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
-
-
-def _autocast(device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    if device.type == "cuda":
-        return lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext
 
 
 def _sync(device: torch.device) -> None:
@@ -232,75 +271,178 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def plan(cfg: StepConfig, ops: fusion.BlockOps | None) -> tuple[list[str], dict[str, str]]:
+    """(variants that can run here, {variant: why not} for the others). Custom `ops` run anywhere
+    the model can be fused."""
+    dev, spec = cfg.device, cfg.spec
+    why_fused = hf_fuse_unavailable(spec) or ("" if ops is not None else fused_unavailable(dev))
+    runs, skipped = [], {}
+    for name in cfg.variants:
+        why = ""
+        if name in FUSED_VARIANTS:
+            why = why_fused
+        elif name in LIGER_VARIANTS:
+            why = L.unavailable(dev, spec.family)
+        elif name in GRAPH_VARIANTS and dev.type != "cuda":
+            why = "needs CUDA: CUDA graphs are a GPU feature"
+        if why:
+            skipped[name] = why
+        else:
+            runs.append(name)
+    return runs, skipped
+
+
 # --------------------------------------------------------------------------------------------
-# 2. Same math: fused vs unfused vs float64 on a small model
+# A variant: the model prepared, its loss, and the step a training loop runs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Variant:
+    name: str
+    model: nn.Module  # the prepared copy; its parameters are the run's shared ones
+    net: nn.Module  # the model, or the model under torch.compile
+    loss: LossFn  # what its step minimises (spec.loss, or Liger's through the model's forward)
+    ref_loss: LossFn  # the same loss in profuse's own terms, for eager and float64 to compute
+    globals: contextlib.AbstractContextManager = field(default_factory=contextlib.nullcontext)
+
+
+def _prepare(spec: ModelSpec, name: str, model: nn.Module, ops: fusion.BlockOps) -> _Variant:
+    """`model` (in place) made into variant `name`."""
+    loss, ref_loss = spec.loss, spec.loss
+    module_globals: contextlib.AbstractContextManager = contextlib.nullcontext()
+    if name in FUSED_VARIANTS:
+        spec.fuse(model, ops)
+    elif name in LIGER_VARIANTS:
+        module_globals = L.patch(model, spec.family, ops_only=name == "liger-ops")
+        if name == "liger":
+            loss, ref_loss = L.hf_loss, L.shifted_loss(spec.logits)
+    net = model
+    if name in COMPILED_VARIANTS:
+        net = _compile.compile_model(model, cudagraphs=name in GRAPH_VARIANTS)
+    return _Variant(name, model, net, loss, ref_loss, module_globals)
+
+
+def _train_step(
+    v: _Variant, optimizer: torch.optim.Optimizer, batch: Batch, device: torch.device, ranges: bool = False
+) -> Callable[[], torch.Tensor]:
+    """One whole step, as a training loop runs it; returns the loss without reading it (no sync).
+    `ranges`: cut into Part A's forward, backward and optimizer profiler ranges."""
+    autocast = autocast_for(device)
+    label = record_function if ranges else (lambda _name: contextlib.nullcontext())
+    graphs = v.name in GRAPH_VARIANTS
+
+    def step() -> torch.Tensor:
+        if graphs:  # a new iteration: the previous replay's outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
+        with v.globals:
+            with label(FORWARD), autocast():
+                loss = v.loss(v.net, batch)
+            with label(BACKWARD):
+                loss.backward()
+        with label(OPTIMIZER):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return step
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Same math: a variant vs the unfused step vs float64 on a small model
 # --------------------------------------------------------------------------------------------
 
 
 @dataclass
 class MathCheck:
-    """The fused step against the unfused one, both against float64, on a small model."""
+    """A variant's step against the unfused one, both against float64, on a small model."""
 
-    model: dict  # the small model's GPTConfig
+    model: dict  # the small model's dims (ModelSpec.dims)
     precision: str
     passed: bool
-    # "loss" and every parameter's gradient -> [fused rel err, unfused rel err] vs float64
+    # "loss" and every parameter's gradient -> [variant rel err, unfused rel err] vs float64
     errors: dict[str, list[float]] = field(default_factory=dict)
     bounds: dict[str, float] = field(default_factory=dict)  # max(dtype tol, CHECK_FACTOR * unfused's)
-    max_abs_diff: float = math.nan  # fused vs unfused, over the loss and every gradient
+    max_abs_diff: float = math.nan  # variant vs unfused, over the loss and every gradient
     worst: str = ""  # the quantity nearest its bound
-    error: str = ""  # the exception, where the fused step did not run
+    error: str = ""  # the exception, where the variant's step did not run
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
 def check_model(m: GPTConfig) -> GPTConfig:
-    """The run's model cut to CHECK_LAYERS layers and CHECK_BATCH x CHECK_SEQ_LEN tokens."""
-    return replace(
-        m,
-        n_layer=min(m.n_layer, CHECK_LAYERS),
-        seq_len=min(m.seq_len, CHECK_SEQ_LEN),
-        batch_size=min(m.batch_size, CHECK_BATCH),
-    )
+    """The run's GPT cut to CHECK_LAYERS layers and CHECK_BATCH x CHECK_SEQ_LEN tokens."""
+    return GPTSpec(m).small().config
 
 
-def _loss_and_grads(model: GPT, idx, targets, autocast) -> dict[str, torch.Tensor]:
+def _loss_and_grads(
+    net: nn.Module, model: nn.Module, batch: Batch, autocast, loss_fn: LossFn, module_globals=None
+) -> dict[str, torch.Tensor]:
     params = dict(model.named_parameters())
-    with autocast():
-        _, loss = model(idx, targets)
-    grads = torch.autograd.grad(loss, list(params.values()))
+    with module_globals or contextlib.nullcontext(), autocast():
+        loss = loss_fn(net, batch)
+    with module_globals or contextlib.nullcontext():
+        grads = torch.autograd.grad(loss, list(params.values()))
     return {"loss": loss.detach(), **{f"grad {name}": g for name, g in zip(params, grads)}}
 
 
-def check_same_math(cfg: StepConfig, ops: fusion.BlockOps) -> MathCheck:
-    """Loss and gradients of one step of the small model: fused, unfused and float64."""
-    dev, small = cfg.device, check_model(cfg.model)
-    torch.manual_seed(cfg.seed)
-    base = GPT(small).to(dev)
-    idx, targets = random_batch(small, torch.Generator().manual_seed(cfg.seed), dev)
-    ref = _loss_and_grads(copy.deepcopy(base).double(), idx, targets, contextlib.nullcontext)
-    unfused = _loss_and_grads(base, idx, targets, _autocast(dev))
-    check = MathCheck(model=asdict(small), precision=cfg.precision, passed=False)
+def check_variant_math(cfg: StepConfig, name: str, ops: fusion.BlockOps) -> MathCheck:
+    """Loss and gradients of one step of the small model: variant `name`, unfused, float64."""
+    dev, small = cfg.device, cfg.spec.small()
+    autocast = autocast_for(dev)
+    base = small.build(dev, cfg.seed)
+    batch = small.batch(dev, cfg.seed)
+    check = MathCheck(model=small.dims(), precision=cfg.precision, passed=False)
     try:
-        fused = _loss_and_grads(
-            fusion.apply_block_ops(copy.deepcopy(base), ops), idx, targets, _autocast(dev)
-        )
-    except Exception as err:  # a fused op that cannot run here is a failed check, not a crash
+        v = _prepare(small, name, copy.deepcopy(base), ops)
+        ref_loss = v.ref_loss
+        got = _loss_and_grads(v.net, v.model, batch, autocast, v.loss, v.globals)
+    except Exception as err:  # a variant that cannot run here is a failed check, not a crash
         check.error = _first_line(err)
         return check
+    ref_model = copy.deepcopy(base).double()
+    ref = _loss_and_grads(ref_model, ref_model, batch, contextlib.nullcontext, ref_loss)
+    unfused = _loss_and_grads(base, base, batch, autocast, ref_loss)
+    if got.keys() != ref.keys():
+        check.error = f"{name} changed the model's parameters: they no longer match the unfused model's"
+        return check
     worst_ratio = -1.0
-    for name, r in ref.items():
-        f_err, u_err = relative_error(fused[name], r), relative_error(unfused[name], r)
-        tol = (FORWARD_TOL if name == "loss" else BACKWARD_TOL)[cfg.dtype]
+    for key, r in ref.items():
+        v_err, u_err = relative_error(got[key], r), relative_error(unfused[key], r)
+        tol = (FORWARD_TOL if key == "loss" else BACKWARD_TOL)[cfg.dtype]
         bound = max(tol, CHECK_FACTOR * u_err)
-        check.errors[name], check.bounds[name] = [f_err, u_err], bound
-        ratio = f_err / bound if math.isfinite(f_err) else math.inf
+        check.errors[key], check.bounds[key] = [v_err, u_err], bound
+        ratio = v_err / bound if math.isfinite(v_err) else math.inf
         if ratio > worst_ratio:
-            worst_ratio, check.worst = ratio, name
+            worst_ratio, check.worst = ratio, key
     check.passed = worst_ratio <= 1.0
-    check.max_abs_diff = max((fused[n].float() - unfused[n].float()).abs().max().item() for n in ref)
+    check.max_abs_diff = max((got[k].float() - unfused[k].float()).abs().max().item() for k in ref)
     return check
+
+
+def check_same_math(cfg: StepConfig, ops: fusion.BlockOps) -> MathCheck:
+    """The fused step (block ops `ops`) against the unfused one and float64, on a small model."""
+    return check_variant_math(cfg, "fused", ops)
+
+
+def _math_stage(cfg, names, block_ops, failed, tell) -> tuple[dict[str, MathCheck], list[str]]:
+    """Step 2: the same-math check of each checked variant that is to run (compile+fused rides
+    on fused's); the variants that fail it go to `failed` and leave `names`."""
+    checks: dict[str, MathCheck] = {}
+    todo = [n for n in CHECKED_VARIANTS if n in names or (n == "fused" and "compile+fused" in names)]
+    for i, name in enumerate(todo):
+        tell(f"checking the {name} step against float64", i, len(todo))
+        check = (
+            check_same_math(cfg, block_ops) if name == "fused" else check_variant_math(cfg, name, block_ops)
+        )
+        checks[name] = check
+        if not check.passed:
+            why = check.error or f"its {check.worst} is outside the bound against float64"
+            for n in FUSED_VARIANTS if name == "fused" else (name,):
+                if n in names:
+                    failed[n] = f"failed the same-math check: {why}"
+    return checks, [n for n in names if n not in failed]
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,7 +467,7 @@ class FirstStep:
 class StepMemory:
     """Peak memory of one step (CUDA): resident state plus the most the step allocates above it."""
 
-    state_bytes: int  # parameters and AdamW's two moments, held between steps
+    state_bytes: int  # parameters and AdamW's two moments, held between steps (shared by the variants)
     step_bytes: int  # activations, gradients and workspaces: max_memory_allocated over the step
 
     @property
@@ -336,39 +478,30 @@ class StepMemory:
         return {**asdict(self), "peak_bytes": self.peak_bytes}
 
 
-@dataclass
-class _Variant:
-    name: str
-    model: GPT  # its own copy of the initial parameters
-    net: torch.nn.Module  # the model, or the model under torch.compile
-    optimizer: torch.optim.Optimizer
-
-
-def _build_variants(cfg: StepConfig, names: Sequence[str], ops: fusion.BlockOps) -> list[_Variant]:
-    torch.manual_seed(cfg.seed)
-    base = GPT(cfg.model).to(cfg.device)
+def _build_variants(
+    cfg: StepConfig, names: Sequence[str], ops: fusion.BlockOps, failed: dict[str, str]
+) -> tuple[list[_Variant], torch.optim.Optimizer]:
+    """Every variant over one set of parameters, and the one AdamW that steps them. Each is a
+    deep copy of the model in which every Parameter maps to itself (the tied head stays tied);
+    eager is the model itself. A variant that cannot be prepared goes to `failed`."""
+    base = cfg.spec.build(cfg.device, cfg.seed)
+    shared = {id(p): p for p in base.parameters()}
     out = []
     for name in names:
-        model = copy.deepcopy(base)  # the same initial parameters (the tied head stays tied)
-        if name in FUSED_VARIANTS:
-            fusion.apply_block_ops(model, ops)
-        net = _compile.compile_model(model) if name in COMPILED_VARIANTS else model
-        out.append(_Variant(name, model, net, torch.optim.AdamW(model.parameters(), lr=cfg.lr)))
-    return out
-
-
-def _train_step(v: _Variant, idx, targets, autocast) -> Callable[[], torch.Tensor]:
-    """One whole step, as a training loop runs it; returns the loss without reading it (no sync)."""
-
-    def step() -> torch.Tensor:
-        with autocast():
-            _, loss = v.net(idx, targets)
-        loss.backward()
-        v.optimizer.step()
-        v.optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    return step
+        model = base if name == BASELINE else copy.deepcopy(base, memo=dict(shared))
+        try:
+            v = _prepare(cfg.spec, name, model, ops)
+        except Exception as err:  # e.g. a model fusion cannot fuse: a failed row, not a crash
+            failed[name] = _first_line(err)
+            continue
+        if {id(p) for p in v.model.parameters()} != shared.keys():
+            failed[name] = (
+                "preparing it replaced the model's parameters, so it cannot share the run's weights and "
+                "AdamW state, nor be compared from the same initial weights"
+            )
+            continue
+        out.append(v)
+    return out, torch.optim.AdamW(base.parameters(), lr=cfg.lr)
 
 
 def _check_first_step(first: FirstStep, dtype: torch.dtype) -> None:
@@ -387,60 +520,132 @@ def _check_first_step(first: FirstStep, dtype: torch.dtype) -> None:
             )
 
 
-def _first_step(
-    v: _Variant, idx, targets, autocast, device, dtype: torch.dtype, eager: dict | None
-) -> tuple[FirstStep, dict]:
-    """The first step, timed whole; its loss and gradients compared with eager's (`eager`), or
-    returned to compare the others with (for eager itself)."""
+def _forward_backward(
+    v: _Variant, net: nn.Module, loss_fn: LossFn, params: list, batch: Batch, device
+) -> tuple[float, float, list[torch.Tensor]]:
+    """(seconds, loss, gradients) of one forward and backward, timed whole; gradients cloned
+    and the parameters' .grad cleared (no optimizer step: every variant starts from the same weights)."""
+    autocast = autocast_for(device)
     _sync(device)
     t0 = time.perf_counter()
-    with autocast():
-        _, loss = v.net(idx, targets)
-    loss.backward()
+    if v.name in GRAPH_VARIANTS:
+        torch.compiler.cudagraph_mark_step_begin()
+    with v.globals:
+        with autocast():
+            loss = loss_fn(net, batch)
+        loss.backward()
     _sync(device)
-    fwd_bwd = time.perf_counter() - t0
-    grads = [p.grad for p in v.model.parameters() if p.grad is not None]
+    seconds = time.perf_counter() - t0
+    grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+    for p in params:
+        p.grad = None
     value = loss.item()
     if not math.isfinite(value) or not all(bool(torch.isfinite(g).all()) for g in grads):
         raise FloatingPointError("the first step's loss or gradients are not finite")
-    first = FirstStep(seconds=0.0, loss=value)
-    kept: dict = {}
-    if eager is None:
-        kept = {"loss": value, "grads": [g.detach().clone() for g in grads]}
-    else:
-        first.loss_rel_diff = abs(value - eager["loss"]) / abs(eager["loss"])
-        num = sum(
-            torch.linalg.vector_norm(g.float() - e.float()).item() ** 2 for g, e in zip(grads, eager["grads"])
-        )
-        den = sum(torch.linalg.vector_norm(e.float()).item() ** 2 for e in eager["grads"])
-        first.grad_rel_diff = math.sqrt(num / den) if den > 0 else math.nan
-        _check_first_step(first, dtype)
-    del grads
-    t1 = time.perf_counter()
-    v.optimizer.step()
-    v.optimizer.zero_grad(set_to_none=True)
-    _sync(device)
-    first.seconds = fwd_bwd + time.perf_counter() - t1
-    return first, kept
+    return seconds, value, grads
 
 
-def _state_bytes(v: _Variant) -> int:
-    tensors = {t.data_ptr(): t for t in v.model.parameters()}
-    for state in v.optimizer.state.values():
+def _compared(first: FirstStep, value: float, grads, eager: tuple[float, list]) -> FirstStep:
+    e_loss, e_grads = eager
+    first.loss_rel_diff = abs(value - e_loss) / abs(e_loss)
+    num = sum(torch.linalg.vector_norm(g.float() - e.float()).item() ** 2 for g, e in zip(grads, e_grads))
+    den = sum(torch.linalg.vector_norm(e.float()).item() ** 2 for e in e_grads)
+    first.grad_rel_diff = math.sqrt(num / den) if den > 0 else math.nan
+    return first
+
+
+def _first_steps(cfg, variants, optimizer, batch, failed, tell) -> dict[str, FirstStep]:
+    """Step 3's first half: every variant's first forward and backward from the same initial
+    weights, eager's first (the others are compared with it; liger with eager computing Liger's
+    loss), then the optimizer's first step, timed once and counted in every variant's first step
+    (the AdamW state it allocates is shared). A variant that raises goes to `failed`."""
+    dev, dtype = cfg.device, cfg.dtype
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    first_steps: dict[str, FirstStep] = {}
+    kept: dict[str, tuple[float, list]] = {}  # loss function -> eager's (loss, gradients)
+    eager = next((v for v in variants if v.name == BASELINE), None)
+    for i, v in enumerate(variants):
+        what = ", compiling" if v.name in COMPILED_VARIANTS else ""
+        tell(f"first step: {v.name}{what}", i, len(variants))
+        try:
+            seconds, value, grads = _forward_backward(v, v.net, v.loss, params, batch, dev)
+            first = FirstStep(seconds=seconds, loss=value)
+            if v.name == BASELINE:
+                kept["own"] = (value, grads)
+            elif eager is not None and BASELINE in first_steps:
+                key = "own" if v.ref_loss == cfg.spec.loss else v.name
+                if key not in kept:  # eager's step with this variant's loss
+                    _, e_value, e_grads = _forward_backward(eager, eager.net, v.ref_loss, params, batch, dev)
+                    kept[key] = (e_value, e_grads)
+                _check_first_step(_compared(first, value, grads, kept[key]), dtype)
+                if key != "own":
+                    del kept[key]
+            del grads
+        except Exception as err:  # a variant that cannot run here is a failed row, not a crash
+            failed[v.name] = _first_line(err)
+            for p in params:
+                p.grad = None
+            continue
+        first_steps[v.name] = first
+    kept.clear()
+    if eager is not None and BASELINE in first_steps:  # the optimizer's first step, on eager's gradients
+        with autocast_for(dev)():
+            loss = eager.loss(eager.net, batch)
+        loss.backward()
+        _sync(dev)
+        t0 = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        _sync(dev)
+        opt_s = time.perf_counter() - t0
+        for first in first_steps.values():
+            first.seconds += opt_s
+    return first_steps
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    tensors = {p.data_ptr(): p for group in optimizer.param_groups for p in group["params"]}
+    for state in optimizer.state.values():
         for t in state.values():
             if isinstance(t, torch.Tensor) and t.device.type != "cpu":
                 tensors[t.data_ptr()] = t
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _step_memory(step: Callable[[], object], v: _Variant, device: torch.device) -> StepMemory:
+def _step_memory(step: Callable[[], object], state_bytes: int, device: torch.device) -> StepMemory:
     gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
     step()
     torch.cuda.synchronize(device)
-    return StepMemory(_state_bytes(v), torch.cuda.max_memory_allocated(device) - before)
+    return StepMemory(state_bytes, torch.cuda.max_memory_allocated(device) - before)
+
+
+def _timed_steps(cfg, steps, optimizer, first_steps, tell) -> tuple[Comparison, dict[str, StepMemory]]:
+    """Step 3's second half and step 4: interleaved trials of whole steps, then (CUDA) each
+    variant's peak memory. No recompile is allowed while timing."""
+    dev = cfg.device
+    memory: dict[str, StepMemory] = {}
+    say = lambda stage, done, total: tell(f"steps: {stage}", done, total)
+    with _compile.no_recompiles():
+        comparison = compare(
+            steps,
+            BASELINE,
+            trials=cfg.trials,
+            device=dev,
+            warmup=cfg.warmup,
+            flush_l2=False,  # a step's own traffic (hundreds of MB) evicts the L2
+            seed=cfg.seed,
+            progress=say,
+            timing="loop",  # back to back, as a training loop runs steps
+            first_calls={k: first_steps[k].seconds for k in steps},
+        )
+        if dev.type == "cuda":
+            state = _state_bytes(optimizer)
+            for name, step in steps.items():
+                memory[name] = _step_memory(step, state, dev)
+    return comparison, memory
 
 
 def _release(device: torch.device) -> None:
@@ -458,7 +663,7 @@ def _release(device: torch.device) -> None:
 
 @dataclass
 class VariantProfile:
-    """What a short profile of one variant's step says (profiling.run_profile's reading)."""
+    """What a short profile of one variant's step says (profiling.profile's reading)."""
 
     step_ms: float  # median profiled step, synchronised, under the profiler
     basis: str  # "GPU kernel time" or "self CPU time": what the shares divide
@@ -470,6 +675,7 @@ class VariantProfile:
     launch_bound: bool
     block_op_pct: dict[str, float]  # op -> % of the basis in it, forward and backward (eager only)
     trace_path: str
+    label_error: str = ""  # eager: why the ops fusion replaces could not be labelled
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -482,32 +688,36 @@ def _trace_name(variant: str) -> str:
 def profile_variant(
     cfg: StepConfig, name: str, ops: fusion.BlockOps, say: Callable[[str], None]
 ) -> VariantProfile:
-    if name == BASELINE:
-        wrap = fusion.label_block_ops  # the ranges that say where the ops fusion replaces run
-    elif name in FUSED_VARIANTS:
-        wrap = lambda model: fusion.apply_block_ops(model, ops)
-    else:
-        wrap = None
-    pcfg = ProfileConfig(
-        model=cfg.model,
-        device=cfg.device,
+    """A short profile of variant `name`, built alone (its own model and AdamW: the timed
+    variants are gone by now). The eager model has the ops fusion replaces labelled, where the
+    model can be labelled."""
+    spec, dev = cfg.spec, cfg.device
+    model = spec.build(dev, cfg.seed)
+    regions: tuple[str, ...] = ()
+    label_error = hf_fuse_unavailable(spec) if name == BASELINE else ""
+    if name == BASELINE and not label_error:
+        try:
+            spec.label(model)  # the ranges that say where the ops fusion replaces run
+            regions = tuple(fusion.BLOCK_OP_RANGES[op] for op in OPS)
+        except ValueError as err:  # a model fusion cannot fuse: profiled unlabelled, no Amdahl
+            label_error = _first_line(err)
+            model = spec.build(dev, cfg.seed)
+    v = _prepare(spec, name, model, ops)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    step = _train_step(v, optimizer, spec.batch(dev, cfg.seed), dev, ranges=True)
+    result = profile(
+        step,
         steps=cfg.profile_steps,
         warmup=2,
-        compile=name in COMPILED_VARIANTS,
-        out_dir=cfg.out_dir,
+        out=cfg.out_dir,
+        device=dev,
         trace_name=_trace_name(name),
-        seed=cfg.seed,
-        lr=cfg.lr,
+        regions=regions,
+        compiled=name in COMPILED_VARIANTS,
+        progress=say,
     )
-    result = run_profile(pcfg, say, wrap=wrap)
     s = result.summary
-    block_ops = {}
-    if name == BASELINE:  # read the trace again for the ranges (run_profile reads it without them)
-        with open(result.trace_path, encoding="utf-8") as f:
-            trace = json.load(f)
-        ranges = [fusion.BLOCK_OP_RANGES[op] for op in OPS]
-        regions = analyze_trace(trace, device=cfg.device.type, regions=ranges)
-        block_ops = {op: regions.region_pct[fusion.BLOCK_OP_RANGES[op]] for op in OPS}
+    block_ops = {op: s.region_pct.get(fusion.BLOCK_OP_RANGES[op], 0.0) for op in OPS} if regions else {}
     return VariantProfile(
         step_ms=result.step_ms,
         basis=s.basis,
@@ -519,6 +729,7 @@ def profile_variant(
         launch_bound=s.launch_bound,
         block_op_pct=block_ops,
         trace_path=result.trace_path,
+        label_error=label_error,
     )
 
 
@@ -544,9 +755,9 @@ class OpTiming:
 
 
 def _op_inputs(cfg: StepConfig) -> dict[str, tuple[list[torch.Tensor], str]]:
-    """Fresh random inputs of each op as the model calls it: (leaves, shape text)."""
-    m, dev, dt = cfg.model, cfg.device, cfg.dtype
-    n, d, f = cfg.tokens, m.d_model, m.hidden
+    """Fresh random inputs of each op as the model calls it (ModelSpec.op_shapes): (leaves, shape text)."""
+    shapes, dev, dt = cfg.spec.op_shapes(), cfg.device, cfg.dtype
+    n, d, f = shapes.tokens, shapes.d_model, shapes.ffn_hidden
     gen = torch.Generator(device=dev).manual_seed(cfg.seed)
     rand = lambda *shape, dtype=dt: torch.randn(shape, generator=gen, device=dev, dtype=dtype)
     stream = torch.float32  # the residual stream and the weights stay fp32 under autocast
@@ -581,11 +792,16 @@ def time_block_ops(
 ) -> dict[str, OpTiming]:
     """Each block op, the fused one vs the model's own unfused one, forward + backward, in
     interleaved trials of device time with the L2 flushed (Part B's way)."""
-    eps = cfg.model.norm_eps
+    eps = cfg.spec.op_shapes().eps
+    # The unfused side: the built-in GPT's own ops; for Hugging Face models their own eager math
+    # (fusion.HF_EAGER), which the labelled eager profile runs and whose share f is.
+    silu_mul, add_rms_norm = M.silu_mul, M.add_rms_norm
+    if cfg.spec.family != "gpt":
+        silu_mul, add_rms_norm = fusion.HF_EAGER.silu_mul, fusion.HF_EAGER.add_rms_norm
     impls = {
-        fusion.SILU_MUL: (M.silu_mul, ops.silu_mul),
+        fusion.SILU_MUL: (silu_mul, ops.silu_mul),
         fusion.ADD_RMS_NORM: (
-            lambda x, r, w: M.add_rms_norm(x, r, w, eps),
+            lambda x, r, w: add_rms_norm(x, r, w, eps),
             lambda x, r, w: ops.add_rms_norm(x, r, w, eps),
         ),
     }
@@ -672,7 +888,7 @@ class StepResult:
     env: dict
     n_params: int
     block_ops: str  # the name of the fused implementations
-    check: MathCheck | None  # None where no fused variant runs
+    check: MathCheck | None  # fused's; None where no fused variant runs
     skipped: dict[str, str]  # variant -> why it could not run here
     failed: dict[str, str]  # variant -> why it ran but was not timed
     first_steps: dict[str, FirstStep]
@@ -683,6 +899,8 @@ class StepResult:
     profiles: dict[str, VariantProfile]
     ops: dict[str, OpTiming]
     amdahl: Amdahl | None
+    checks: dict[str, MathCheck] = field(default_factory=dict)  # the Liger variants' same-math checks
+    amdahl_note: str = ""  # why there is no Amdahl prediction, where profiles ran but it could not be made
 
     def to_dict(self) -> dict:
         cmp = self.comparison
@@ -704,6 +922,7 @@ class StepResult:
             "tokens_per_step": self.config.tokens,
             "block_ops": self.block_ops,
             "check": self.check.to_dict() if self.check else None,
+            "checks": {k: v.to_dict() for k, v in self.checks.items()},
             "skipped": self.skipped,
             "failed": self.failed,
             "first_steps": {k: v.to_dict() for k, v in self.first_steps.items()},
@@ -713,89 +932,22 @@ class StepResult:
             "profiles": {k: v.to_dict() for k, v in self.profiles.items()},
             "ops": {k: v.to_dict() for k, v in self.ops.items()},
             "amdahl": self.amdahl.to_dict() if self.amdahl else None,
+            "amdahl_note": self.amdahl_note,
             "comparison": cmp.to_dict() if cmp else None,
         }
 
 
-def plan(cfg: StepConfig, ops: fusion.BlockOps | None) -> tuple[list[str], dict[str, str]]:
-    """(variants that can run here, {variant: why not} for the others). Custom `ops` run anywhere."""
-    why_fused = "" if ops is not None else fused_unavailable(cfg.device)
-    runs, skipped = [], {}
-    for name in cfg.variants:
-        if name in FUSED_VARIANTS and why_fused:
-            skipped[name] = why_fused
-        else:
-            runs.append(name)
-    return runs, skipped
-
-
-def _math_stage(cfg, names, block_ops, failed, tell) -> tuple[MathCheck | None, list[str]]:
-    """Step 2: the same-math check, where a fused variant is to run; the fused variants that
-    fail it go to `failed` and leave `names`."""
-    if not any(n in FUSED_VARIANTS for n in names):
-        return None, names
-    tell("checking the fused step against float64", 0, 1)
-    check = check_same_math(cfg, block_ops)
-    if not check.passed:
-        why = check.error or f"its {check.worst} is outside the bound against float64"
-        for n in FUSED_VARIANTS:
-            if n in names:
-                failed[n] = f"failed the same-math check: {why}"
-    return check, [n for n in names if n not in failed]
-
-
-def _first_steps(variants, idx, targets, autocast, dev, dtype, failed, tell) -> dict[str, FirstStep]:
-    """Step 3's first half: every variant's first step, eager's first (the others are compared
-    with it); a variant that raises goes to `failed`."""
-    first_steps: dict[str, FirstStep] = {}
-    eager_kept: dict | None = None
-    for i, v in enumerate(variants):
-        what = ", compiling" if v.name in COMPILED_VARIANTS else ""
-        tell(f"first step: {v.name}{what}", i, len(variants))
-        try:
-            first, kept = _first_step(v, idx, targets, autocast, dev, dtype, eager_kept)
-        except Exception as err:  # a variant that cannot run here is a failed row, not a crash
-            failed[v.name] = _first_line(err)
-            continue
-        first_steps[v.name] = first
-        if v.name == BASELINE:
-            eager_kept = kept
-    return first_steps
-
-
-def _timed_steps(cfg, variants, steps, first_steps, tell) -> tuple[Comparison, dict[str, StepMemory]]:
-    """Step 3's second half and step 4: interleaved trials of whole steps, then (CUDA) each
-    variant's peak memory. No recompile is allowed while timing."""
-    dev = cfg.device
-    memory: dict[str, StepMemory] = {}
-    say = lambda stage, done, total: tell(f"steps: {stage}", done, total)
-    with _compile.no_recompiles():
-        comparison = compare(
-            steps,
-            BASELINE,
-            trials=cfg.trials,
-            device=dev,
-            warmup=cfg.warmup,
-            flush_l2=False,  # a step's own traffic (hundreds of MB) evicts the L2
-            seed=cfg.seed,
-            progress=say,
-            timing="loop",  # back to back, as a training loop runs steps
-            first_calls={k: first_steps[k].seconds for k in steps},
-        )
-        if dev.type == "cuda":
-            for v in variants:
-                memory[v.name] = _step_memory(steps[v.name], v, dev)
-    return comparison, memory
-
-
 def _amdahl_stage(
     cfg, block_ops, comparison, profiles, timed, tell
-) -> tuple[dict[str, OpTiming], Amdahl | None]:
+) -> tuple[dict[str, OpTiming], Amdahl | None, str]:
     """Step 6: the fused ops' own speedups (where a fused variant was timed) and the Amdahl
-    prediction from the eager profile's shares."""
+    prediction from the eager profile's shares; or why there is none."""
     eager_profile = profiles.get(BASELINE)
     if eager_profile is None or comparison is None:
-        return {}, None
+        return {}, None, ""
+    if not eager_profile.block_op_pct:
+        why = eager_profile.label_error or "the eager profile has no labelled block ops"
+        return {}, None, f"no Amdahl prediction: the ops fusion replaces could not be labelled ({why})"
     ops_timed: dict[str, OpTiming] = {}
     if any(n in timed for n in FUSED_VARIANTS):
         ops_timed = time_block_ops(cfg, block_ops, tell)
@@ -807,7 +959,7 @@ def _amdahl_stage(
         op_speedups={op: t.speedup.to_dict() for op, t in ops_timed.items()},
         measured=fused_sp.to_dict() if fused_sp else None,
     )
-    return ops_timed, amdahl
+    return ops_timed, amdahl, ""
 
 
 def run_step(
@@ -816,28 +968,28 @@ def run_step(
     """Part C, steps 1-6 of the module's docstring. `ops`: the fused implementations (default
     profuse.blockops' Triton ones; fusion.EAGER runs anywhere). Nothing is printed."""
     tell = progress or (lambda _stage, _done, _total: None)
-    dev = cfg.device
+    dev, spec = cfg.device, cfg.spec
     names, skipped = plan(cfg, ops)
     block_ops = ops or fusion.FUSED
-    check_step_fits(cfg, len(names))
+    check_step_fits(cfg, names)
     failed: dict[str, str] = {}
-    check, names = _math_stage(cfg, names, block_ops, failed, tell)
+    checks, names = _math_stage(cfg, names, block_ops, failed, tell)
+    _release(dev)
 
-    autocast = _autocast(dev)
-    idx, targets = random_batch(cfg.model, torch.Generator().manual_seed(cfg.seed), dev)
-    variants = _build_variants(cfg, names, block_ops)
-    first_steps = _first_steps(variants, idx, targets, autocast, dev, cfg.dtype, failed, tell)
+    batch = spec.batch(dev, cfg.seed)
+    variants, optimizer = _build_variants(cfg, names, block_ops, failed)
+    first_steps = _first_steps(cfg, variants, optimizer, batch, failed, tell)
     variants = [v for v in variants if v.name in first_steps]
-    steps = {v.name: _train_step(v, idx, targets, autocast) for v in variants}
+    steps = {v.name: _train_step(v, optimizer, batch, dev) for v in variants}
     comparison, memory = (
-        _timed_steps(cfg, variants, steps, first_steps, tell) if BASELINE in steps else (None, {})
+        _timed_steps(cfg, steps, optimizer, first_steps, tell) if BASELINE in steps else (None, {})
     )
     timed = list(comparison.timings) if comparison else []
     fusion_over_compile = None
     if "compile" in timed and "compile+fused" in timed:
         t = comparison.timings
         fusion_over_compile = speedup_ci(t["compile"].times_s, t["compile+fused"].times_s, seed=cfg.seed)
-    del steps, variants
+    del steps, variants, optimizer
     _release(dev)
 
     profiles: dict[str, VariantProfile] = {}
@@ -846,14 +998,15 @@ def run_step(
             say = lambda _msg, i=i, name=name: tell(f"profiling {name}", i, len(timed))
             profiles[name] = profile_variant(cfg, name, block_ops, say)
             _release(dev)
-    ops_timed, amdahl = _amdahl_stage(cfg, block_ops, comparison, profiles, timed, tell)
+    ops_timed, amdahl, amdahl_note = _amdahl_stage(cfg, block_ops, comparison, profiles, timed, tell)
 
     return StepResult(
         config=cfg,
         env=environment(dev),
-        n_params=num_params(cfg.model),
+        n_params=spec.param_count(),
         block_ops=block_ops.name,
-        check=check,
+        check=checks.get("fused"),
+        checks={k: v for k, v in checks.items() if k != "fused"},
         skipped=skipped,
         failed=failed,
         first_steps=first_steps,
@@ -863,4 +1016,5 @@ def run_step(
         profiles=profiles,
         ops=ops_timed,
         amdahl=amdahl,
+        amdahl_note=amdahl_note,
     )

@@ -5,7 +5,8 @@
     model_spec("hf:qwen3", config_path="config.json")   a local config.json
 
 `make_step(spec, device)` builds one and returns its training step, the zero-argument callable
-profuse.profile takes.
+profuse.profile takes. `profuse.models.liger` applies Liger-Kernel's patch to one built Hugging
+Face model without leaving it on the others (Part C's liger and liger-ops variants).
 """
 
 from __future__ import annotations

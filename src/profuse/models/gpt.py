@@ -68,11 +68,12 @@ class GPTSpec(ModelSpec):
     def param_count(self) -> int:
         return self.config.param_count()
 
-    def activation_bytes(self) -> int:
+    def activation_bytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """GPTConfig.activation_bytes: the fp32 bound, whatever `dtype` (bf16 counts as fp32)."""
         return self.config.activation_bytes()
 
-    def train_bytes(self) -> int:
-        return self.config.train_bytes()
+    def dims(self) -> dict:
+        return {**asdict(self.config), "ffn_hidden": self.config.hidden}
 
     def op_shapes(self) -> OpShapes:
         m = self.config

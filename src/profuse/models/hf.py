@@ -179,15 +179,50 @@ class HFSpec(ModelSpec):
             self._n_params = sum(p.numel() for p in model.parameters())
         return self._n_params
 
-    def activation_bytes(self) -> int:
-        """~20 d + 6 F fp32 numbers a token and layer kept for the backward (q, k, v, attention
-        output, two norms, two residual adds; gate, up, their product and silu), the logits with
-        their log-softmax and gradients (~4 V a token), and attention scores where a backend
-        writes them out (B x heads x T^2 a layer, CPU's math path)."""
-        c = self.config
-        per_token = self.n_layer * (20 * self.d_model + 6 * self.ffn_hidden) + 4 * self.vocab_size
-        scores = self.batch_size * int(c.num_attention_heads) * self.seq_len**2
-        return (self.tokens * per_token + scores) * 4
+    @property
+    def n_head(self) -> int:
+        return int(self.config.num_attention_heads)
+
+    @property
+    def n_kv_head(self) -> int:
+        return int(getattr(self.config, "num_key_value_heads", None) or self.n_head)
+
+    @property
+    def head_dim(self) -> int:
+        return int(getattr(self.config, "head_dim", None) or self.d_model // self.n_head)
+
+    def activation_bytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """What one step keeps for the backward, a token and a layer (d the width, q and kv the
+        query and key/value widths, heads x head_dim): the residual stream and the norms, which
+        stay fp32 under autocast (HF's RMSNorm upcasts: input, normalised hidden, output, twice a
+        layer, ~8 d fp32 numbers; Qwen3's q/k norms ~3 (q + kv) more); in `dtype` the norm
+        outputs cast for the projections (2 d), q, k, v, the RoPE'd q and k and attention's
+        output (3 q + 3 kv), gate, up, silu(gate) and their product (4 F). Then the logits in
+        `dtype` with their fp32 upcast, log-softmax and gradient (V + 3 V fp32 a token), and
+        one layer's attention scores where a backend writes them out (B x heads x T^2 fp32,
+        CPU's math path). Against what autograd saves for the tiny models in fp32
+        (tests/test_models.py) it is 1-2x over."""
+        low = torch.finfo(dtype).bits // 8
+        q, kv = self.n_head * self.head_dim, self.n_kv_head * self.head_dim
+        fp32 = 8 * self.d_model + (3 * (q + kv) if self.family == "qwen3" else 0)
+        lowp = 2 * self.d_model + 3 * (q + kv) + 4 * self.ffn_hidden
+        per_token = self.n_layer * (4 * fp32 + low * lowp) + self.vocab_size * (low + 12)
+        scores = self.batch_size * self.n_head * self.seq_len**2 * 4
+        return self.tokens * per_token + scores
+
+    def dims(self) -> dict:
+        return {
+            "n_layer": self.n_layer,
+            "d_model": self.d_model,
+            "n_head": self.n_head,
+            "n_kv_head": self.n_kv_head,
+            "head_dim": self.head_dim,
+            "ffn_hidden": self.ffn_hidden,
+            "vocab_size": self.vocab_size,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "tie_weights": bool(getattr(self.config, "tie_word_embeddings", False)),
+        }
 
     def op_shapes(self) -> OpShapes:
         eps = float(self.config.rms_norm_eps)
@@ -199,11 +234,11 @@ class HFSpec(ModelSpec):
         return fuse(model, ops, label=label)
 
     def label(self, model: nn.Module) -> nn.Module:
-        """The fused structure with the plain-torch ops (profuse.fusion.EAGER), each in its
-        profiler range: the same math as the model's own, one op at a time."""
+        """The fused structure with the model's own eager math (profuse.fusion.HF_EAGER: bitwise
+        what the unfused model computes), each op in its profiler range."""
         from profuse import fusion
 
-        fusion.fuse(model, fusion.EAGER, label=True)
+        fusion.fuse(model, fusion.HF_EAGER, label=True)
         return model
 
     def to_dict(self) -> dict:
@@ -231,7 +266,11 @@ def _read_config_file(path: Path):
     if family not in ARCHS:
         supported = ", ".join(ARCHS)
         raise UsageError(f"--hf-config {path}: model type {family!r} is not one of {supported}")
-    return transformers.AutoConfig.for_model(family, **data)
+    try:
+        return transformers.AutoConfig.for_model(family, **data)
+    except Exception as err:  # transformers validates the fields (huggingface_hub strict dataclasses)
+        reason = str(err).strip().splitlines()[-1].strip() if str(err).strip() else type(err).__name__
+        raise UsageError(f"--hf-config {path}: transformers rejects it: {reason}") from None
 
 
 def hf_spec(
@@ -247,6 +286,8 @@ def hf_spec(
         raise UsageError(f"unknown Hugging Face architecture {arch!r}: choose from {', '.join(ARCHS)}")
     require_transformers()
     if config_path is not None:
+        if preset is not None:
+            raise UsageError(f"--preset {preset} and --hf-config: give one (a config.json names its size)")
         config = _read_config_file(Path(config_path))
         if config.model_type != arch:
             held = config.model_type
@@ -264,4 +305,9 @@ def hf_spec(
         else:
             choices = ", ".join(preset_names())
             raise UsageError(f"unknown preset {name!r} for hf:{arch}: choose from {choices}")
-    return HFSpec(config, name, batch_size or batch[0], seq_len or batch[1])
+    return HFSpec(
+        config,
+        name,
+        batch[0] if batch_size is None else batch_size,
+        batch[1] if seq_len is None else seq_len,
+    )

@@ -85,8 +85,14 @@ class ModelSpec(ABC):
     def param_count(self) -> int: ...
 
     @abstractmethod
-    def activation_bytes(self) -> int:
-        """A generous bound on one training step's activations (fp32 counting)."""
+    def activation_bytes(self, dtype: torch.dtype = torch.float32) -> int:
+        """A generous bound on one training step's activations, the matmuls and attention in
+        `dtype` (bf16 under CUDA autocast, fp32 on the CPU)."""
+
+    @abstractmethod
+    def dims(self) -> dict:
+        """The step's shapes in one flat dict: n_layer, d_model, n_head, ffn_hidden, vocab_size,
+        batch_size, seq_len (what a report's model line says)."""
 
     @abstractmethod
     def op_shapes(self) -> OpShapes: ...
@@ -105,10 +111,10 @@ class ModelSpec(ABC):
     @abstractmethod
     def to_dict(self) -> dict: ...
 
-    def train_bytes(self) -> int:
+    def train_bytes(self, dtype: torch.dtype = torch.float32) -> int:
         """A generous bound on training one copy: fp32 parameters, gradients and AdamW's two
         moments (16 bytes a parameter), autocast's bf16 weight copies (2), one step's activations."""
-        return 18 * self.param_count() + self.activation_bytes()
+        return 18 * self.param_count() + self.activation_bytes(dtype)
 
     def batch(self, device: torch.device | str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(idx, targets), each (batch_size, seq_len): random tokens, targets the next ones.

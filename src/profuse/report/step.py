@@ -33,6 +33,17 @@ MODEL_FLAGS = {
     "seq_len": "--seq-len", "batch_size": "--batch-size",
 }  # fmt: skip
 
+# What Liger-Kernel's two variants patch (profuse.models.liger).
+LIGER_OPS = {
+    "liger-ops": "Liger-Kernel's RMSNorm and SwiGLU",
+    "liger": "Liger-Kernel's default patch: RoPE, RMSNorm, SwiGLU, fused linear cross-entropy",
+}
+LIGER_LOSS_NOTE = (
+    "liger's loss is the model's own through Liger's fused linear cross-entropy (labels = the input "
+    "tokens, shifted inside: B x (T - 1) tokens, no logits materialised); the other variants compute "
+    "profuse's over B x T from the logits. Its first step is compared with eager computing that same loss"
+)
+
 
 def load_step(path: str | Path) -> dict | None:
     """The data of a saved Part C run, or None where `path` is anything else (unreadable, not JSON,
@@ -55,10 +66,24 @@ def _speedup(sp: dict | None) -> str:
     return f"{ratio} ({ci}) {sp['verdict']}"
 
 
+def _is_hf(data: dict) -> bool:
+    """A Hugging Face model's run (files written before --model are the built-in GPT's)."""
+    return data["config"].get("model_arg", "gpt").startswith("hf:")
+
+
 def _model_line(data: dict) -> str:
     cfg = data["config"]
     m = cfg["model"]
     tokens = data["tokens_per_step"]
+    if _is_hf(data):
+        tied = ", tied embeddings" if m.get("tie_weights") else ""
+        return (
+            f"model: {cfg['model_arg']} {cfg['preset']} (transformers' own class, random weights): "
+            f"{m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads ({m['n_kv_head']} KV, "
+            f"head dim {m['head_dim']}), ffn {m['ffn_hidden']}, vocab {m['vocab_size']}{tied}; "
+            f"{m['batch_size']} x {m['seq_len']} = {tokens} tokens a step; "
+            f"{data['n_params'] / 1e6:.1f}M parameters; {cfg['precision']}"
+        )
     return (
         f"model: {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, ffn {m['ffn_hidden']}, "
         f"vocab {m['vocab_size']}; {m['batch_size']} x {m['seq_len']} = {tokens} tokens a step; "
@@ -66,13 +91,14 @@ def _model_line(data: dict) -> str:
     )
 
 
-def _check_lines(data: dict) -> list[str]:
-    c = data.get("check")
+def _check_lines(data: dict, c: dict | None = None, name: str = "") -> list[str]:
+    c = c or data.get("check")
     if not c:
         return []
     m = c["model"]
+    what = f"{name} ({LIGER_OPS[name]})" if name else data["block_ops"]
     head = (
-        f"same math ({data['block_ops']} vs the unfused step, both against float64, on a "
+        f"same math ({what} vs the unfused step, both against float64, on a "
         f"{m['n_layer']}-layer copy, {m['batch_size']} x {m['seq_len']} tokens):"
     )
     if c["error"]:
@@ -80,7 +106,7 @@ def _check_lines(data: dict) -> list[str]:
     worst = c["worst"]
     fused, unfused = c["errors"][worst]
     loss_f, loss_u = c["errors"]["loss"]
-    status = "ok" if c["passed"] else "FAILED (the fused variants are not timed)"
+    status = "ok" if c["passed"] else f"FAILED ({'it is' if name else 'the fused variants are'} not timed)"
     return [
         f"{head} {status}",
         f"{'':>4}worst: {worst} rel err {fused:.1e} (unfused {unfused:.1e}, bound {c['bounds'][worst]:.1e}); "
@@ -267,15 +293,27 @@ def format_step(data: dict) -> str:
     """Part C's block: the setup, the same-math check, the step table, the Amdahl prediction."""
     cfg = data["config"]
     kind = cfg["device"].split(":", 1)[0]
+    if _is_hf(data):
+        title = (
+            f"=== Part C: the whole training step of {cfg['model_arg']} {cfg['preset']}, eager vs fused vs "
+            f"Liger-Kernel vs torch.compile ({kind}) ==="
+        )
+    else:
+        resized = ", resized by the model flags" if cfg.get("resized") else ""
+        title = (
+            "=== Part C: the whole training step, eager vs fused vs torch.compile "
+            f"({kind}, preset {cfg['preset']}{resized}) ==="
+        )
     lines = [
-        f"=== Part C: the whole training step, eager vs fused vs torch.compile "
-        f"({kind}, preset {cfg['preset']}{', resized by the model flags' if cfg.get('resized') else ''}) ===",
+        title,
         _model_line(data),
     ]
     asked = cfg.get("variants") or list(data.get("results") or {})
     if any(name in FUSED_VARIANTS for name in asked):  # none asked for: nothing fused to name
         lines.append(f"fused block ops: {data['block_ops']} (silu_mul on the packed gate/up, add_rms_norm)")
     lines += _check_lines(data)
+    for name, c in data.get("checks", {}).items():
+        lines += _check_lines(data, c, name)
     first = _first_step_line(data)
     if first:
         lines.append(first)
@@ -316,15 +354,25 @@ def format_step(data: dict) -> str:
     warmed = {name: t["warmup_calls"] for name, t in cmp["timings"].items() if "warmup_calls" in t}
     if warmed:
         notes.append(warmup_line(warmed).replace("calls", "steps"))
+    if kind == "cuda" and "cudagraphs" in data["results"]:
+        notes.append(
+            "cudagraphs' peak memory leaves out its CUDA graphs' memory pool, held between steps "
+            "(about one step's activations)"
+        )
+    if "liger" in data["results"]:
+        notes.append(LIGER_LOSS_NOTE)
     lines += notes + few_trials_note(cmp["trials"]) + interpreter_note(data["env"], fused_timed)
     lines += step_warnings(data)
     amdahl = _amdahl_lines(data)
     if amdahl:
         lines.append("")
         lines += amdahl + _amdahl_caveat(data)
+    elif data.get("amdahl_note"):
+        lines += ["", data["amdahl_note"]]
     traces = [p["trace_path"] for p in data["profiles"].values()]
     if traces:
         lines.append(f"traces: {', '.join(traces)} - open them at https://ui.perfetto.dev")
+    lines += ["", verdict_line(data)]
     env = data["env"]
     lines.append(describe(env))
     return "\n".join(line.rstrip() if line else line for line in lines)
@@ -400,3 +448,89 @@ def format_step_diff(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> s
     for side, data in (("A", a), ("B", b)):
         lines += [f"{side}: {warning}" for warning in step_warnings(data)]
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# The verdict: which variant wins this step, and why
+# --------------------------------------------------------------------------------------------
+
+
+def step_bound(data: dict) -> tuple[str, str]:
+    """What bounds the eager step: ('device-bound' | 'host-bound' | 'launch-bound' | '', the
+    evidence). From the eager profile's GPU idle share (over profiling.LAUNCH_BOUND_IDLE_PCT:
+    launch-bound) and the harness's host time per step against the profile's kernel time per step
+    (host over device: host-bound); '' where neither was measured."""
+    eager = data["results"][data["comparison"]["baseline"]]
+    profile = data["profiles"].get("eager")
+    if not data["config"]["device"].startswith("cuda"):
+        return "host-bound", "on a CPU the whole step is host time"
+    if profile and profile["launch_bound"]:
+        return "launch-bound", f"the GPU idles {profile['gpu_idle_pct']:.0f}% of it, waiting for launches"
+    host = eager["host_s"]
+    device = profile["time_per_step_us"] * 1e-6 if profile and profile["basis"] == "GPU kernel time" else None
+    if host is not None and device is not None:
+        terms = f"the CPU issues it in {fmt_time(host).strip()}, its kernels take {fmt_time(device).strip()}"
+        return ("host-bound", terms) if host >= device else ("device-bound", terms)
+    if eager["host_bound"]:
+        return "host-bound", "its host time is within 10% of its time a step"
+    if profile and profile["gpu_idle_pct"] is not None:
+        return "device-bound", f"the GPU idles only {profile['gpu_idle_pct']:.0f}% of it"
+    return "", "no profile to say what bounds it (--profile-steps 0)"
+
+
+def _how(data: dict, winner: str, bound: str) -> str:
+    """What the winner changes that matters for a step so bound."""
+    if winner == "cudagraphs":
+        return "it replays the step's kernels from CUDA graphs, so the CPU no longer issues them one by one"
+    p, e = data["profiles"].get(winner), data["profiles"].get("eager")
+    if not (p and e):
+        return "no profile of it to say how (--profile-steps 0)"
+    unit = e["launch_unit"]
+    launches = f"{e['launches_per_step']:.0f} -> {p['launches_per_step']:.0f} {unit} a step"
+    if bound in ("launch-bound", "host-bound"):
+        return f"it issues less a step ({launches}), which is what shortens a {bound} step"
+    before, after = (fmt_time(x["time_per_step_us"] * 1e-6).strip() for x in (e, p))
+    work = f"{before} -> {after}"
+    return (
+        f"its kernels take less time ({work} of {e['basis']} a step; memory-bound share "
+        f"{e['memory_bound_pct']:.0f}% -> {p['memory_bound_pct']:.0f}%; {launches})"
+    )
+
+
+def verdict_line(data: dict) -> str:
+    """'VERDICT: compile wins this step, 1.31x (1.28-1.35) faster than eager; the step is
+    device-bound (...): ...', or 'no measurable difference' where every CI straddles 1."""
+    if data.get("comparison") is None:
+        return ""
+    speedups = {n: r["speedup"] for n, r in data["results"].items() if r["speedup"]}
+    if not speedups:
+        return "VERDICT: only eager was timed: nothing to referee"
+    bound, evidence = step_bound(data)
+    step = (
+        f"the eager step is {bound} ({evidence})"
+        if bound
+        else f"what bounds the eager step is not known ({evidence})"
+    )
+    faster = {n: sp for n, sp in speedups.items() if sp["low"] > 1.0}
+    if faster:
+        winner = max(faster, key=lambda n: faster[n]["median"])
+        sp = faster[winner]
+        ratio, ci = speedup_terms(sp["median"], sp["low"], sp["high"], sp["verdict"])
+        others = [f"{n} {s['median']:.2f}x" for n, s in sorted(faster.items(), key=lambda x: -x[1]["median"])]
+        runner = f" (next: {', '.join(others[1:])})" if len(others) > 1 else ""
+        return (
+            f"VERDICT: {winner} wins this step, {ratio} ({ci}) faster than eager{runner}; {step}; "
+            f"{_how(data, winner, bound)}"
+        )
+    slower = sorted(n for n, sp in speedups.items() if sp["high"] < 1.0)
+    level = sorted(n for n in speedups if n not in slower)
+    if not level:
+        return (
+            f"VERDICT: eager wins this step: every other variant is measurably slower ({', '.join(slower)}); "
+            + step
+        )
+    tail = f"; {', '.join(slower)} measurably slower" if slower else ""
+    return (
+        f"VERDICT: no measurable difference: the CIs of {', '.join(level)} against eager straddle 1{tail}; "
+        + step
+    )

@@ -1,0 +1,146 @@
+"""Liger-Kernel's patch of a Hugging Face model, applied as its users apply it, kept to one model.
+
+`liger_kernel.transformers.apply_liger_kernel_to_<arch>(model=...)` does two things: on the built
+model it rebinds instance forwards (each RMSNorm's, each MLP's; with fused linear cross-entropy,
+the CausalLM's forward), and in the transformers modeling module it assigns globals that every
+model of the family then uses (`apply_rotary_pos_emb = liger_rotary_pos_emb`, the RMSNorm and
+MLP classes). A referee that runs eager and Liger side by side in one process cannot leave those
+globals set: the eager step would run Liger's RoPE. `patch` applies Liger to one model, puts the
+module's globals back as they were, and returns a context that sets Liger's globals for the
+duration of that model's step only (a few setattrs a step).
+
+Two ways of applying it, as Part C's variants:
+
+    liger       Liger's defaults: RoPE, RMSNorm, SwiGLU and fused linear cross-entropy. The last
+                replaces the CausalLM forward, and in training with labels it computes the loss
+                from the last hidden state without materialising the logits: so this variant's
+                loss is the model's own (`hf_loss`: labels = input_ids, the model shifts them,
+                B x (T - 1) tokens), not profuse's, and is compared with eager computing that
+                same loss (`shifted_loss`).
+    liger-ops   RMSNorm and SwiGLU alone (rope, cross-entropy and fused linear cross-entropy
+                off): the ops profuse fuses, op for op, with profuse's own loss.
+
+liger-kernel is optional and runs on CUDA only (Triton GPU kernels).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass, field
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# Found without importing it: liger-kernel loads Triton and transformers, which a run that never
+# asks for Liger should not pay for. Imported on first use (`_liger`).
+HAS_LIGER = importlib.util.find_spec("liger_kernel") is not None
+liger_transformers = None
+
+LIGER_NEEDS = "needs CUDA and liger-kernel"
+LIGER_MISSING = "liger-kernel is not installed: pip install liger-kernel"
+
+# liger-ops: the ops profuse fuses, and nothing else Liger's default patches.
+OPS_ONLY = dict(rope=False, cross_entropy=False, fused_linear_cross_entropy=False, rms_norm=True, swiglu=True)
+
+_ABSENT = object()
+
+
+def unavailable(device: torch.device, family: str) -> str:
+    """Why Liger cannot run a `family` model on `device` ('' where it can)."""
+    if family == "gpt":
+        return "Liger-Kernel patches Hugging Face models, not the built-in GPT: use --model hf:ARCH"
+    if torch.device(device).type != "cuda":
+        return f"{LIGER_NEEDS}; this run is on the CPU"
+    if not HAS_LIGER:
+        return f"{LIGER_NEEDS}; {LIGER_MISSING}"
+    try:
+        module = _liger()
+    except Exception as err:  # a build that fails to load here
+        return f"{LIGER_NEEDS}: liger_kernel.transformers does not load ({type(err).__name__}: {err})".split(
+            "\n"
+        )[0]
+    if not hasattr(module, f"apply_liger_kernel_to_{family}"):
+        return f"{LIGER_NEEDS}: this liger-kernel has no apply_liger_kernel_to_{family}"
+    return ""
+
+
+def _liger():
+    """liger_kernel.transformers, imported the first time it is needed."""
+    global liger_transformers
+    if liger_transformers is None:
+        import liger_kernel.transformers
+
+        liger_transformers = liger_kernel.transformers
+    return liger_transformers
+
+
+@dataclass
+class ModuleGlobals:
+    """Globals of a module to set while one model runs, and what they were (reusable context)."""
+
+    module: ModuleType
+    patched: dict[str, object] = field(default_factory=dict)
+    original: dict[str, object] = field(default_factory=dict)  # _ABSENT where there was none
+
+    def _set(self, values: dict[str, object]) -> None:
+        for name, value in values.items():
+            if value is _ABSENT:
+                delattr(self.module, name)
+            else:
+                setattr(self.module, name, value)
+
+    def __enter__(self) -> ModuleGlobals:
+        self._set(self.patched)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._set(self.original)
+
+
+def modeling_module(family: str) -> ModuleType:
+    return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+
+
+def patch(model: nn.Module, family: str, *, ops_only: bool = False) -> ModuleGlobals:
+    """Apply Liger to the built `model` (in place) as its users do; the family's modeling module
+    is left as it was, and the returned context sets Liger's globals for `model`'s step."""
+    apply = getattr(_liger(), f"apply_liger_kernel_to_{family}")
+    module = modeling_module(family)
+    before = dict(vars(module))
+    try:
+        apply(model=model, **(OPS_ONLY if ops_only else {}))
+    finally:
+        after = dict(vars(module))
+        names = after.keys() | before.keys()
+        changed = {k for k in names if after.get(k, _ABSENT) is not before.get(k, _ABSENT)}
+        globals_ = ModuleGlobals(
+            module,
+            {k: after.get(k, _ABSENT) for k in changed},
+            {k: before.get(k, _ABSENT) for k in changed},
+        )
+        globals_.__exit__()
+    return globals_
+
+
+def hf_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """The loss as a Hugging Face training loop computes it, through the model's own forward
+    (Liger's fused linear cross-entropy, where patched): labels = input_ids, shifted inside, so
+    the mean over B x (T - 1) tokens. `batch`'s targets are not used."""
+    idx, _targets = batch
+    return model(input_ids=idx, labels=idx, use_cache=False).loss
+
+
+def shifted_loss(logits_of):
+    """profuse's loss over the tokens `hf_loss` counts: position t predicts idx[t + 1], the last
+    position left out. `logits_of(model, idx)` is the spec's forward. Computed here, so float64
+    stays float64 (HF's own loss casts the logits to fp32)."""
+
+    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        idx, _targets = batch
+        logits = logits_of(model, idx)[:, :-1]
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1))
+
+    return loss
