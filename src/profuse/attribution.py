@@ -129,11 +129,11 @@ ACTIVATION_MUL = "activation x mul"
 ROTARY = "rotary embedding"
 QK_NORM = "q/k norm (in attention)"
 ATTENTION_COPIES = "attention layout copies"
-ATTENTION_ELEMENTWISE = "attention elementwise (outside matmul and SDPA)"
+ATTENTION_ELEMENTWISE = "attention elementwise"  # outside its matmuls and SDPA, no RoPE seen
 LOSS = "softmax / cross-entropy"
 OPTIMIZER_WORK = "optimizer"
 GRAD_ACCUMULATION = "gradient accumulation"
-UNPLACED = "other memory-bound (no recognised module)"
+UNPLACED = "other memory-bound"  # in no module profuse.structure recognises
 
 # Copies and casts in an attention module: the layout changes around the matmuls and SDPA.
 _COPY_OPS = re.compile(r"copy|clone|contiguous|_to_copy|aten::to$|copybackward|clonebackward|tobackward")
@@ -169,7 +169,7 @@ def _covered_by(name: str, ops: Iterable[str], norm_roles: set[str]) -> tuple[st
             return "silu_mul", ""
         return None, "not SiLU: profuse's silu_mul fuses silu(gate) * up only"
     if name == OPTIMIZER_WORK:
-        return None, "torch's torch.optim.AdamW(fused=True) runs it as one fused kernel per step"
+        return None, "torch's own torch.optim.AdamW(fused=True) fuses it"
     return None, ""
 
 

@@ -33,7 +33,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 import torch
@@ -55,7 +55,6 @@ from profuse.attribution import (  # noqa: F401 - the trace's reading, under the
     Intervals,
     Span,
     TraceSummary,
-    _required,
     analyze_trace,
     categorize,
     extend_categories,
@@ -73,6 +72,12 @@ from profuse.models.spec import ModelSpec, autocast_for
 from profuse.structure import module_ranges
 
 Progress = Callable[[str], None]
+
+
+def _required(f) -> bool:
+    """Is dataclass field `f` one without a default?"""
+    return f.default is MISSING and f.default_factory is MISSING
+
 
 # The "kind" of a saved Part A summary (profile.json: {"kind": ..., "eager": ..., "compiled": ...});
 # Part B's results files are "tail" and "sweep".
