@@ -15,7 +15,8 @@ Roles, by structure (class names are a hint, never the only test):
                           class named *MLP / *FFN / *FeedForward / *SwiGLU holding linear layers
     attention             q_proj + k_proj + v_proj, a packed qkv / c_attn / Wqkv, or a class
                           named *Attention holding linear layers
-    layer                 a module whose direct children hold an attention and an MLP
+    layer                 a module whose direct children hold a norm and an attention or an MLP
+                          (a decoder layer: what it runs itself, outside them, is the residual adds)
     rotary                a class named *Rotary* / *RoPE* (the cos / sin tables)
 """
 
@@ -83,8 +84,8 @@ def _classify(m: nn.Module) -> str | None:
         return "mlp"
     if _linear_children(m) >= 2 and _ATTENTION_NAME.search(cls):
         return "attention"
-    kids = [role_of(c) for c in m.children()]
-    if "attention" in kids and "mlp" in kids:
+    kids = {role_of(c) for c in m.children()}
+    if kids & {"attention", "mlp"} and kids & set(NORM_ROLES):
         return "layer"
     return None
 
