@@ -430,7 +430,7 @@ def run_part_a(args, device) -> None:
     profuse.profiling.profile; eager, and compiled beside it with --compile-step."""
     from profuse.env import check_fits
     from profuse.files import write_json
-    from profuse.profiling import SUMMARY_KIND, profile, spec_step
+    from profuse.profiling import SUMMARY_KIND, compiled_trace_name, profile, spec_precision, spec_step
     from profuse.report.profile import format_profile, format_profile_comparison
 
     spec = _profile_spec(args)
@@ -439,16 +439,18 @@ def run_part_a(args, device) -> None:
         check_fits(spec.train_bytes(), device, f"Part A's step of {spec.describe()}")
         about = {"model": spec.to_dict(), "describe": spec.describe()}
         step = spec_step(spec, device, seed=args.seed)
-        where = device
+        where, precision = device, spec_precision(device)
     else:
         from profuse.loader import load_step
 
         step = load_step(args.step)
         about = {"step": args.step, "describe": f"your step, {args.step}"}
         where = None if getattr(args, "device", "auto") == "auto" else device  # None: ask the step
+        precision = None  # as the user's step runs it
     progress = Progress()
     say = lambda text: progress(text, 0, 1)
-    common = dict(steps=args.profile_steps, out=args.out, progress=say, summary_name=None, about=about)
+    common = dict(steps=args.profile_steps, out=args.out, progress=say, summary_name=None, about=about,
+                  precision=precision)  # fmt: skip
     eager = profile(step, warmup=warmup, device=where, **common)
     progress.close()
     print(format_profile(eager))
@@ -457,7 +459,7 @@ def run_part_a(args, device) -> None:
         del step  # the eager model's memory back before the compiled one is built
         compiled_step = spec_step(spec, device, seed=args.seed, compile=True)
         compiled = profile(compiled_step, warmup=max(warmup, 1), device=device, compiled=True,
-                           trace_name="trace-compiled.json", **common)  # fmt: skip
+                           trace_name=compiled_trace_name(TRACE_JSON), **common)  # fmt: skip
         progress.close()
         print()
         print(format_profile_comparison(eager, compiled))

@@ -64,7 +64,6 @@ from profuse.attribution import (  # noqa: F401 - the trace's reading, under the
     union,
 )
 from profuse.compile import compile_model
-from profuse.env import check_fits
 from profuse.errors import UsageError
 from profuse.files import atomic_path, write_json
 from profuse.model import GPTConfig
@@ -271,6 +270,7 @@ def profile(
     summary_name: str | None = SUMMARY_NAME,
     about: dict | None = None,
     structure: bool = True,
+    precision: str | None = None,
 ) -> ProfileResult:
     """Profile any training step: `step` is a zero-argument callable that runs one whole step.
 
@@ -286,7 +286,8 @@ def profile(
     to report (ProfileResult.summary.region_pct; the user's own ranges are found anyway, in
     label_pct); `compiled` labels the result as torch.compile's and asks for a warm-up step;
     `about`: what was profiled, saved with the result; `structure`: open the module ranges that
-    name the candidates (off for a compiled step, where Inductor's kernels mix modules).
+    name the candidates (off for a compiled step, where Inductor's kernels mix modules);
+    `precision`: how the step computes, for the report (default: "as the step runs it").
     """
     if summary_name is not None and (not summary_name or Path(summary_name).name != summary_name):
         raise UsageError(f"summary name {summary_name!r} must be a plain file name")
@@ -297,7 +298,7 @@ def profile(
     config = {k: v for k, v in cfg.to_dict().items() if k not in ("model", "seed", "lr")}
     result, _trace = _profile_step(
         step, cfg, config, progress, regions=tuple(regions), find_device=device is None,
-        structure=structure and not compiled, about=about,
+        structure=structure and not compiled, about=about, precision=precision or USERS_PRECISION,
     )  # fmt: skip
     if summary_name is not None:
         write_json(cfg.out_dir / summary_name, {"kind": SUMMARY_KIND, "eager": result.to_dict()})
@@ -348,8 +349,10 @@ def _profile_step(
     find_device: bool = False,
     structure: bool = True,
     about: dict | None = None,
+    precision: str | None = None,
 ) -> tuple[ProfileResult, dict]:
-    """Warm-up, the profiled steps, the table, the trace and its reading, for any step."""
+    """Warm-up, the profiled steps, the table, the trace and its reading, for any step
+    (`precision` None: profuse's own step's, spec_step's)."""
     say = progress or (lambda _msg: None)
     structure = structure and not cfg.compile  # module hooks would break Dynamo's graphs
     with module_ranges(enabled=structure) as ranges:
@@ -366,7 +369,7 @@ def _profile_step(
     result = ProfileResult(
         device=str(device),
         compiled=cfg.compile,
-        precision=_precision(device, find_device),
+        precision=precision or spec_precision(device),
         torch_version=torch.__version__,
         config=config,
         steps=summary.steps,
@@ -384,10 +387,12 @@ def _profile_step(
     return result, trace
 
 
-def _precision(device: torch.device, users_step: bool) -> str:
-    if users_step:
-        return "as the step runs it"
-    return "bf16 autocast" if device.type == "cuda" else "fp32"
+USERS_PRECISION = "as the step runs it"
+
+
+def spec_precision(device: torch.device) -> str:
+    """How spec_step computes on `device` (models.spec.autocast_for): bf16 autocast on CUDA."""
+    return "bf16 autocast" if torch.device(device).type == "cuda" else "fp32"
 
 
 def _step_device(seen: torch.device | None) -> torch.device:
@@ -479,20 +484,17 @@ def _write_trace(prof: torch_profiler.profile, path: Path, say: Progress) -> dic
         return json.load(f)
 
 
-def check_profile_fits(cfg: ProfileConfig) -> None:
-    """UsageError (one line) when the profiled model will not fit in the device's free memory."""
-    m = cfg.model
-    check_fits(
-        m.train_bytes(),
-        cfg.device,
-        f"Part A's step of {m.param_count() / 1e6:.0f}M parameters and {m.tokens} tokens",
-    )
+def compiled_trace_name(trace_name: str) -> str:
+    """'trace.json' -> 'trace-compiled.json': the compiled step's trace, beside the eager one's."""
+    stem, suffix = os.path.splitext(trace_name)
+    return f"{stem}-compiled{suffix}"
 
 
 def compiled_config(cfg: ProfileConfig) -> ProfileConfig:
     """`cfg` under torch.compile: at least one warm-up step (it compiles), trace name marked."""
-    stem, suffix = os.path.splitext(cfg.trace_name)
-    return replace(cfg, compile=True, warmup=max(cfg.warmup, 1), trace_name=f"{stem}-compiled{suffix}")
+    return replace(
+        cfg, compile=True, warmup=max(cfg.warmup, 1), trace_name=compiled_trace_name(cfg.trace_name)
+    )
 
 
 def _sort_key(averages: EventList, on_cuda: bool) -> str:

@@ -149,30 +149,19 @@ class _Ranges:
 def module_ranges(enabled: bool = True) -> Iterator[_Ranges]:
     """Open a `profuse.module: ROLE` range around every call of a module with a role, for the
     duration; yields the state, whose `device` is that of the first module parameter seen (how
-    profuse.profile finds where a step runs). `enabled=False` only watches for the device."""
+    profuse.profile finds where a step runs). `enabled=False` installs nothing (a compiled step:
+    Dynamo would trace the hooks into its graphs), and the device stays unknown."""
     state = _Ranges()
-    if enabled:
-        pre = nn_module.register_module_forward_pre_hook(state.pre)
-        post = nn_module.register_module_forward_hook(state.post, always_call=True)
-    else:
-        pre = nn_module.register_module_forward_pre_hook(_device_only(state))
-        post = None
+    if not enabled:
+        yield state
+        return
+    pre = nn_module.register_module_forward_pre_hook(state.pre)
+    post = nn_module.register_module_forward_hook(state.post, always_call=True)
     try:
         yield state
     finally:
         pre.remove()
-        if post is not None:
-            post.remove()
+        post.remove()
         for _, r in reversed(state.stack()):  # a forward that raised: close what it left open
             r.__exit__(None, None, None)
         state.stack().clear()
-
-
-def _device_only(state: _Ranges):
-    def pre(m: nn.Module, _args) -> None:
-        if state.device is None:
-            p = next(m.parameters(recurse=False), None)
-            if p is not None:
-                state.device = p.device
-
-    return pre
