@@ -17,6 +17,7 @@ import torch
 from cases import assert_one_clear_line, run
 
 import profuse
+import profuse.errors
 from profuse import attribution as A
 from profuse.report.profile import format_profile
 
@@ -273,3 +274,13 @@ def test_the_device_is_asked_of_the_step():
     assert _step_device(torch.device("cpu")) == torch.device("cpu")
     if not torch.cuda.is_available():
         assert _step_device(None) == torch.device("cpu")  # no module seen, no CUDA memory in use
+
+
+def test_profile_refuses_a_bad_out_before_running_the_step(tmp_path):
+    (tmp_path / "a file").write_text("x\n")
+    calls = []
+    with pytest.raises(profuse.errors.UsageError, match="out .*a file"):
+        profuse.profile(lambda: calls.append(1), out=tmp_path / "a file")
+    with pytest.raises(profuse.errors.UsageError, match="plain file name"):
+        profuse.profile(lambda: calls.append(1), out=tmp_path, summary_name="a/b.json")
+    assert calls == []

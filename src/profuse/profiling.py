@@ -65,7 +65,7 @@ from profuse.attribution import (  # noqa: F401 - the trace's reading, under the
 )
 from profuse.compile import compile_model
 from profuse.errors import UsageError
-from profuse.files import atomic_path, write_json
+from profuse.files import atomic_path, check_folder, write_json
 from profuse.model import GPTConfig
 from profuse.models.spec import ModelSpec, autocast_for
 from profuse.structure import module_ranges
@@ -295,6 +295,8 @@ def profile(
         device=torch.device(device) if device is not None else torch.device("cpu"), steps=steps,
         warmup=warmup, compile=compiled, out_dir=Path(out), trace_name=trace_name, row_limit=row_limit,
     )  # fmt: skip
+    names = (trace_name,) if summary_name is None else (trace_name, summary_name)
+    check_folder(cfg.out_dir, names, flag="out")  # before any step runs
     config = {k: v for k, v in cfg.to_dict().items() if k not in ("model", "seed", "lr")}
     result, _trace = _profile_step(
         step, cfg, config, progress, regions=tuple(regions), find_device=device is None,
