@@ -502,7 +502,7 @@ def analyze_trace(
     candidates = []
     for name, ops in by_candidate.items():
         covered, note = _covered_by(name, ops, norm_roles)
-        top = {op: pct(us) for op, us in ops.most_common(3)}
+        top = {op: pct(us) for op, us in ops.most_common(5)}
         candidates.append(Candidate(name, pct(sum(ops.values())), covered, top, note))
     candidates = sorted((c for c in candidates if c.pct > 0), key=lambda c: c.pct, reverse=True)
     label_pct = {r: pct(time_by_region[r]) for r in labels}

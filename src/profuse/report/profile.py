@@ -79,6 +79,13 @@ def format_profile(r: ProfileResult) -> str:
 
 
 CANDIDATE_W = 30  # the candidate column: fits "q/k norm (in attention)"
+SHOWN_PCT = 0.05  # candidates under this share of the step are counted, not listed
+_NODE_PREFIX = "autograd::engine::evaluate_function: "
+
+
+def _op_name(op: str) -> str:
+    """An op as the table shows it: autograd's engine range as its node ('MulBackward0 (engine)')."""
+    return f"{op.removeprefix(_NODE_PREFIX)} (engine)" if op.startswith(_NODE_PREFIX) else op
 
 
 def format_candidates(r: ProfileResult) -> list[str]:
@@ -95,13 +102,18 @@ def format_candidates(r: ProfileResult) -> list[str]:
         f"  {'candidate':<{CANDIDATE_W}}  {'share':>6}  {'ceiling':>7}  {'profuse op':<12}  largest ops"
     )
     notes = []
-    for c in s.candidates:
+    shown = [c for c in s.candidates if c.pct >= SHOWN_PCT]
+    for c in shown:
         name = c.name if len(c.name) <= CANDIDATE_W else c.name[: CANDIDATE_W - 3] + "..."
-        ops = ", ".join(f"{op} {pct:.1f}%" for op, pct in c.ops.items())
+        ops = ", ".join(f"{_op_name(op)} {pct:.1f}%" for op, pct in list(c.ops.items())[:3])
         op = c.covered_by or "none yet"
         lines.append(f"  {name:<{CANDIDATE_W}}  {c.pct:5.1f}%  {c.ceiling:6.2f}x  {op:<12}  {ops}")
         if c.note:
             notes.append(f"  {c.name}: {c.note}")
+    rest = s.candidates[len(shown) :]
+    if rest:
+        names = ", ".join(c.name for c in rest)
+        lines.append(f"  (under {SHOWN_PCT}% each: {names})")
     return lines + notes
 
 
