@@ -578,7 +578,7 @@ def test_memory_bound_work_is_placed_by_the_module_that_issued_it():
     assert math.isclose(_us(s, A.GRAD_ACCUMULATION), 7 + 16)
     assert math.isclose(_us(s, A.RESIDUAL_NORM), 8 + 10)  # the norm, and the add in the layer
     assert math.isclose(_us(s, A.QK_NORM), 6)
-    assert math.isclose(_us(s, A.ATTENTION_COPIES), 9)
+    assert math.isclose(_us(s, A.COPIES), 9)
     assert math.isclose(_us(s, A.LOSS), 20)
     assert math.isclose(_us(s, A.OPTIMIZER_WORK), 100)
     # SDPA's own mul is attention, not memory-bound work of any candidate
@@ -657,3 +657,21 @@ def test_the_optimizer_is_found_without_labels(profiled):
     assert labelled.shares["optimizer"] > 5
     assert abs(unlabelled.shares["optimizer"] - labelled.shares["optimizer"]) < 1.0
     assert abs(unlabelled.shares["memory_bound"] - labelled.shares["memory_bound"]) < 1.0
+
+
+def test_autocasts_weight_cast_in_an_mlp_is_a_copy_not_gate_x_up():
+    """Under autocast, aten::linear casts its weight to bf16 (aten::_to_copy, copy_) before its
+    matmul: memory-bound work, but neither the matmul's nor SwiGLU's gate x up."""
+    trace = [
+        _x("ProfilerStep#1", "user_annotation", 0, 100),
+        _x("profuse.module: mlp (LlamaMLP)", "user_annotation", 1, 60),
+        _x("aten::linear", "cpu_op", 2, 30, **{"Sequence number": 1}),
+        _x("aten::_to_copy", "cpu_op", 3, 10),
+        _x("aten::copy_", "cpu_op", 4, 8),  # 8; _to_copy's own 2
+        _x("aten::mm", "cpu_op", 14, 15),  # 15; linear's own 5
+        _x("aten::mul", "cpu_op", 40, 6, **{"Sequence number": 2}),  # 6
+    ]
+    s = analyze_trace(trace, device="cpu")
+    assert math.isclose(_us(s, A.COPIES), 8 + 2)
+    assert math.isclose(_us(s, A.ACTIVATION_MUL), 6)
+    assert math.isclose(s.shares["matmul"] * s.total_us / 100, 15 + 5)

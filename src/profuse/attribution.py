@@ -119,8 +119,10 @@ def categorize(name: str, rules: Rules = _RULES) -> str:
     return "other"
 
 
-# Categories an operator passes on to everything run inside it (an aten op, not a range).
-_INHERITED = ("attention", "loss", "matmul")
+# Categories an operator passes on to everything run inside it (an aten op, not a range): SDPA's
+# math path and cross_entropy's parts are attention and loss whatever their names. Not matmul:
+# the copies inside an aten::linear are autocast's casts of its weight, memory-bound work.
+_INHERITED = ("attention", "loss")
 
 # --- fusion candidates, by the structure that issued the work -------------------------------------
 
@@ -128,14 +130,14 @@ RESIDUAL_NORM = "residual add + norm"
 ACTIVATION_MUL = "activation x mul"
 ROTARY = "rotary embedding"
 QK_NORM = "q/k norm (in attention)"
-ATTENTION_COPIES = "attention layout copies"
+COPIES = "copies and casts"  # autocast's weight casts, .contiguous() and dtype casts outside norms
 ATTENTION_ELEMENTWISE = "attention elementwise"  # outside its matmuls and SDPA, no RoPE seen
 LOSS = "softmax / cross-entropy"
 OPTIMIZER_WORK = "optimizer"
 GRAD_ACCUMULATION = "gradient accumulation"
 UNPLACED = "other memory-bound"  # in no module profuse.structure recognises
 
-# Copies and casts in an attention module: the layout changes around the matmuls and SDPA.
+# Copies and casts: a layout change (.contiguous()) or a dtype cast (autocast's bf16 weights).
 _COPY_OPS = re.compile(r"copy|clone|contiguous|_to_copy|aten::to$|copybackward|clonebackward|tobackward")
 # What marks rotary embedding where no module holds it: rotate_half's neg, the cos / sin tables.
 _ROPE_OPS = ("aten::neg", "aten::cos", "aten::sin")
@@ -377,20 +379,19 @@ class _Structure:
         """The candidate memory-bound work of `op` (an op name) at `place` belongs to."""
         if place.accumulation:
             return GRAD_ACCUMULATION
-        if not place.roles:
-            return UNPLACED
-        role = place.roles[0]
-        if role in NORM_ROLES:
+        copy = _COPY_OPS.search(op.lower()) is not None
+        role = place.roles[0] if place.roles else None
+        if role in NORM_ROLES:  # a norm's casts are its own (HF norms compute in fp32)
             return QK_NORM if "attention" in place.roles[1:] else RESIDUAL_NORM
+        if role == "rotary":
+            return ROTARY
+        if copy:
+            return COPIES
         if role == "layer":  # elementwise work of a decoder layer outside its modules: the residual adds
             return RESIDUAL_NORM
         if role == "mlp":
             return ACTIVATION_MUL
-        if role == "rotary":
-            return ROTARY
         if role == "attention":
-            if _COPY_OPS.search(op.lower()):
-                return ATTENTION_COPIES
             return ROTARY if self.rope else ATTENTION_ELEMENTWISE
         return UNPLACED
 
