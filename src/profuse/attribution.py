@@ -200,7 +200,9 @@ class TraceSummary:
     region_pct: dict[str, float] = field(default_factory=dict)
     candidates: list[Candidate] = field(default_factory=list)  # largest first
     phase_pct: dict[str, float] = field(default_factory=dict)  # forward, backward, optimizer -> %
-    label_pct: dict[str, float] = field(default_factory=dict)  # the user's own ranges -> %, largest first
+    # the user's own ranges -> %, largest first, forward and backward as region_pct; a range
+    # inside another counts for the inner one
+    label_pct: dict[str, float] = field(default_factory=dict)
     structured: bool = False  # whether the trace held profuse.module ranges (the candidates' source)
 
     def __post_init__(self) -> None:
@@ -453,9 +455,8 @@ def analyze_trace(
             memory_groups[op] += us
             name = structure.candidate(place, op)
             by_candidate[name][op] += us
-            if name == RESIDUAL_NORM:
-                norm_roles.update(r for r in place.roles[:1] if r in NORM_ROLES)
-                norm_roles.update(r for r in place.roles[1:2] if r in NORM_ROLES)
+            if name == RESIDUAL_NORM:  # which norms: add_rms_norm fuses RMSNorm only
+                norm_roles.update(r for r in place.roles if r in NORM_ROLES)
         elif cat == "loss":
             by_candidate[LOSS][op] += us
         elif cat == "optimizer":
