@@ -648,15 +648,23 @@ def test_a_backward_kernel_on_the_autograd_thread_is_placed_by_its_forward_modul
 
 
 def test_the_optimizer_is_found_without_labels(profiled):
-    """The same trace read with the step's `optimizer` ranges and without them: torch's own
-    Optimizer.step# and zero_grad# ranges find AdamW's work alone (within a point of the share)."""
+    """The same trace read with the step's forward / backward / optimizer ranges and without them:
+    torch's own Optimizer.step# and zero_grad# ranges find AdamW's work, autograd's nodes the
+    backward, and the candidates do not move (within a point of the step)."""
     result, _, _ = profiled
     trace = _trace(result)
     labelled = analyze_trace(trace, device="cpu")
-    unlabelled = analyze_trace([e for e in trace if e.get("name") != "optimizer"], device="cpu")
+    bare = [e for e in trace if e.get("name") not in ("forward", "backward", "optimizer")]
+    unlabelled = analyze_trace(bare, device="cpu")
     assert labelled.shares["optimizer"] > 5
-    assert abs(unlabelled.shares["optimizer"] - labelled.shares["optimizer"]) < 1.0
-    assert abs(unlabelled.shares["memory_bound"] - labelled.shares["memory_bound"]) < 1.0
+    for cat in ("optimizer", "memory_bound", "loss"):
+        assert abs(unlabelled.shares[cat] - labelled.shares[cat]) < 1.0, cat
+    for phase in ("backward", "optimizer"):
+        assert abs(unlabelled.phase_pct[phase] - labelled.phase_pct[phase]) < 1.0, phase
+    before = {c.name: c.pct for c in labelled.candidates}
+    after = {c.name: c.pct for c in unlabelled.candidates}
+    assert set(after) == set(before)
+    assert all(abs(after[name] - before[name]) < 1.0 for name in before)
 
 
 def test_autocasts_weight_cast_in_an_mlp_is_a_copy_not_gate_x_up():
