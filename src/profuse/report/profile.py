@@ -186,12 +186,13 @@ def why_compiled_differs(eager: ProfileResult, compiled: ProfileResult, ratio: f
     # Slower compiled: the compiled step pays for guard checks, runtime wrappers and graph breaks
     # around each compiled graph, which at a small size outweigh what fusion saves.
     where = "on a CPU" if eager.device.startswith("cpu") else "on this GPU"
+    model = eager.about.get("model", {}).get("model", "gpt")
+    sizes = "--d-model, --seq-len, --batch-size" if model == "gpt" else "--preset, --seq-len, --batch-size"
     return (
         f"why slower: torch.compile fused the step into fewer kernels ({fewer}); {memory}; the "
         "compiled step adds costs of its own (guard checks and runtime wrappers around each compiled "
         f"graph, forward and backward, and any graph breaks); {where} at this model size they can "
-        "outweigh what fusion saves, and a larger model (--d-model, --seq-len, --batch-size) gives "
-        "fusion more to save"
+        f"outweigh what fusion saves, and a larger model ({sizes}) gives fusion more to save"
     )
 
 
