@@ -22,7 +22,6 @@ from pathlib import Path
 
 from profuse import __version__
 from profuse.errors import UsageError
-from profuse.loader import STEP_HELP
 
 SUBCOMMANDS = ("profile", "sweep", "step", "report", "diff")
 
@@ -188,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_profile_parser() -> argparse.ArgumentParser:
+    from profuse.loader import STEP_HELP
+
     p = _Parser(
         prog="profuse profile",
         description="Part A: profile a few training steps - the built-in GPT (default), a Hugging Face "
