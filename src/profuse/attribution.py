@@ -446,11 +446,15 @@ def analyze_trace(
     launches = 0
     gpu_idle_pct = None
 
-    def count(us: float, cat: str, chain: tuple[Span, ...], op: str, t: float) -> None:
+    def count(
+        us: float, cat: str, chain: tuple[Span, ...], op: str, t: float, engine_us: float = 0.0
+    ) -> None:
+        """`engine_us`: the part of `us` autograd's engine spent between backward nodes."""
         time_by_cat[cat] += us
         place = structure.place(chain)
         phase = OPTIMIZER if optimizer.holds(t) else BACKWARD if place.backward else FORWARD
-        time_by_phase[phase] += us
+        time_by_phase[phase] += us - engine_us
+        time_by_phase[BACKWARD] += engine_us
         if cat == "memory_bound":
             memory_groups[op] += us
             name = structure.candidate(place, op)
@@ -485,6 +489,7 @@ def analyze_trace(
         gpu_idle_pct = _idle_pct(steps, [s for s in spans if s.cat in _DEVICE_BUSY_CATS])
     else:
         basis, unit = "self CPU time", "operators"
+        engine = _engine_time(host)
         for s in host:
             if steps.find(s.ts) < 0:
                 continue
@@ -495,7 +500,7 @@ def analyze_trace(
                 cat = categorize(s.name, extra) if extra else "other"
             else:
                 cat = _inherited(s.parents, rules) or categorize(s.name, rules)
-            count(s.self_us, cat, (s, *s.parents), s.name, s.ts)
+            count(s.self_us, cat, (s, *s.parents), s.name, s.ts, engine.get(id(s), 0.0))
 
     total = sum(time_by_cat.values())
     if total <= 0:
@@ -549,6 +554,34 @@ def _user_labels(host: list[Span], steps: _Windows) -> tuple[str, ...]:
             continue
         names[s.name] += s.end - s.ts
     return tuple(name for name, _ in names.most_common(MAX_LABELS))
+
+
+def _engine_time(host: list[Span]) -> dict[int, float]:
+    """id(span) -> the part of its self time autograd's engine spent between the backward nodes
+    it runs (the span that called backward(): a step's own, or a range around it), so that the
+    backward's phase holds the engine's time whether or not a range names it."""
+    nodes: dict[int, list[Span]] = defaultdict(list)
+    by_id: dict[int, Span] = {}
+    for s in host:
+        if (
+            s.name.startswith(_BACKWARD_NODE)
+            and s.parents
+            and not s.parents[0].name.startswith(_BACKWARD_NODE)
+        ):
+            nodes[id(s.parents[0])].append(s)
+            by_id[id(s.parents[0])] = s.parents[0]
+    if not nodes:
+        return {}
+    children: dict[int, list[Span]] = defaultdict(list)
+    for s in host:
+        if s.parents and id(s.parents[0]) in nodes:
+            children[id(s.parents[0])].append(s)
+    out = {}
+    for key, run in nodes.items():
+        window = [(min(n.ts for n in run), max(n.end for n in run))]
+        busy = union((c.ts, c.end) for c in children[key])
+        out[key] = total_length(window) - total_length(intersect(window, busy))
+    return out
 
 
 def _inherited(parents: Iterable[Span], rules: Rules) -> str | None:
