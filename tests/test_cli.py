@@ -511,8 +511,8 @@ def no_work(monkeypatch):
         raise AssertionError("the work started before the output folder was checked")
 
     work = [(profuse.bench.tail_bench, "run_tail_bench"), (profuse.sweep, "run_sweep"),
-            (profuse.profiling, "run_profile"), (profuse.distributed, "launch"),
-            (profuse.distributed, "run_worker")]  # fmt: skip
+            (profuse.profiling, "run_profile"), (profuse.profiling, "profile"),
+            (profuse.distributed, "launch"), (profuse.distributed, "run_worker")]  # fmt: skip
     for module, name in work:
         monkeypatch.setattr(module, name, started)
 

@@ -132,6 +132,23 @@ def test_report_prints_the_saved_job_again(ddp_run, capsys):
         ln for ln in proc.stdout.splitlines() if ln.startswith("=== Part A on 2")
     )
     assert "rank 1's collectives in its trace: gloo:all_reduce x2" in text
+    assert "fusion candidates on rank 0, by structure" in text and "add_rms_norm" in text
+
+
+def test_a_job_saved_before_the_candidates_reads_back(ddp_run, capsys, tmp_path):
+    """A profile_ddp.json written before ranks carried candidates and phases prints without them."""
+    _, out = ddp_run
+    data = json.loads((out / SUMMARY_NAME).read_text())
+    assert data["ranks"][0]["candidates"] and set(data["ranks"][0]["phase_pct"]) == {
+        "forward", "backward", "optimizer"
+    }  # fmt: skip
+    for r in data["ranks"]:
+        del r["candidates"], r["phase_pct"]
+    old = tmp_path / SUMMARY_NAME
+    old.write_text(json.dumps(data))
+    assert main(["report", str(old)]) == 0
+    text = capsys.readouterr().out
+    assert "rank 1's collectives in its trace" in text and "fusion candidates" not in text
 
 
 def test_unsteady_rank_step_times_are_warned_of(ddp_run):

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from profuse import attribution as A
 from profuse.errors import UsageError
 from profuse.model import GPTConfig
 from profuse.profiling import (
@@ -92,13 +93,42 @@ def test_operators_per_step_counts_aten_calls(profiled):
     assert result.summary.gpu_idle_pct is None  # CPU: no GPU to idle
 
 
-def test_hotspot_points_at_the_swiglu_tail(profiled):
+def test_candidates_of_the_gpt_are_named_by_its_modules(profiled):
+    """The GPT's memory-bound work lands on its norms (AddRMSNorm: the residual add and the norm)
+    and its SwiGLU, each with the profuse op that fuses it; the loss and AdamW are their own.
+    The GPT has no rotary embedding, so its attention's split backward (a cat) is not RoPE."""
     result, _, _ = profiled
-    assert "silu" in result.hotspot and "rms_norm" in result.hotspot
-    groups = result.summary.memory_bound_groups
+    s = result.summary
+    assert s.structured
+    found = {c.name: c for c in s.candidates}
+    assert found[A.RESIDUAL_NORM].covered_by == "add_rms_norm"
+    assert found[A.ACTIVATION_MUL].covered_by == "silu_mul"
+    assert "aten::silu" in found[A.ACTIVATION_MUL].ops or "aten::silu_backward" in found[A.ACTIVATION_MUL].ops
+    assert found[A.LOSS].covered_by is None and found[A.OPTIMIZER_WORK].covered_by is None
+    assert A.ROTARY not in found
+    assert math.isclose(found[A.LOSS].pct, s.shares["loss"], rel_tol=1e-9)
+    assert math.isclose(found[A.OPTIMIZER_WORK].pct, s.shares["optimizer"], rel_tol=1e-9)
+    memory = [c for c in s.candidates if c.name not in (A.LOSS, A.OPTIMIZER_WORK)]
+    assert math.isclose(sum(c.pct for c in memory), s.shares["memory_bound"], rel_tol=1e-9)
+    assert [c.pct for c in s.candidates] == sorted((c.pct for c in s.candidates), reverse=True)
+    for c in s.candidates:
+        assert math.isclose(c.ceiling, 1 / (1 - c.pct / 100))
+    covered = found[A.RESIDUAL_NORM].pct + found[A.ACTIVATION_MUL].pct
+    assert math.isclose(s.tail_pct, covered, rel_tol=1e-9)
+    assert s.candidates[0].name in result.hotspot
+    groups = s.memory_bound_groups
     assert list(groups.values()) == sorted(groups.values(), reverse=True)
     assert math.isclose(sum(groups.values()), result.shares["memory_bound"], rel_tol=1e-9)
-    assert 0 < result.summary.tail_pct <= result.shares["memory_bound"]
+
+
+def test_phases_are_found_in_the_trace(profiled):
+    result, _, _ = profiled
+    phases = result.summary.phase_pct
+    assert set(phases) == {"forward", "backward", "optimizer"}
+    assert math.isclose(sum(phases.values()), 100.0, abs_tol=1e-6)
+    assert all(v > 0 for v in phases.values())
+    assert math.isclose(phases["optimizer"], result.shares["optimizer"], rel_tol=1e-9)
+    assert result.summary.label_pct == {}  # the phases' ranges are profuse's, not the user's
 
 
 def test_result_is_json_and_nothing_printed(profiled, capsys):
@@ -116,6 +146,16 @@ def test_report_reads_like_the_lab(profiled):
     lines = text.splitlines()
     assert lines[0] == f"=== Part A: top operators over {STEPS} training steps (cpu) ==="
     assert "aten::mm" in text
+    table = lines.index(next(line for line in lines if line.startswith("fusion candidates, by the module")))
+    assert lines[table + 1].split() == ["candidate", "share", "ceiling", "profuse", "op", "largest", "ops"]
+    candidates = result.summary.candidates
+    rows = {c.name: line for c in candidates for line in lines if line.startswith(f"  {c.name} ")}
+    assert set(rows) == {c.name for c in candidates if c.pct >= 0.05}  # the smallest are named, not listed
+    small = [c.name for c in candidates if c.pct < 0.05]
+    assert not small or f"  (under 0.05% each: {', '.join(small)})" in lines
+    assert "add_rms_norm" in rows[A.RESIDUAL_NORM] and "silu_mul" in rows[A.ACTIVATION_MUL]
+    assert "none yet" in rows[A.OPTIMIZER_WORK]
+    assert any(line.startswith("phases: forward ") for line in lines)
     assert lines[-1].startswith(f"trace written: {result.trace_path} (")
     assert lines[-1].endswith("- open it at https://ui.perfetto.dev")
     assert any(line.startswith("hot spot: ") for line in lines)
@@ -234,7 +274,12 @@ def test_analyze_cuda_trace():
     assert math.isclose(s.gpu_idle_pct, 50.0)
     # The elementwise kernel is grouped under the operator that launched it.
     assert list(s.memory_bound_groups) == ["aten::mul"]
-    assert math.isclose(s.tail_pct, s.shares["memory_bound"])
+    # No module ranges in this trace: the mul is memory-bound work no module is known to hold.
+    assert not s.structured and s.tail_pct == 0.0
+    assert {c.name: c.pct for c in s.candidates} == {
+        A.OPTIMIZER_WORK: 100 * 10 / 45,
+        A.UNPLACED: 100 * 10 / 45,
+    }
 
 
 def test_analyze_cpu_trace_uses_self_time():
@@ -309,7 +354,40 @@ def test_compile_step_says_why_compiled_is_faster_or_slower(profiled, compiled_m
     if slower:
         assert why.startswith("why slower: ") and "on a CPU" in why and "--d-model" in why
     else:
-        assert why.startswith("why: torch.compile fuses") and "slower" not in why
+        assert why.startswith("why: torch.compile fused") and "slower" not in why
+
+
+def _with_memory_bound(result, ms_per_step: float, pct: float):
+    """`result` with its memory-bound work set to `ms_per_step` and `pct` of its step."""
+    from dataclasses import replace
+
+    s = result.summary
+    total = ms_per_step * 1e3 * s.steps * 100 / pct
+    rest = (100 - pct) / (100 - s.shares["memory_bound"])
+    shares = {c: (pct if c == "memory_bound" else v * rest) for c, v in s.shares.items()}
+    return replace(result, compiled=True, summary=replace(s, total_us=total, shares=shares))
+
+
+def test_the_compile_step_line_says_what_its_numbers_say(profiled):
+    """A compiled step whose memory-bound share rose (21.0% -> 29.3%) while its time fell is not
+    said to have 'fused the memory-bound work (21.0%)': the line gives both numbers and both
+    times; a memory-bound time that did not fall is said not to have fallen."""
+    result, _, _ = profiled
+    eager = _with_memory_bound(result, 2.0, 21.0)
+    eager = replace_compiled(eager, False)
+    rose = format_profile_comparison(eager, _with_memory_bound(result, 1.5, 29.3))
+    [why] = [line for line in rose.splitlines() if line.startswith("why")]
+    assert "2.000 -> 1.500 ms a step (21.0% -> 29.3%" in why
+    assert "shrank, but less than the rest of the step did" in why
+    same = format_profile_comparison(eager, _with_memory_bound(result, 2.5, 25.0))
+    [why] = [line for line in same.splitlines() if line.startswith("why")]
+    assert "2.000 -> 2.500 ms a step" in why and "did not shrink" in why
+
+
+def replace_compiled(result, compiled: bool):
+    from dataclasses import replace
+
+    return replace(result, compiled=compiled)
 
 
 def test_a_result_reads_back_from_its_json(profiled):
@@ -323,8 +401,14 @@ def test_an_older_summary_without_later_fields_reads_back(profiled):
     with that field's default; one missing a field with no default is still malformed."""
     result, _, _ = profiled
     data = json.loads(json.dumps(result.to_dict()))
-    del data["region_pct"]
-    assert ProfileResult.from_dict(data).summary.region_pct == {}
+    for name in ("region_pct", "candidates", "phase_pct", "label_pct", "structured", "about"):
+        del data[name]
+    data["hotspot"] = "memory-bound elementwise + norm work is 30.0% of the self CPU time"
+    old = ProfileResult.from_dict(data)
+    assert old.summary.region_pct == {} and old.candidates == [] and old.summary.phase_pct == {}
+    text = format_profile(old)  # as an older run printed it: no candidates table, its hot spot line
+    assert "fusion candidates" not in text and "phases:" not in text
+    assert "hot spot: memory-bound elementwise + norm work is 30.0%" in text
     del data["tail_pct"]
     with pytest.raises(KeyError):
         ProfileResult.from_dict(data)
@@ -352,7 +436,7 @@ def test_a_step_the_gpu_mostly_waits_through_reads_as_launch_bound():
     assert "reduce-overhead" in reading and "bigger batch" in reading
     hot = s.hotspot()
     assert "launch-bound" in hot and "fuse" not in hot  # no hot spot named where no kernel bounds the step
-    assert "rms_norm(silu" not in s.hotspot(compiled=True)
+    assert "launch-bound" in s.hotspot(compiled=True)
 
 
 def test_a_busy_gpu_is_not_launch_bound():
@@ -495,3 +579,171 @@ def test_an_unsteady_profiled_step_time_is_warned_of(profiled):
     assert lines.index(warning) == step_line + 1
     both = format_profile_comparison(swung, steady)
     assert "eager 1/4 (3 ms to 545 ms), compiled 0/4" in both
+
+
+# --- fusion candidates by structure, on made-up traces --------------------------------------------
+
+
+def _structured_cpu_trace():
+    """A decoder layer on the CPU: a norm, attention with RoPE (mul, neg, cat), SDPA (with a mul of
+    its own inside), a q norm and a layout copy, the residual add straight in the layer, an MLP
+    (silu, mul), the loss; then the backward (MulBackward0 of the MLP's mul, with the engine's
+    add_ of two gradients beside it; NegBackward0 of RoPE's neg; AccumulateGrad's add_) and
+    AdamW's own range. Self times in us are in the comments."""
+    seq = lambda n: {"Sequence number": n}
+    node = "autograd::engine::evaluate_function: "
+    return [
+        _x("ProfilerStep#1", "user_annotation", 0, 1000),
+        _x("profuse.module: layer (Block)", "user_annotation", 10, 390),
+        _x("profuse.module: rms_norm (RMSNorm)", "user_annotation", 11, 39),
+        _x("aten::mul", "cpu_op", 12, 8, **seq(1)),  # 8: the norm's
+        _x("profuse.module: attention (Attention)", "user_annotation", 60, 140),
+        _x("aten::mm", "cpu_op", 61, 19, **seq(2)),
+        _x("aten::mul", "cpu_op", 81, 9, **seq(3)),  # 9: RoPE
+        _x("aten::neg", "cpu_op", 91, 4, **seq(4)),  # 4: RoPE
+        _x("aten::cat", "cpu_op", 96, 4, **seq(5)),  # 4: RoPE
+        _x("aten::scaled_dot_product_attention", "cpu_op", 101, 49, **seq(6)),
+        _x("aten::mul", "cpu_op", 102, 8),  # 8: SDPA's own, so attention
+        _x("aten::clone", "cpu_op", 151, 9, **seq(7)),  # 9: a layout copy
+        _x("profuse.module: rms_norm (QNorm)", "user_annotation", 161, 9),
+        _x("aten::mul", "cpu_op", 162, 6, **seq(12)),  # 6: a q norm
+        _x("aten::add", "cpu_op", 210, 10, **seq(8)),  # 10: the residual add
+        _x("profuse.module: mlp (MLP)", "user_annotation", 230, 160),
+        _x("aten::silu", "cpu_op", 231, 9, **seq(9)),  # 9
+        _x("aten::mul", "cpu_op", 241, 9, **seq(10)),  # 9: gate x up
+        _x("aten::log_softmax", "cpu_op", 400, 20, **seq(11)),  # 20
+        _x(node + "MulBackward0", "cpu_op", 500, 30, **seq(10)),  # 30 - 19 - 7 = 4
+        _x("MulBackward0", "cpu_op", 501, 19, **seq(10)),  # 19 - 13 = 6
+        _x("aten::mul", "cpu_op", 502, 13),  # 13
+        _x("aten::add_", "cpu_op", 521, 7),  # 7: the engine summing two gradients
+        _x(node + "NegBackward0", "cpu_op", 540, 10, **seq(4)),  # 10 - 8 = 2
+        _x("NegBackward0", "cpu_op", 541, 8, **seq(4)),  # 8 - 6 = 2
+        _x("aten::neg", "cpu_op", 542, 6),  # 6
+        _x(node + "torch::autograd::AccumulateGrad", "cpu_op", 560, 20),
+        _x("torch::autograd::AccumulateGrad", "cpu_op", 561, 18),
+        _x("aten::add_", "cpu_op", 562, 16),  # 16: a gradient accumulated
+        _x("Optimizer.step#AdamW.step", "user_annotation", 600, 100),  # 60 of its own
+        _x("aten::mul_", "cpu_op", 610, 40),  # 40
+    ]
+
+
+def _us(s, name: str) -> float:
+    c = next(c for c in s.candidates if c.name == name)
+    return c.pct * s.total_us / 100
+
+
+def test_memory_bound_work_is_placed_by_the_module_that_issued_it():
+    s = analyze_trace(_structured_cpu_trace(), device="cpu")
+    assert s.structured
+    assert math.isclose(_us(s, A.ROTARY), 9 + 4 + 4 + 2 + 2 + 6)  # forward, and NegBackward0's
+    assert math.isclose(_us(s, A.ACTIVATION_MUL), 9 + 9 + 4 + 6 + 13)  # not the engine's add_
+    assert math.isclose(_us(s, A.GRAD_ACCUMULATION), 7 + 16)
+    assert math.isclose(_us(s, A.RESIDUAL_NORM), 8 + 10)  # the norm, and the add in the layer
+    assert math.isclose(_us(s, A.QK_NORM), 6)
+    assert math.isclose(_us(s, A.COPIES), 9)
+    assert math.isclose(_us(s, A.LOSS), 20)
+    assert math.isclose(_us(s, A.OPTIMIZER_WORK), 100)
+    # SDPA's own mul is attention, not memory-bound work of any candidate
+    assert math.isclose(s.shares["attention"] * s.total_us / 100, 49 - 8 + 8)
+    found = {c.name: c for c in s.candidates}
+    assert "aten::neg" not in found[A.ACTIVATION_MUL].ops and "aten::add_" not in found[A.ACTIVATION_MUL].ops
+    assert found[A.RESIDUAL_NORM].covered_by == "add_rms_norm"
+    assert found[A.ACTIVATION_MUL].covered_by == "silu_mul"
+    assert found[A.ROTARY].covered_by is None and found[A.QK_NORM].covered_by is None
+    assert math.isclose(s.tail_pct, found[A.RESIDUAL_NORM].pct + found[A.ACTIVATION_MUL].pct)
+    assert math.isclose(s.phase_pct["optimizer"] * s.total_us / 100, 100)
+    # the three nodes, and the engine's time between them (530-540, 550-560: the step's own)
+    assert math.isclose(s.phase_pct["backward"] * s.total_us / 100, 30 + 10 + 20 + 20)
+
+
+def test_without_rotary_work_attention_elementwise_is_not_called_rope():
+    trace = [e for e in _structured_cpu_trace() if e["name"] not in ("aten::neg", "NegBackward0")]
+    trace = [e for e in trace if "NegBackward0" not in e["name"]]
+    s = analyze_trace(trace, device="cpu")
+    names = {c.name for c in s.candidates}
+    assert A.ROTARY not in names and A.ATTENTION_ELEMENTWISE in names
+    assert math.isclose(_us(s, A.ATTENTION_ELEMENTWISE), 9 + 4)
+
+
+def test_a_layer_norm_or_another_activation_is_not_said_to_be_covered():
+    trace = _structured_cpu_trace()
+    for e in trace:
+        e["name"] = e["name"].replace("rms_norm (RMSNorm)", "layer_norm (LayerNorm)").replace("silu", "gelu")
+    found = {c.name: c for c in analyze_trace(trace, device="cpu").candidates}
+    assert found[A.RESIDUAL_NORM].covered_by is None and "LayerNorm" in found[A.RESIDUAL_NORM].note
+    assert found[A.ACTIVATION_MUL].covered_by is None and "SiLU" in found[A.ACTIVATION_MUL].note
+
+
+def test_the_users_own_ranges_are_reported():
+    trace = [*_structured_cpu_trace(), _x("my_swiglu", "user_annotation", 229, 162)]
+    s = analyze_trace(trace, device="cpu")
+    assert list(s.label_pct) == ["my_swiglu"]
+    # its share: its own and the MLP range's self time, silu and mul, and all the backward node its
+    # mul made ran (found through the sequence number)
+    assert math.isclose(s.label_pct["my_swiglu"] * s.total_us / 100, (162 - 160) + (160 - 18) + 9 + 9 + 30)
+
+
+def test_a_backward_kernel_on_the_autograd_thread_is_placed_by_its_forward_module():
+    """CUDA: the MLP's mul (sequence number 7) and its backward kernel, launched from the autograd
+    thread, are gate x up; a residual add straight in the layer is the residual add."""
+    kernel = lambda name, ts, dur, corr: _x(name, "kernel", ts, dur, tid=7, pid=0, correlation=corr)
+    launch = lambda ts, corr, tid=1: _x("cudaLaunchKernel", "cuda_runtime", ts, 1, tid=tid, correlation=corr)
+    node = "autograd::engine::evaluate_function: "
+    trace = [
+        _x("ProfilerStep#1", "user_annotation", 0, 100),
+        _x("profuse.module: layer (LlamaDecoderLayer)", "user_annotation", 1, 30),
+        _x("profuse.module: mlp (LlamaMLP)", "user_annotation", 1, 10),
+        _x("aten::mul", "cpu_op", 2, 5, **{"Sequence number": 7}),
+        launch(3, 1),
+        kernel("vectorized_elementwise_kernel<MulFunctor>", 10, 4, 1),
+        _x("aten::add", "cpu_op", 20, 5, **{"Sequence number": 8}),
+        launch(21, 2),
+        kernel("vectorized_elementwise_kernel<AddFunctor>", 22, 6, 2),
+        _x(node + "MulBackward0", "cpu_op", 50, 10, tid=2, **{"Sequence number": 7}),
+        _x("aten::mul", "cpu_op", 51, 5, tid=2),
+        launch(52, 3, tid=2),
+        kernel("vectorized_elementwise_kernel<MulFunctor>", 53, 8, 3),
+    ]
+    s = analyze_trace(trace, device="cuda")
+    assert math.isclose(_us(s, A.ACTIVATION_MUL), 4 + 8)
+    assert math.isclose(_us(s, A.RESIDUAL_NORM), 6)
+    assert math.isclose(s.phase_pct["backward"], 100 * 8 / 18)
+
+
+def test_the_optimizer_is_found_without_labels(profiled):
+    """The same trace read with the step's forward / backward / optimizer ranges and without them:
+    torch's own Optimizer.step# and zero_grad# ranges find AdamW's work, autograd's nodes the
+    backward, and the candidates do not move (within two points of the step: what
+    the ranges' own Python time adds, more on a busy machine)."""
+    result, _, _ = profiled
+    trace = _trace(result)
+    labelled = analyze_trace(trace, device="cpu")
+    bare = [e for e in trace if e.get("name") not in ("forward", "backward", "optimizer")]
+    unlabelled = analyze_trace(bare, device="cpu")
+    assert labelled.shares["optimizer"] > 0.5  # AdamW is there to be found
+    for cat in ("optimizer", "memory_bound", "loss"):
+        assert abs(unlabelled.shares[cat] - labelled.shares[cat]) < 2.0, cat
+    for phase in ("backward", "optimizer"):
+        assert abs(unlabelled.phase_pct[phase] - labelled.phase_pct[phase]) < 2.0, phase
+    before = {c.name: c.pct for c in labelled.candidates}
+    after = {c.name: c.pct for c in unlabelled.candidates}
+    assert set(after) == set(before)
+    assert all(abs(after[name] - before[name]) < 2.0 for name in before)
+
+
+def test_autocasts_weight_cast_in_an_mlp_is_a_copy_not_gate_x_up():
+    """Under autocast, aten::linear casts its weight to bf16 (aten::_to_copy, copy_) before its
+    matmul: memory-bound work, but neither the matmul's nor SwiGLU's gate x up."""
+    trace = [
+        _x("ProfilerStep#1", "user_annotation", 0, 100),
+        _x("profuse.module: mlp (LlamaMLP)", "user_annotation", 1, 60),
+        _x("aten::linear", "cpu_op", 2, 30, **{"Sequence number": 1}),
+        _x("aten::_to_copy", "cpu_op", 3, 10),
+        _x("aten::copy_", "cpu_op", 4, 8),  # 8; _to_copy's own 2
+        _x("aten::mm", "cpu_op", 14, 15),  # 15; linear's own 5
+        _x("aten::mul", "cpu_op", 40, 6, **{"Sequence number": 2}),  # 6
+    ]
+    s = analyze_trace(trace, device="cpu")
+    assert math.isclose(_us(s, A.COPIES), 8 + 2)
+    assert math.isclose(_us(s, A.ACTIVATION_MUL), 6)
+    assert math.isclose(s.shares["matmul"] * s.total_us / 100, 15 + 5)

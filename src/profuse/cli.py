@@ -223,9 +223,34 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def build_profile_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="profuse profile", description="Part A: profile a few training steps of a small GPT.")
+    from profuse.loader import STEP_HELP
+
+    p = _Parser(
+        prog="profuse profile",
+        description="Part A: profile a few training steps - the built-in GPT (default), a Hugging Face "
+        "model (--model hf:llama) or your own step (--step FILE.py:FUNC) - and name its fusion "
+        "candidates by the module that issued the work.",
+    )
     _add_device_args(p)
     _add_model_args(p)
+    g = p.add_argument_group("what to profile")
+    g.add_argument(
+        "--model", default=None,
+        help="gpt (the built-in, default) or hf:ARCH, ARCH one of llama, mistral, qwen2, qwen3 (a Hugging "
+        "Face model with random weights: pip install 'profuse[hf]')",
+    )  # fmt: skip
+    g.add_argument(
+        "--preset", default=None,
+        help="the model's size: for hf:ARCH tiny (default), Llama-3.2-1B, Qwen2.5-0.5B, Qwen3-0.6B; for "
+        "gpt lab (default), small, medium",
+    )  # fmt: skip
+    g.add_argument(
+        "--hf-config", type=Path, default=None,
+        help="a Hugging Face config.json (or its folder) to build hf:ARCH from, not --preset",
+    )  # fmt: skip
+    g.add_argument("--step", default=None, help=f"{STEP_HELP}; --device auto asks the step where it runs")
+    g.add_argument("--warmup", type=nonnegative_int, default=2,
+                   help="unprofiled steps first, so first-call costs stay out (default: 2)")  # fmt: skip
     _add_out_arg(
         p,
         ".",
@@ -234,7 +259,8 @@ def build_profile_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--nproc", type=positive_int, default=None,
-        help="profile data-parallel training on N processes (DDP; NCCL on GPUs, gloo on CPU)",
+        help="profile data-parallel training of the built-in GPT on N processes (DDP; NCCL on GPUs, "
+        "gloo on CPU)",
     )  # fmt: skip
     return p
 
@@ -393,39 +419,84 @@ def _bench_config(args, device, rows: int, cols: int):
     )
 
 
-def _profile_config(args, device):
-    from profuse.model import GPTConfig
-    from profuse.profiling import ProfileConfig
+_GPT_SIZE_FLAGS = (("--layers", "layers"), ("--d-model", "d_model"), ("--heads", "heads"),
+                   ("--vocab-size", "vocab_size"))  # fmt: skip
 
-    overrides = {
+
+def _profile_spec(args):
+    """The model `profuse profile` builds (profuse.models' spec), or None for the user's --step;
+    every flag that does not apply is a one-line error here, before any work."""
+    from profuse.models import model_spec
+
+    model, preset, hf_config = (getattr(args, k, None) for k in ("model", "preset", "hf_config"))
+    if getattr(args, "step", None) is not None:
+        sizes = [*_GPT_SIZE_FLAGS, ("--seq-len", "seq_len"), ("--batch-size", "batch_size")]
+        flags = [("--model", model), ("--preset", preset), ("--hf-config", hf_config),
+                 ("--compile-step", args.compile_step or None),
+                 *((f, getattr(args, k)) for f, k in sizes)]  # fmt: skip
+        given = [flag for flag, value in flags if value is not None]
+        if given:
+            verb = "does" if len(given) == 1 else "do"
+            raise UsageError(f"--step profiles your own step as it is: {', '.join(given)} {verb} not apply")
+        return None
+    gpt = {
         "n_layer": args.layers,
         "d_model": args.d_model,
         "n_head": args.heads,
         "vocab_size": args.vocab_size,
-        "seq_len": args.seq_len,
-        "batch_size": args.batch_size,
     }
-    model = GPTConfig(**{k: v for k, v in overrides.items() if v is not None})
+    return model_spec(model or "gpt", preset, config_path=hf_config, batch_size=args.batch_size,
+                      seq_len=args.seq_len, **gpt)  # fmt: skip
+
+
+def _profile_config(args, device):
+    """The built-in GPT's Part A config, for the data-parallel ranks (profuse.distributed)."""
+    from profuse.profiling import ProfileConfig
+
+    spec = _profile_spec(args)
+    if spec is None or spec.family != "gpt":
+        raise UsageError("--nproc profiles the built-in GPT only: leave out --step and --model hf:ARCH")
     return ProfileConfig(
-        model=model, device=device, steps=args.profile_steps, out_dir=args.out, seed=args.seed
-    )
+        model=spec.config, device=device, steps=args.profile_steps, warmup=getattr(args, "warmup", 2),
+        out_dir=args.out, seed=args.seed,
+    )  # fmt: skip
 
 
 def run_part_a(args, device) -> None:
+    """Part A: the built-in GPT, a Hugging Face model or the user's --step, through
+    profuse.profiling.profile; eager, and compiled beside it with --compile-step."""
+    from profuse.env import check_fits
     from profuse.files import write_json
-    from profuse.profiling import SUMMARY_KIND, check_profile_fits, compiled_config, run_profile
+    from profuse.profiling import SUMMARY_KIND, compiled_trace_name, profile, spec_precision, spec_step
     from profuse.report.profile import format_profile, format_profile_comparison
 
-    cfg = _profile_config(args, device)
-    check_profile_fits(cfg)
+    spec = _profile_spec(args)
+    warmup = getattr(args, "warmup", 2)
+    if spec is not None:
+        check_fits(spec.train_bytes(), device, f"Part A's step of {spec.describe()}")
+        about = {"model": spec.to_dict(), "describe": spec.describe()}
+        step = spec_step(spec, device, seed=args.seed)
+        where, precision = device, spec_precision(device)
+    else:
+        from profuse.loader import load_step
+
+        step = load_step(args.step)
+        about = {"step": args.step, "describe": f"your step, {args.step}"}
+        where = None if getattr(args, "device", "auto") == "auto" else device  # None: ask the step
+        precision = None  # as the user's step runs it
     progress = Progress()
     say = lambda text: progress(text, 0, 1)
-    eager = run_profile(cfg, progress=say)
+    common = dict(steps=args.profile_steps, out=args.out, progress=say, summary_name=None, about=about,
+                  precision=precision)  # fmt: skip
+    eager = profile(step, warmup=warmup, device=where, **common)
     progress.close()
     print(format_profile(eager))
     summary = {"kind": SUMMARY_KIND, "eager": eager.to_dict()}
     if args.compile_step:
-        compiled = run_profile(compiled_config(cfg), progress=say)
+        del step  # the eager model's memory back before the compiled one is built
+        compiled_step = spec_step(spec, device, seed=args.seed, compile=True)
+        compiled = profile(compiled_step, warmup=max(warmup, 1), device=device, compiled=True,
+                           trace_name=compiled_trace_name(TRACE_JSON), **common)  # fmt: skip
         progress.close()
         print()
         print(format_profile_comparison(eager, compiled))
@@ -528,6 +599,7 @@ def cmd_profile(argv: list[str]) -> int:
     # --nproc N launches N ranks; a process that torchrun started is one of them already
     # (torchrun would read a --nproc after the module name as its own flag, so none is given).
     if args.nproc is not None or started_by_launcher():
+        _profile_config(args, "cpu")  # the flags checked before any rank starts
         return run_part_a_ddp(args)
     run_part_a(args, resolve_device(args.device))
     return 0

@@ -157,6 +157,10 @@ class RankProfile:
     trace_path: str
     trace_bytes: int
     top_operators: list[dict] = field(default_factory=list)  # Part A's operator rows, largest first
+    # Part A's fusion candidates by structure (attribution.Candidate as dicts), largest first, and
+    # the phases; absent from files written before them
+    candidates: list[dict] = field(default_factory=list)
+    phase_pct: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict) -> RankProfile:
@@ -346,6 +350,8 @@ def profile_rank(cfg: ProfileConfig, rank: int, fail: bool = False) -> RankProfi
         trace_path=result.trace_path,
         trace_bytes=result.trace_bytes,
         top_operators=[asdict(r) for r in result.rows],
+        candidates=[asdict(c) for c in s.candidates],
+        phase_pct=dict(s.phase_pct),
     )
 
 

@@ -1,44 +1,37 @@
-"""Part A: a GPT training step under torch.profiler -> operator table, trace.json, and its reading.
+"""Part A: any training step under torch.profiler -> operator table, trace.json, profile.json.
 
-`run_profile` trains the model of `profuse.model` on one fixed batch of random tokens:
+`profile(step)` takes a zero-argument callable that runs one whole training step (forward, loss,
+backward, optimizer), the user's own or one profuse builds (`spec_step`, for the built-in GPT and
+Hugging Face models of profuse.models):
 
 1. `warmup` steps first, so first-call costs (allocator growth, kernel selection, torch.compile)
    stay out of the profile; the last of them runs under the profiler's own warm-up phase, so
-   the profiler's start-up stays out too. A compiled model compiles in a step before that.
-2. `steps` steps under torch.profiler. Each is one `ProfilerStep#N` span holding `forward` (the
-   loss included), `backward` and `optimizer` (AdamW step and zero_grad) ranges, so the trace in
-   Perfetto shows the steps and their phases. Each step ends with a device synchronisation, which
-   makes its wall time honest and keeps every kernel of a step inside its span.
+   the profiler's start-up stays out too. Where the step runs is asked of the step itself when
+   not given: the device of the first module parameter it uses.
+2. `steps` steps under torch.profiler, each one `ProfilerStep#N` span ended by a device
+   synchronisation, which makes its wall time honest and keeps every kernel of a step inside its
+   span. Every call of a norm, MLP, attention, decoder layer or rotary module runs inside a
+   `profuse.module: ROLE` range (profuse.structure), so the trace says which module issued each
+   operator. profuse's own steps also cut each step into `forward`, `backward` and `optimizer`
+   ranges for Perfetto; the reading needs none of them.
 3. The operator table (`key_averages().table`), sorted by self CPU time on CPU and by self device
-   time on CUDA, as the lab prints it; the trace, written whole or not at all.
-4. The reading of the trace (`analyze_trace`): the step's time by category, operators or kernels
-   per step, the GPU's idle share, and the memory-bound hot spot to fuse.
+   time on CUDA, as the lab prints it; the trace and profile.json, each written whole or not at all.
+4. The reading of the trace (profuse.attribution.analyze_trace): time by category and by phase,
+   operators or kernels per step, the GPU's idle share and the launch-bound verdict, and the
+   fusion candidates by the structure that issued them.
 
-On CUDA the forward and the loss run under bf16 autocast (the lab's CUDA dtype): matmuls and
-attention in bf16 on the tensor cores, the weights, AdamW and the loss in fp32. On CPU all is
-fp32, as in the lab.
-
-Categories come from names (`CATEGORY_RULES`, first match wins): over the self CPU time of every
-host range on CPU, over kernel time on CUDA. Anything started inside the `optimizer` range is
-optimizer work whatever its name (AdamW's mul_, add_, lerp_ would otherwise read as elementwise).
-A CUDA kernel is classified by its own name first; a name that matches no rule (cuDNN's
-compute_dot_do_o, GammaBetaBackward, CatArrayBatchedCopy) takes the category of the operator that
-launched it, found through the launch's correlation id. On an H200 (torch 2.11) every kernel
-matched its launch, and 4.5% of the eager step's kernel time stayed "other": the embedding's
-backward.
+On CUDA profuse's steps run the forward and the loss under bf16 autocast (the lab's CUDA dtype):
+matmuls and attention in bf16 on the tensor cores, the weights, AdamW and the loss in fp32. On CPU
+all is fp32, as in the lab. A user's step runs as written.
 """
 
 from __future__ import annotations
 
-import bisect
-import contextlib
 import json
 import os
-import re
 import statistics
 import time
 import warnings
-from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
@@ -48,113 +41,54 @@ from torch import profiler as torch_profiler
 from torch.autograd.profiler_util import EventList
 from torch.profiler import ProfilerActivity, record_function, schedule
 
+from profuse.attribution import (  # noqa: F401 - the trace's reading, under the names profuse used first
+    BACKWARD,
+    CATEGORIES,
+    CATEGORY_LABELS,
+    CATEGORY_RULES,
+    FORWARD,
+    HOST_CATS,
+    LAUNCH_BOUND_IDLE_PCT,
+    OPTIMIZER,
+    STEP_PREFIX,
+    Candidate,
+    Intervals,
+    Span,
+    TraceSummary,
+    analyze_trace,
+    categorize,
+    extend_categories,
+    intersect,
+    read_spans,
+    total_length,
+    union,
+)
 from profuse.compile import compile_model
-from profuse.env import check_fits, quiet_native_stderr
+from profuse.env import quiet_native_stderr
 from profuse.errors import UsageError
-from profuse.files import atomic_path
-from profuse.model import GPT, GPTConfig, random_batch
+from profuse.files import atomic_path, check_folder, write_json
+from profuse.model import GPTConfig
+from profuse.models.spec import ModelSpec, autocast_for
+from profuse.structure import module_ranges
 
 Progress = Callable[[str], None]
+
+
+def _required(f) -> bool:
+    """Is dataclass field `f` one without a default?"""
+    return f.default is MISSING and f.default_factory is MISSING
+
 
 # The "kind" of a saved Part A summary (profile.json: {"kind": ..., "eager": ..., "compiled": ...});
 # Part B's results files are "tail" and "sweep".
 SUMMARY_KIND = "part_a"
-
-# The ranges each profiled step is cut into; the trace shows them under ProfilerStep#N.
-FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
-STEP_PREFIX = "ProfilerStep#"
-
-CATEGORIES = ("matmul", "attention", "memory_bound", "loss", "optimizer", "other")
-CATEGORY_LABELS = {
-    "matmul": "matmul",
-    "attention": "attention",
-    "memory_bound": "elementwise + norm (memory-bound)",
-    "loss": "loss",
-    "optimizer": "optimizer",
-    "other": "other",
-}
-
-# Elementwise ops, reductions and normalisations: a few flops per byte, bound by memory traffic.
-_MEMORY_BOUND_OPS = (
-    "silu|gelu|relu|sigmoid|tanh|threshold|mul|add|sub|div|neg|reciprocal|pow|rsqrt|sqrt|exp|abs"
-    "|clamp|maximum|minimum|where|masked_fill|mean|sum|norm|rms_norm|fused_rms_norm|layer_norm"
-    "|native_layer_norm|copy|to_copy|to|type_as|clone|contiguous|fill|zero|zeros|ones|zeros_like"
-    "|ones_like|cat|lerp|addcmul|addcdiv"
-)
-
-# (category, pattern) over the lower-cased name of an operator or kernel; the first match wins,
-# whatever does not match is "other" (views, allocation, embedding gathers, framework overhead).
-CATEGORY_RULES: tuple[tuple[str, str], ...] = (
-    # AdamW in any form: the for-loop's ranges, foreach ops, the multi-tensor and fused kernels.
-    ("optimizer", r"optimizer|adam|_foreach_|multi_tensor_apply"),
-    # cross_entropy = log_softmax + nll_loss, forward and backward; CUDA names its kernel
-    # cunn_SoftMaxForward<..LogSoftMaxForwardEpilogue>, Inductor triton_..__log_softmax_..
-    ("loss", r"log_?softmax|nll_?loss|cross_?entropy"),
-    # SDPA and its backends: flash (pytorch_flash::), memory-efficient (fmha_cutlass), cuDNN (sdpa)
-    ("attention", r"scaled_?dot_?product|flash|fmha|sdpa|attention|attn"),
-    # aten matmuls and their autograd nodes; cuBLAS/cuBLASLt kernels (gemm, nvjet on Hopper,
-    # sm90_xmma, cutlass, split-K reductions); Inductor's matmul templates (triton_tem_)
-    (
-        "matmul",
-        r"(?<![a-z])(add|b|baddb)?mm(?![a-z])|mmbackward|matmul|aten::linear|gemm|gemv|cublas|cutlass"
-        r"|nvjet|xmma|wgmma|splitk|triton_tem",
-    ),
-    # Kernels Inductor generates: pointwise (poi), reductions (red, per); on CPU the compiled
-    # graph's fused C++ code runs inside the '## Call CompiledFxGraph ##' range, which carries its
-    # self time (the matmuls and SDPA it calls still show as aten ops).
-    ("memory_bound", r"triton_(poi|red|per)_|cpp_fused|compiledfxgraph"),
-    # Gathers and scatters (embedding forward and backward, sorts of token ids): memory-bound,
-    # but no fusion of the tail removes them.
-    ("other", r"embedding|index_?select|indexselect|scatter|gather|sort|segment"),
-    (
-        "memory_bound",
-        rf"aten::_?({_MEMORY_BOUND_OPS})(_backward|_backward_data|_)?$"
-        rf"|({_MEMORY_BOUND_OPS.replace('_', '')})backward"  # autograd nodes: MulBackward0, ...
-        r"|elementwise|reduce_kernel|layer_norm|rms_?norm|silu|copy_kernel|fillfunctor",
-    ),
-)
-_RULES = tuple((cat, re.compile(pat)) for cat, pat in CATEGORY_RULES)
-Rules = tuple[tuple[str, "re.Pattern[str]"], ...]
-
-# The SwiGLU tail's ops, unfused (aten names) or as Inductor names its fused kernels.
-_TAIL_OPS = re.compile(r"silu|(?<![a-z])(mul|add|pow|mean)(?![a-z])|rsqrt|rms_?norm")
-
-HOST_CATS = ("cpu_op", "user_annotation")  # trace categories of host-side ranges
-_LAUNCH_CATS = ("cuda_runtime", "cuda_driver")  # cudaLaunchKernel, cuLaunchKernel (Triton)
-_DEVICE_BUSY_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
-
-# Above this share of the step with no kernel, memcpy or memset running, the GPU spends more of
-# the step waiting for the CPU to launch work than doing it: the step is launch-bound, and making
-# kernels faster (fusion's bytes saved) cannot shorten it. Issue #15, on an H200: ~90% idle at the
-# lab's d_model 256 (launch-bound), 4% at d_model 2048 (bound by the GPU's work).
-LAUNCH_BOUND_IDLE_PCT = 50.0
-
-# Autograd's backward nodes run as this range, carrying the sequence number of the forward op
-# that made them: how a backward kernel is traced to the forward op it belongs to.
-_BACKWARD_NODE = "autograd::engine::evaluate_function: "
-
-# The ranges torch's optimizers open themselves (Optimizer.step#AdamW.step, ...zero_grad): the
-# optimizer's work is found in any step, labelled by its author or not.
-_TORCH_OPTIMIZER_RANGES = ("Optimizer.step#", "Optimizer.zero_grad#")
-
-
-def is_tail_op(name: str) -> bool:
-    """Whether an op (or fused kernel) name is one of the tail's: silu, mul, add, rms_norm's parts."""
-    return _TAIL_OPS.search(name.lower()) is not None
-
-
-def categorize(name: str, rules: Rules = _RULES) -> str:
-    """The category of an operator, autograd node or kernel name, by CATEGORY_RULES (or `rules`)."""
-    low = name.lower()
-    for cat, pattern in rules:
-        if pattern.search(low):
-            return cat
-    return "other"
+SUMMARY_NAME = "profile.json"
 
 
 @dataclass
 class ProfileConfig:
-    """What Part A profiles and where it writes. The CLI maps its flags onto these fields."""
+    """How a step is profiled and where the files go; `model` is the built-in GPT's size where
+    the step is Part A's own (run_profile), and unused by profile()."""
 
     model: GPTConfig = field(default_factory=GPTConfig)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # resolved by the caller
@@ -206,72 +140,6 @@ class OperatorRow:
     self_cpu_us: float
 
 
-def _required(f) -> bool:
-    """Is dataclass field `f` one without a default?"""
-    return f.default is MISSING and f.default_factory is MISSING
-
-
-@dataclass
-class TraceSummary:
-    """What `analyze_trace` reads from a trace: where the step's time went."""
-
-    steps: int  # ProfilerStep spans found
-    basis: str  # "self CPU time" or "GPU kernel time": what the shares divide
-    total_us: float  # that time summed over the steps
-    shares: dict[str, float]  # category -> % of total_us, CATEGORIES (+ extra_rules') order, adding to 100
-    launches_per_step: float  # kernels on CUDA, aten operator calls on CPU
-    launch_unit: str  # "kernels" or "operators"
-    gpu_idle_pct: float | None  # % of the step spans with no kernel, memcpy or memset running; CUDA only
-    memory_bound_groups: dict[str, float]  # op (or kernel) -> % of total_us, memory-bound only, largest first
-    tail_pct: float  # the part of memory_bound that is the SwiGLU tail's ops
-    # region (a profiler range name given to analyze_trace) -> % of total_us in it, forward and
-    # backward: its operators and kernels, and the backward nodes its forward operators made
-    region_pct: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def launch_bound(self) -> bool:
-        """GPU idle over LAUNCH_BOUND_IDLE_PCT of the step (CUDA only): derived, so not a field."""
-        return self.gpu_idle_pct is not None and self.gpu_idle_pct > LAUNCH_BOUND_IDLE_PCT
-
-    def launch_bound_reading(self) -> str:
-        """What a launch-bound step means and what helps it (empty when the GPU is busy)."""
-        if not self.launch_bound:
-            return ""
-        return (
-            f"the GPU sat idle {self.gpu_idle_pct:.0f}% of the step (over {LAUNCH_BOUND_IDLE_PCT:.0f}%): "
-            "the step is launch-bound, the CPU cannot issue kernels as fast as the GPU runs them. "
-            f"Fusion helps here only by launching fewer kernels ({self.launches_per_step:.0f} per step "
-            "now), not by moving fewer bytes; what helps: CUDA graphs (torch.compile "
-            'mode="reduce-overhead") or a bigger batch, so each launch carries more work'
-        )
-
-    def hotspot(self, compiled: bool = False) -> str:
-        """The one line naming what to fuse (or, for a compiled step, what Inductor fused)."""
-        mb = self.shares.get("memory_bound", 0.0)
-        if self.launch_bound:  # no kernel is the bottleneck: naming one to fuse would mislead
-            return (
-                f"none named: the step is launch-bound (GPU idle {self.gpu_idle_pct:.0f}%), so shorter "
-                f"kernels do not shorten it (memory-bound work is {mb:.1f}% of the {self.basis})"
-            )
-        if mb <= 0.0:
-            return f"no memory-bound elementwise work in the {self.basis}: nothing to fuse"
-        head = f"memory-bound elementwise + norm work is {mb:.1f}% of the {self.basis}"
-        tail = [(n, pct) for n, pct in self.memory_bound_groups.items() if is_tail_op(n)][:3]
-        if not tail:  # Inductor on CPU: the fused code runs inside the compiled graph's range
-            top = ", ".join(f"{n} {pct:.1f}%" for n, pct in list(self.memory_bound_groups.items())[:2])
-            return f"{head} ({top}); no unfused tail op is left: Part B times how much fusing saved"
-        ops = ", ".join(f"{n} {pct:.1f}%" for n, pct in tail)
-        if compiled:
-            return (
-                f"{head}, {self.tail_pct:.1f}% in fused kernels holding the SwiGLU tail's ops ({ops}) "
-                "-> Part B times these fusions against a hand-written Triton kernel"
-            )
-        return (
-            f"{head}, {self.tail_pct:.1f}% in the SwiGLU tail's ops ({ops}) "
-            "-> fuse rms_norm(silu(gate) * up + residual) * w, as Part B does"
-        )
-
-
 @dataclass
 class ProfileResult:
     device: str
@@ -289,6 +157,11 @@ class ProfileResult:
     hotspot: str
     trace_path: str
     trace_bytes: int
+    about: dict = field(default_factory=dict)  # what was profiled: the model's spec, or the user's step
+
+    @property
+    def candidates(self) -> list[Candidate]:
+        return self.summary.candidates
 
     @property
     def shares(self) -> dict[str, float]:
@@ -311,12 +184,14 @@ class ProfileResult:
             "hotspot": self.hotspot,
             "trace_path": self.trace_path,
             "trace_bytes": self.trace_bytes,
+            "about": self.about,
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> ProfileResult:
         """The result again from `to_dict()`'s JSON (the summary's fields are flattened into it)."""
-        # A field with a default may be absent: a summary written before it existed (region_pct).
+        # A field with a default may be absent: a summary written before it existed (region_pct,
+        # candidates, phase_pct, label_pct: files older than the structural reading).
         summary = TraceSummary(
             **{f.name: d[f.name] for f in fields(TraceSummary) if f.name in d or _required(f)}
         )
@@ -336,6 +211,7 @@ class ProfileResult:
             hotspot=d["hotspot"],
             trace_path=d["trace_path"],
             trace_bytes=int(d["trace_bytes"]),
+            about=dict(d.get("about") or {}),
         )
 
 
@@ -347,7 +223,8 @@ def run_profile(
     batch_seed: int | None = None,
     extra_rules: tuple[tuple[str, str], ...] = (),
 ) -> ProfileResult:
-    """Profile `cfg.steps` training steps; write the trace to cfg.out_dir / cfg.trace_name.
+    """Profile `cfg.steps` training steps of the built-in GPT of size cfg.model; write the trace
+    to cfg.out_dir / cfg.trace_name (not profile.json: the caller saves what it ran together).
 
     For profuse.distributed: `wrap` is applied to the model on its device, before torch.compile
     (DistributedDataParallel; the optimizer holds the parameters, which the wrapper shares);
@@ -370,8 +247,13 @@ def profile_with_trace(
 ) -> tuple[ProfileResult, dict]:
     """`run_profile`, with the trace as it was read back: a caller that reads more from it
     (profuse.distributed, the communication) parses the JSON once."""
-    train_step = _training_step(cfg, wrap, batch_seed)
-    return _profile_step(train_step, cfg, cfg.to_dict(), progress, extra_rules=extra_rules)
+    from profuse.models.gpt import GPTSpec
+
+    spec = GPTSpec(cfg.model)
+    step = spec_step(
+        spec, cfg.device, seed=cfg.seed, lr=cfg.lr, compile=cfg.compile, wrap=wrap, batch_seed=batch_seed
+    )
+    return _profile_step(step, cfg, cfg.to_dict(), progress, extra_rules=extra_rules)
 
 
 def profile(
@@ -386,29 +268,77 @@ def profile(
     row_limit: int = 12,
     compiled: bool = False,
     progress: Progress | None = None,
+    summary_name: str | None = SUMMARY_NAME,
+    about: dict | None = None,
+    structure: bool = True,
+    precision: str | None = None,
 ) -> ProfileResult:
     """Profile any training step: `step` is a zero-argument callable that runs one whole step.
 
     `warmup` untimed steps first (a compiled step compiles in them), then `steps` steps under
     torch.profiler, each ended by a device synchronisation. Writes the trace to out/trace_name
-    and returns what Part A returns: the operator table, the step's time by category, kernels
-    (CUDA) or operators (CPU) per step, the GPU's idle share, and its reading. `device`: where
-    the step runs (default: CUDA if there is a GPU); `regions`: record_function range names
-    whose share of the step to report (ProfileResult.summary.region_pct). `compiled` only
-    labels the result (and asks for a warm-up step).
+    and the result to out/summary_name (profile.json; None writes none), and returns it: the
+    operator table, the step's time by category and phase, kernels (CUDA) or operators (CPU) per
+    step, the GPU's idle share, and the fusion candidates by the structure that issued them
+    (ProfileResult.candidates; profuse.report.profile.format_profile prints it all).
+
+    `device`: where the step runs (default: the device of the first module parameter the step
+    uses, found in the warm-up); `regions`: record_function range names whose share of the step
+    to report (ProfileResult.summary.region_pct; the user's own ranges are found anyway, in
+    label_pct); `compiled` labels the result as torch.compile's and asks for a warm-up step;
+    `about`: what was profiled, saved with the result; `structure`: open the module ranges that
+    name the candidates (off for a compiled step, where Inductor's kernels mix modules);
+    `precision`: how the step computes, for the report (default: "as the step runs it").
     """
-    device = (
-        torch.device(device)
-        if device is not None
-        else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    )
+    if summary_name is not None and (not summary_name or Path(summary_name).name != summary_name):
+        raise UsageError(f"summary name {summary_name!r} must be a plain file name")
     cfg = ProfileConfig(
-        device=device, steps=steps, warmup=warmup, compile=compiled, out_dir=Path(out),
-        trace_name=trace_name, row_limit=row_limit,
+        device=torch.device(device) if device is not None else torch.device("cpu"), steps=steps,
+        warmup=warmup, compile=compiled, out_dir=Path(out), trace_name=trace_name, row_limit=row_limit,
     )  # fmt: skip
+    names = (trace_name,) if summary_name is None else (trace_name, summary_name)
+    check_folder(cfg.out_dir, names, flag="out")  # before any step runs
     config = {k: v for k, v in cfg.to_dict().items() if k not in ("model", "seed", "lr")}
-    result, _trace = _profile_step(step, cfg, config, progress, regions=tuple(regions))
+    result, _trace = _profile_step(
+        step, cfg, config, progress, regions=tuple(regions), find_device=device is None,
+        structure=structure and not compiled, about=about, precision=precision or USERS_PRECISION,
+    )  # fmt: skip
+    if summary_name is not None:
+        write_json(cfg.out_dir / summary_name, {"kind": SUMMARY_KIND, "eager": result.to_dict()})
     return result
+
+
+def spec_step(
+    spec: ModelSpec,
+    device: torch.device | str,
+    *,
+    seed: int = 0,
+    lr: float = 1e-3,
+    compile: bool = False,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+    batch_seed: int | None = None,
+) -> Callable[[], None]:
+    """profuse.models.make_step's training step, cut into `forward`, `backward` and `optimizer`
+    ranges for Perfetto. `wrap` is applied to the model on its device before torch.compile
+    (DistributedDataParallel); `batch_seed` draws the batch (default `seed`)."""
+    device = torch.device(device)
+    model = spec.build(device, seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    batch = spec.batch(device, seed if batch_seed is None else batch_seed)
+    net = wrap(model) if wrap is not None else model
+    net = compile_model(net) if compile else net  # profuse.compile holds the settings
+    autocast = autocast_for(device)
+
+    def train_step() -> None:
+        with record_function(FORWARD), autocast():
+            loss = spec.loss(net, batch)
+        with record_function(BACKWARD):
+            loss.backward()
+        with record_function(OPTIMIZER):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+
+    return train_step
 
 
 def _profile_step(
@@ -419,12 +349,22 @@ def _profile_step(
     *,
     extra_rules: tuple[tuple[str, str], ...] = (),
     regions: tuple[str, ...] = (),
+    find_device: bool = False,
+    structure: bool = True,
+    about: dict | None = None,
+    precision: str | None = None,
 ) -> tuple[ProfileResult, dict]:
-    """Warm-up, the profiled steps, the table, the trace and its reading, for any step."""
+    """Warm-up, the profiled steps, the table, the trace and its reading, for any step
+    (`precision` None: profuse's own step's, spec_step's)."""
     say = progress or (lambda _msg: None)
+    structure = structure and not cfg.compile  # module hooks would break Dynamo's graphs
+    with module_ranges(enabled=structure) as ranges:
+        profiler_warmup = _warm_up(cfg, train_step, say)
+        if find_device:
+            cfg = replace(cfg, device=_step_device(ranges.device))
+            config = {**config, "device": str(cfg.device)}
+        prof, step_times = _profiled_steps(cfg, train_step, profiler_warmup, say)
     device = cfg.device
-    profiler_warmup = _warm_up(cfg, train_step, say)
-    prof, step_times = _profiled_steps(cfg, train_step, profiler_warmup, say)
     table, sort_by, rows = _operator_table(prof, device.type == "cuda", cfg.row_limit)
     trace_path = cfg.out_dir / cfg.trace_name
     trace = _write_trace(prof, trace_path, say)
@@ -432,7 +372,7 @@ def _profile_step(
     result = ProfileResult(
         device=str(device),
         compiled=cfg.compile,
-        precision="bf16 autocast" if device.type == "cuda" else "fp32",
+        precision=precision or spec_precision(device),
         torch_version=torch.__version__,
         config=config,
         steps=summary.steps,
@@ -445,41 +385,29 @@ def _profile_step(
         hotspot=summary.hotspot(compiled=cfg.compile),
         trace_path=str(trace_path),
         trace_bytes=trace_path.stat().st_size,
+        about=dict(about or {}),
     )
     return result, trace
 
 
-def _training_step(
-    cfg: ProfileConfig,
-    wrap: Callable[[torch.nn.Module], torch.nn.Module] | None,
-    batch_seed: int | None,
-) -> Callable[[], None]:
-    """The set-up: the model on its device (wrapped, then compiled), AdamW and one fixed batch.
-    Returns one training step, cut into the `forward`, `backward` and `optimizer` ranges."""
-    device = cfg.device
-    torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    generator = torch.Generator().manual_seed(cfg.seed if batch_seed is None else batch_seed)
-    idx, targets = random_batch(cfg.model, generator, device)
-    net = wrap(model) if wrap is not None else model
-    net = compile_model(net) if cfg.compile else net  # profuse.compile holds the settings
-    autocast = (
-        (lambda: torch.autocast(device_type="cuda", dtype=torch.bfloat16))
-        if device.type == "cuda"
-        else contextlib.nullcontext
-    )
+USERS_PRECISION = "as the step runs it"
 
-    def train_step() -> None:
-        with record_function(FORWARD), autocast():
-            _logits, loss = net(idx, targets)
-        with record_function(BACKWARD):
-            loss.backward()
-        with record_function(OPTIMIZER):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
 
-    return train_step
+def spec_precision(device: torch.device) -> str:
+    """How spec_step computes on `device` (models.spec.autocast_for): bf16 autocast on CUDA."""
+    return "bf16 autocast" if torch.device(device).type == "cuda" else "fp32"
+
+
+def _step_device(seen: torch.device | None) -> torch.device:
+    """Where a step runs: the device of the first module parameter it used; for a step that used
+    no module, CUDA when it left tensors there, else the CPU."""
+    if seen is not None and seen.type == "cuda" and seen.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if seen is not None:
+        return seen
+    if torch.cuda.is_available() and torch.cuda.is_initialized() and torch.cuda.memory_allocated() > 0:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _synchronize(device: torch.device) -> None:
@@ -559,20 +487,17 @@ def _write_trace(prof: torch_profiler.profile, path: Path, say: Progress) -> dic
         return json.load(f)
 
 
-def check_profile_fits(cfg: ProfileConfig) -> None:
-    """UsageError (one line) when the profiled model will not fit in the device's free memory."""
-    m = cfg.model
-    check_fits(
-        m.train_bytes(),
-        cfg.device,
-        f"Part A's step of {m.param_count() / 1e6:.0f}M parameters and {m.tokens} tokens",
-    )
+def compiled_trace_name(trace_name: str) -> str:
+    """'trace.json' -> 'trace-compiled.json': the compiled step's trace, beside the eager one's."""
+    stem, suffix = os.path.splitext(trace_name)
+    return f"{stem}-compiled{suffix}"
 
 
 def compiled_config(cfg: ProfileConfig) -> ProfileConfig:
     """`cfg` under torch.compile: at least one warm-up step (it compiles), trace name marked."""
-    stem, suffix = os.path.splitext(cfg.trace_name)
-    return replace(cfg, compile=True, warmup=max(cfg.warmup, 1), trace_name=f"{stem}-compiled{suffix}")
+    return replace(
+        cfg, compile=True, warmup=max(cfg.warmup, 1), trace_name=compiled_trace_name(cfg.trace_name)
+    )
 
 
 def _sort_key(averages: EventList, on_cuda: bool) -> str:
@@ -592,275 +517,3 @@ def _is_range(avg) -> bool:
         return bool(flag)
     key = avg.key or ""  # pragma: no cover - a torch without the flag: the ranges profuse knows
     return key.startswith(("ProfilerStep", "Optimizer.")) or key in (FORWARD, BACKWARD, OPTIMIZER)
-
-
-# --- reading the trace ----------------------------------------------------------------------------
-
-
-@dataclass
-class Span:
-    """A complete ('X') event of the Chrome trace, with what nesting tells about it."""
-
-    name: str
-    cat: str
-    ts: float  # us
-    end: float  # us
-    args: dict
-    child_us: float = 0.0
-    parents: tuple[Span, ...] = ()  # the host ranges open around it, innermost first
-
-    @property
-    def self_us(self) -> float:
-        return max(self.end - self.ts - self.child_us, 0.0)
-
-
-class _Windows:
-    """Sorted, non-overlapping time windows; `find(t)` is the index of the one holding t, or -1."""
-
-    def __init__(self, spans: Iterable[Span]) -> None:
-        self.spans = sorted(spans, key=lambda s: s.ts)
-        self._starts = [s.ts for s in self.spans]
-
-    def find(self, t: float) -> int:
-        i = bisect.bisect_right(self._starts, t) - 1
-        return i if i >= 0 and t <= self.spans[i].end else -1
-
-    def __len__(self) -> int:
-        return len(self.spans)
-
-
-def _nest(spans: list[Span]) -> None:
-    """Fill child_us and parents for host-side spans, thread by thread, as the profiler nests them."""
-    by_thread: dict[tuple, list[Span]] = defaultdict(list)
-    for s in spans:
-        if s.cat in HOST_CATS or s.cat in _LAUNCH_CATS:
-            by_thread[(s.args.get("_pid"), s.args.get("_tid"))].append(s)
-    for thread_spans in by_thread.values():
-        thread_spans.sort(key=lambda s: (s.ts, -(s.end - s.ts)))
-        stack: list[Span] = []
-        for s in thread_spans:
-            while stack and stack[-1].end <= s.ts:
-                stack.pop()
-            if stack:
-                parent = stack[-1]
-                parent.child_us += min(s.end, parent.end) - s.ts
-                s.parents = tuple(reversed(stack))
-            stack.append(s)
-
-
-def read_spans(trace: dict | list) -> list[Span]:
-    """The complete events of a Chrome trace, host ranges nested thread by thread."""
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    spans = []
-    for e in events:  # keep pid and tid with the args, for nesting
-        if e.get("ph") != "X" or "ts" not in e:
-            continue
-        ts = float(e["ts"])
-        args = dict(e.get("args") or {})
-        args["_pid"], args["_tid"] = e.get("pid"), e.get("tid")
-        spans.append(
-            Span(str(e.get("name", "")), str(e.get("cat", "")), ts, ts + float(e.get("dur", 0.0)), args)
-        )
-    _nest(spans)
-    return spans
-
-
-def analyze_trace(
-    trace: dict | list,
-    device: str = "cpu",
-    extra_rules: tuple[tuple[str, str], ...] = (),
-    regions: Iterable[str] = (),
-) -> TraceSummary:
-    """Where the profiled steps' time went, read from a Chrome trace written by torch.profiler.
-
-    device "cpu": self CPU time of every host range inside a ProfilerStep span (aten operators,
-    autograd nodes, and the Python between them, which lands on `forward`, `backward`,
-    `optimizer` and the step itself). device "cuda": device time of every kernel launched inside a
-    ProfilerStep span, matched to its launch through the correlation id.
-
-    extra_rules: (category, pattern) pairs tried before CATEGORY_RULES; their categories join the
-    shares before "other" (profuse.distributed adds "communication").
-
-    regions: names of record_function ranges (profuse.fusion labels the block ops so); the summary's
-    region_pct gives each one's share of the same time, forward and backward: what runs inside the
-    range, and the backward nodes made by the operators inside it (matched by sequence number).
-    """
-    rules = tuple((cat, re.compile(pat)) for cat, pat in extra_rules) + _RULES
-    categories = extend_categories(extra_rules)
-    spans = read_spans(trace)
-
-    host = [s for s in spans if s.cat in HOST_CATS]
-    steps = _Windows(s for s in host if s.name.startswith(STEP_PREFIX))
-    if not steps:
-        raise RuntimeError("the trace holds no ProfilerStep span: was prof.step() called?")
-    optimizer = _Windows(s for s in host if s.name == OPTIMIZER or s.name.startswith(_TORCH_OPTIMIZER_RANGES))
-
-    region_of = _regions(host, tuple(regions))
-    time_by_region: dict[str, float] = dict.fromkeys(regions, 0.0)
-    time_by_cat: dict[str, float] = dict.fromkeys(categories, 0.0)
-    memory_groups: Counter[str] = Counter()
-    launches = 0
-    gpu_idle_pct = None
-
-    if device == "cuda":
-        basis, unit = "GPU kernel time", "kernels"
-        launch_of: dict = {}
-        for s in spans:
-            if s.cat in _LAUNCH_CATS and "correlation" in s.args:
-                launch_of.setdefault(s.args["correlation"], s)
-        for k in spans:
-            if k.cat != "kernel":
-                continue
-            launch = launch_of.get(k.args.get("correlation"))
-            t_launch = launch.ts if launch is not None else k.ts
-            if steps.find(t_launch) < 0:
-                continue
-            launches += 1
-            ops = [p for p in launch.parents if p.cat in HOST_CATS] if launch is not None else []
-            cat = _kernel_category(k.name, ops, optimizer.find(t_launch) >= 0, rules)
-            time_by_cat[cat] += k.end - k.ts
-            if cat == "memory_bound":
-                memory_groups[_kernel_group(k.name, ops)] += k.end - k.ts
-            region = _region(launch.parents, region_of) if region_of and launch is not None else None
-            if region is not None:
-                time_by_region[region] += k.end - k.ts
-        gpu_idle_pct = _idle_pct(steps, [s for s in spans if s.cat in _DEVICE_BUSY_CATS])
-    else:
-        basis, unit = "self CPU time", "operators"
-        for s in host:
-            if steps.find(s.ts) < 0:
-                continue
-            launches += s.name.startswith("aten::")
-            cat = "optimizer" if optimizer.find(s.ts) >= 0 else categorize(s.name, rules)
-            time_by_cat[cat] += s.self_us
-            if cat == "memory_bound":
-                memory_groups[s.name] += s.self_us
-            region = _region((s, *s.parents), region_of) if region_of else None
-            if region is not None:
-                time_by_region[region] += s.self_us
-
-    total = sum(time_by_cat.values())
-    if total <= 0:
-        raise RuntimeError(f"the trace holds no {basis} inside its ProfilerStep spans")
-    shares = {c: 100.0 * time_by_cat[c] / total for c in categories}
-    groups = {name: 100.0 * t / total for name, t in memory_groups.most_common()}
-    tail = sum(pct for name, pct in groups.items() if is_tail_op(name))
-    return TraceSummary(
-        steps=len(steps),
-        basis=basis,
-        total_us=total,
-        shares=shares,
-        launches_per_step=launches / len(steps),
-        launch_unit=unit,
-        gpu_idle_pct=gpu_idle_pct,
-        memory_bound_groups=groups,
-        tail_pct=tail,
-        region_pct={r: 100.0 * t / total for r, t in time_by_region.items()},
-    )
-
-
-def _regions(host: list[Span], names: tuple[str, ...]) -> dict[int, str]:
-    """id(span) -> region, for the spans that open a region: the named ranges themselves, and the
-    backward nodes whose sequence number is that of an operator run inside one of them."""
-    if not names:
-        return {}
-    roots = {id(s): s.name for s in host if s.name in names}
-    made_by: dict[object, str] = {}  # sequence number of a forward operator -> its region
-    for s in host:
-        seq = s.args.get("Sequence number")
-        if seq is None or s.name.startswith(_BACKWARD_NODE):
-            continue
-        region = _region((s, *s.parents), roots)
-        if region is not None:
-            made_by[seq] = region
-    for s in host:
-        if s.name.startswith(_BACKWARD_NODE) and s.args.get("Sequence number") in made_by:
-            roots[id(s)] = made_by[s.args["Sequence number"]]
-    return roots
-
-
-def _region(spans: Iterable[Span], roots: dict[int, str]) -> str | None:
-    """The region of the innermost of `spans` (a span, then the ranges open around it) that opens one."""
-    for s in spans:
-        region = roots.get(id(s))
-        if region is not None:
-            return region
-    return None
-
-
-def extend_categories(extra_rules: tuple[tuple[str, str], ...]) -> tuple[str, ...]:
-    """CATEGORIES with the categories of `extra_rules` that are new, in their order, before "other"."""
-    new = tuple(dict.fromkeys(cat for cat, _ in extra_rules if cat not in CATEGORIES))
-    return CATEGORIES[:-1] + new + CATEGORIES[-1:]
-
-
-def _kernel_category(kernel: str, ops: list[Span], in_optimizer: bool, rules: Rules = _RULES) -> str:
-    if in_optimizer:
-        return "optimizer"
-    cat = categorize(kernel, rules)
-    if cat != "other":
-        return cat
-    for op in ops:  # innermost first: the operator that launched it, then the ones around that
-        cat = categorize(op.name, rules)
-        if cat != "other":
-            return cat
-    return "other"
-
-
-def _kernel_group(kernel: str, ops: list[Span]) -> str:
-    """Group kernels by the aten op that launched them (aten::mul); else by the kernel's short name."""
-    for op in ops:
-        if op.name.startswith("aten::"):
-            return op.name
-    short = kernel.removeprefix("void ").split("<", 1)[0].split("(", 1)[0]
-    return short[:60]
-
-
-def _idle_pct(steps: _Windows, busy: list[Span]) -> float:
-    """% of the step spans during which no kernel, memcpy or memset ran on the GPU."""
-    window_us = sum(s.end - s.ts for s in steps.spans)
-    busy_us = 0.0
-    for step in steps.spans:
-        inside = (
-            (max(b.ts, step.ts), min(b.end, step.end)) for b in busy if b.end > step.ts and b.ts < step.end
-        )
-        for start, end in union(inside):
-            busy_us += end - start
-    return 100.0 * max(window_us - busy_us, 0.0) / window_us if window_us > 0 else 0.0
-
-
-# --- time intervals on a timeline -------------------------------------------------------------
-
-Intervals = list[tuple[float, float]]  # sorted, disjoint (start, end) in us
-
-
-def union(intervals: Iterable[tuple[float, float]]) -> Intervals:
-    """The union of (start, end) intervals, as sorted disjoint ones; empty ones are dropped."""
-    merged: Intervals = []
-    for start, end in sorted(intervals):
-        if end <= start:
-            continue
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def intersect(a: Intervals, b: Intervals) -> Intervals:
-    """Where two lists of sorted, disjoint intervals overlap."""
-    out: Intervals = []
-    i = j = 0
-    while i < len(a) and j < len(b):
-        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if start < end:
-            out.append((start, end))
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def total_length(intervals: Intervals) -> float:
-    return sum(end - start for start, end in intervals)

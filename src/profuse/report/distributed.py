@@ -92,6 +92,12 @@ def format_ddp_profile(job: DDPProfile, summary_path: str | None = None) -> str:
     for cat in JOB_CATEGORIES:
         pct = shares.get(cat, 0.0)
         lines.append(category_line(LABELS.get(cat, cat), pct))
+    first = job.ranks[0] if job.ranks else None
+    if first is not None and first.candidates:
+        found = ", ".join(
+            f"{c['name']} {c['pct']:.1f}% ({c.get('covered_by') or 'none yet'})" for c in first.candidates[:4]
+        )
+        lines.append(f"fusion candidates on rank {first.rank}, by structure (share; profuse op): {found}")
     if summary_path:
         lines.append(f"summary: {_shown(summary_path)}; open the traces at {PERFETTO}")
     return "\n".join(lines)

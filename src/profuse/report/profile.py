@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from profuse.attribution import BACKWARD, FORWARD, OPTIMIZER
 from profuse.bench.stats import steadiness, unsteady_warning
 from profuse.errors import UsageError
 from profuse.profiling import CATEGORIES, CATEGORY_LABELS, SUMMARY_KIND, ProfileResult
@@ -57,11 +58,15 @@ def step_time_warnings(results: dict[str, ProfileResult]) -> list[str]:
 
 
 def format_profile(r: ProfileResult, saved: bool = False) -> str:
-    """The lab's 'Part A' block, then step time, category shares, launches, idle share, hot spot.
-    `saved`: printed again from profile.json, so the trace was written then, not now."""
+    """The lab's 'Part A' block, then step time, category and phase shares, launches, idle share,
+    the launch-bound verdict, and the fusion candidates by structure. `saved`: printed again from
+    profile.json, so the trace was written then, not now."""
     s = r.summary
-    lines = [
-        f"=== Part A: top operators over {_steps(r.steps)} ({_device_label(r)}) ===",
+    lines = [f"=== Part A: top operators over {_steps(r.steps)} ({_device_label(r)}) ==="]
+    what = r.about.get("describe")
+    if what:
+        lines.append(f"profiled: {what}")
+    lines += [
         r.table.rstrip(),
         "",
         f"step time: median {r.step_ms:.3f} ms over {r.steps} steps ({r.precision}, synchronised, "
@@ -72,16 +77,62 @@ def format_profile(r: ProfileResult, saved: bool = False) -> str:
     for cat in CATEGORIES:
         pct = s.shares[cat]
         lines.append(category_line(CATEGORY_LABELS[cat], pct))
+    if s.phase_pct:
+        phases = ", ".join(f"{p} {s.phase_pct.get(p, 0.0):.1f}%" for p in (FORWARD, BACKWARD, OPTIMIZER))
+        lines.append(f"phases: {phases} (backward: autograd's nodes; optimizer: torch's Optimizer ranges)")
+    if s.label_pct:
+        lines.append("your ranges: " + ", ".join(f"{name} {pct:.1f}%" for name, pct in s.label_pct.items()))
     lines.append(_per_step(r))
     if s.gpu_idle_pct is not None:
         lines.append(f"GPU idle: {s.gpu_idle_pct:.1f}% of the step (no kernel, memcpy or memset running)")
     if s.launch_bound:
         lines.append(f"launch-bound: {s.launch_bound_reading()}")
+    if s.candidates and not r.compiled:
+        lines += format_candidates(r)
     lines.append(f"hot spot: {r.hotspot}")
     size = fmt_bytes(r.trace_bytes, digits=1)
     what = "trace (written by that run)" if saved else "trace written"
     lines.append(f"{what}: {_shown_path(r.trace_path)} ({size}) - open it at {PERFETTO}")
     return "\n".join(lines)
+
+
+CANDIDATE_W = 30  # the candidate column: fits "q/k norm (in attention)"
+SHOWN_PCT = 0.05  # candidates under this share of the step are counted, not listed
+_NODE_PREFIX = "autograd::engine::evaluate_function: "
+
+
+def _op_name(op: str) -> str:
+    """An op as the table shows it: autograd's engine range as its node ('MulBackward0 (engine)')."""
+    return f"{op.removeprefix(_NODE_PREFIX)} (engine)" if op.startswith(_NODE_PREFIX) else op
+
+
+def format_candidates(r: ProfileResult) -> list[str]:
+    """The fusion candidates as a table: share, Amdahl ceiling, the profuse op, the largest ops."""
+    s = r.summary
+    where = "the module that issued the work" if s.structured else "op names (no module ranges in the trace)"
+    lines = [
+        f"fusion candidates, by {where} (share of the {s.basis}; ceiling = 1 / (1 - share), that "
+        "time's speed-up were the work free):"
+    ]
+    if s.launch_bound:
+        lines.append("  (launch-bound: these shorten the kernels' time, not the step's)")
+    lines.append(
+        f"  {'candidate':<{CANDIDATE_W}}  {'share':>6}  {'ceiling':>7}  {'profuse op':<12}  largest ops"
+    )
+    notes = []
+    shown = [c for c in s.candidates if c.pct >= SHOWN_PCT]
+    for c in shown:
+        name = c.name if len(c.name) <= CANDIDATE_W else c.name[: CANDIDATE_W - 3] + "..."
+        ops = ", ".join(f"{_op_name(op)} {pct:.1f}%" for op, pct in list(c.ops.items())[:3])
+        op = c.covered_by or "none yet"
+        lines.append(f"  {name:<{CANDIDATE_W}}  {c.pct:5.1f}%  {c.ceiling:6.2f}x  {op:<12}  {ops}")
+        if c.note:
+            notes.append(f"  {c.name}: {c.note}")
+    rest = s.candidates[len(shown) :]
+    if rest:
+        names = ", ".join(c.name for c in rest)
+        lines.append(f"  (under {SHOWN_PCT}% each: {names})")
+    return lines + notes
 
 
 def format_profile_comparison(eager: ProfileResult, compiled: ProfileResult) -> str:
@@ -129,25 +180,38 @@ def format_profile_comparison(eager: ProfileResult, compiled: ProfileResult) -> 
     return "\n".join(lines)
 
 
+def _ms_per_step(r: ProfileResult, category: str) -> float:
+    s = r.summary
+    return s.total_us * s.shares.get(category, 0.0) / 100.0 / 1e3 / max(s.steps, 1)
+
+
 def why_compiled_differs(eager: ProfileResult, compiled: ProfileResult, ratio: float) -> str:
-    """One line on what the eager / compiled ratio comes from, read off the two profiles."""
+    """What the eager / compiled ratio comes with, read off the two profiles: the launches and the
+    memory-bound work, in time a step and as a share of each step's own time."""
     unit = eager.summary.launch_unit
     fewer = f"{eager.summary.launches_per_step:.0f} -> {compiled.summary.launches_per_step:.0f} {unit} a step"
-    memory = eager.shares["memory_bound"]
+    before, after = _ms_per_step(eager, "memory_bound"), _ms_per_step(compiled, "memory_bound")
+    share_before, share_after = eager.shares["memory_bound"], compiled.shares["memory_bound"]
+    memory = (
+        f"memory-bound work {before:.3f} -> {after:.3f} ms a step ({share_before:.1f}% -> "
+        f"{share_after:.1f}% of each step's {eager.summary.basis})"
+    )
+    if after < before and share_after > share_before:
+        memory += ": it shrank, but less than the rest of the step did"
+    elif after >= before:
+        memory += ": fusion did not shrink it here"
     if ratio >= 1.0:
-        return (
-            f"why: torch.compile fuses the memory-bound elementwise and norm work ({memory:.1f}% of "
-            f"the eager step) into fewer, larger kernels ({fewer})"
-        )
-    # Slower compiled: what fusion saves is part of the memory-bound work, and the compiled step
-    # pays for guard checks, runtime wrappers and graph breaks around each compiled graph.
+        return f"why: torch.compile fused the step into fewer kernels ({fewer}); {memory}"
+    # Slower compiled: the compiled step pays for guard checks, runtime wrappers and graph breaks
+    # around each compiled graph, which at a small size outweigh what fusion saves.
     where = "on a CPU" if eager.device.startswith("cpu") else "on this GPU"
+    model = eager.about.get("model", {}).get("model", "gpt")
+    sizes = "--d-model, --seq-len, --batch-size" if model == "gpt" else "--preset, --seq-len, --batch-size"
     return (
-        f"why slower: torch.compile fuses the memory-bound elementwise and norm work ({memory:.1f}% of "
-        f"the eager step; {fewer}), but the compiled step adds costs of its own (guard checks and "
-        "runtime wrappers around each compiled graph, forward and backward, and any graph breaks); "
-        f"{where} at this model size they can outweigh what fusion saves, and a larger model "
-        "(--d-model, --seq-len, --batch-size) gives fusion more to save"
+        f"why slower: torch.compile fused the step into fewer kernels ({fewer}); {memory}; the "
+        "compiled step adds costs of its own (guard checks and runtime wrappers around each compiled "
+        f"graph, forward and backward, and any graph breaks); {where} at this model size they can "
+        f"outweigh what fusion saves, and a larger model ({sizes}) gives fusion more to save"
     )
 
 
