@@ -588,11 +588,6 @@ def hf_tiny(**kw):
     return model_spec("hf:llama", "tiny", **kw)
 
 
-def needs_hf_fuse():
-    if not hasattr(fusion, "fuse"):
-        pytest.skip("profuse.fusion.fuse (fusing Hugging Face models) is not in this build")
-
-
 def test_variants_share_one_set_of_parameters():
     cfg = S.StepConfig(model=hf_tiny(), variants=("eager", "compile"), trials=2)
     failed: dict = {}
@@ -699,15 +694,12 @@ def test_hf_step_command(tmp_path, capsys, monkeypatch):
     assert list(data["results"]) == ["eager", "compile"] and set(data["profiles"]) == {"eager", "compile"}
     assert data["first_steps"]["compile"]["grad_rel_diff"] < 1e-4  # the same step, compiled (fp32)
     assert data["tokens_per_step"] == 128 and data["n_params"] == hf_tiny().param_count()
-    if not hasattr(fusion, "fuse"):
-        assert data["amdahl"] is None and "could not be labelled" in data["amdahl_note"]
     code, again, _ = run(["report", str(tmp_path / "step.json")], capsys)
     assert code == 0 and again.rstrip("\n") == out.rstrip("\n").rsplit("\n", 1)[0]  # all but 'results:'
 
 
 def test_hf_fused_step_with_eager_ops():
     """The plumbing of a fused Hugging Face model: fusion.fuse's structure with plain-torch ops."""
-    needs_hf_fuse()
     cfg = S.StepConfig(model=hf_tiny(), variants=("eager", "fused"), trials=2, profile_steps=1)
     res = S.run_step(cfg, ops=fusion.EAGER)
     assert res.check.passed and not res.failed, (res.check, res.failed)
@@ -718,7 +710,6 @@ def test_hf_fused_step_with_eager_ops():
 
 def test_hf_fused_step_through_the_interpreter(monkeypatch):
     """profuse's Triton kernels in a Hugging Face model: checked against float64, then timed."""
-    needs_hf_fuse()
     pytest.importorskip("profuse.kernels.swiglu")
     pytest.importorskip("profuse.kernels.add_rms_norm")
     if not torch.cuda.is_available():

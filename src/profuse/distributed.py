@@ -77,7 +77,7 @@ from profuse.profiling import (
 
 BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
 # In the environment of every rank, whoever starts it: NVLink multicast (NVLS) off, in NCCL and in
-# symmetric memory; on the shared H200 hosts it can take the GPUs out of service (issue 8).
+# symmetric memory; on the shared H200 hosts it can take the GPUs out of service.
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 # A collective that waits longer than this fails (gloo raises, NCCL's watchdog aborts the rank).
 # The slowest step seen, the default model on 2 gloo ranks sharing 2 CPU cores, takes 1.6 s, so

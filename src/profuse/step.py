@@ -105,8 +105,6 @@ FIRST_STEP_FACTOR = 2.0
 # The ops the fused variants replace: their names in fusion, and the profiler range of each.
 OPS = (fusion.SILU_MUL, fusion.ADD_RMS_NORM)
 
-HF_FUSE_MISSING = "profuse.fusion has no fuse() for Hugging Face models in this build"
-
 
 @dataclass
 class StepConfig:
@@ -254,13 +252,6 @@ def fused_unavailable(device: torch.device) -> str:
     return ""
 
 
-def hf_fuse_unavailable(spec: ModelSpec) -> str:
-    """Why `spec`'s model cannot be fused from outside here ('' where it can)."""
-    if spec.family != "gpt" and not hasattr(fusion, "fuse"):
-        return HF_FUSE_MISSING
-    return ""
-
-
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
@@ -275,7 +266,7 @@ def plan(cfg: StepConfig, ops: fusion.BlockOps | None) -> tuple[list[str], dict[
     """(variants that can run here, {variant: why not} for the others). Custom `ops` run anywhere
     the model can be fused."""
     dev, spec = cfg.device, cfg.spec
-    why_fused = hf_fuse_unavailable(spec) or ("" if ops is not None else fused_unavailable(dev))
+    why_fused = "" if ops is not None else fused_unavailable(dev)
     runs, skipped = [], {}
     for name in cfg.variants:
         why = ""
@@ -694,8 +685,8 @@ def profile_variant(
     spec, dev = cfg.spec, cfg.device
     model = spec.build(dev, cfg.seed)
     regions: tuple[str, ...] = ()
-    label_error = hf_fuse_unavailable(spec) if name == BASELINE else ""
-    if name == BASELINE and not label_error:
+    label_error = ""
+    if name == BASELINE:
         try:
             spec.label(model)  # the ranges that say where the ops fusion replaces run
             regions = tuple(fusion.BLOCK_OP_RANGES[op] for op in OPS)
