@@ -15,24 +15,9 @@ import sys
 import torch
 from triton.testing import do_bench
 
-from profuse.bench.tail_bench import DEFAULT_VARIANTS, TailBenchConfig, make_inputs, variants
+from profuse.bench.tail_bench import DEFAULT_VARIANTS, TailBenchConfig, make_inputs, runner, variants
 from profuse.bench.timing import compare
 from profuse.files import write_json
-
-
-def runner(fn, x: dict, cfg: TailBenchConfig):
-    """One call of a tail variant as Part B times it: the forward, or forward + backward with
-    fresh gradients (autograd.grad) against the bench's dy."""
-    g, u, r, w = x["gate"], x["up"], x["residual"], x["weight"]
-    if not cfg.backward:
-        return lambda: fn(g, u, r, w, cfg.eps)
-    leaves = [t.detach().requires_grad_() for t in (g, u, r, w)]
-
-    def fwd_bwd():
-        y = fn(*leaves, cfg.eps)
-        return (y.detach(), *torch.autograd.grad(y, leaves, x["dy"]))
-
-    return fwd_bwd
 
 
 def main() -> int:

@@ -43,6 +43,7 @@ from profuse.bench.tail_bench import (
     TailBenchConfig,
     make_inputs,
     run_tail_bench,
+    runner,
     tail_liger,
     variants,
 )
@@ -53,21 +54,6 @@ from profuse.kernels.tail import plans as K
 from profuse.timers import host_times
 
 EPS = 1e-6
-
-
-def runner(fn, x: dict, cfg: TailBenchConfig):
-    """One call of a tail variant as Part B times it: the forward, or forward + backward with
-    fresh gradients (autograd.grad) against the bench's dy."""
-    g, u, r, w = x["gate"], x["up"], x["residual"], x["weight"]
-    if not cfg.backward:
-        return lambda: fn(g, u, r, w, cfg.eps)
-    leaves = [t.detach().requires_grad_() for t in (g, u, r, w)]
-
-    def fwd_bwd():
-        y = fn(*leaves, cfg.eps)
-        return (y.detach(), *torch.autograd.grad(y, leaves, x["dy"]))
-
-    return fwd_bwd
 
 
 def minimal_function(rows: int, cols: int, dtype: torch.dtype, dev: torch.device):

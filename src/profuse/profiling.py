@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import profiler as torch_profiler
 from torch.autograd.profiler_util import EventList
-from torch.profiler import ProfilerActivity, record_function, schedule
+from torch.profiler import ProfilerActivity, schedule
 
 from profuse.attribution import (  # noqa: F401 - the trace's reading, under the names profuse used first
     BACKWARD,
@@ -63,12 +63,11 @@ from profuse.attribution import (  # noqa: F401 - the trace's reading, under the
     total_length,
     union,
 )
-from profuse.compile import compile_model
 from profuse.env import quiet_native_stderr
 from profuse.errors import UsageError
 from profuse.files import atomic_path, check_folder, write_json
 from profuse.model import GPTConfig
-from profuse.models.spec import ModelSpec, autocast_for
+from profuse.models.spec import ModelSpec, make_step
 from profuse.structure import module_ranges
 
 Progress = Callable[[str], None]
@@ -317,28 +316,13 @@ def spec_step(
     compile: bool = False,
     wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     batch_seed: int | None = None,
-) -> Callable[[], None]:
+) -> Callable[[], torch.Tensor]:
     """profuse.models.make_step's training step, cut into `forward`, `backward` and `optimizer`
-    ranges for Perfetto. `wrap` is applied to the model on its device before torch.compile
-    (DistributedDataParallel); `batch_seed` draws the batch (default `seed`)."""
-    device = torch.device(device)
-    model = spec.build(device, seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    batch = spec.batch(device, seed if batch_seed is None else batch_seed)
-    net = wrap(model) if wrap is not None else model
-    net = compile_model(net) if compile else net  # profuse.compile holds the settings
-    autocast = autocast_for(device)
-
-    def train_step() -> None:
-        with record_function(FORWARD), autocast():
-            loss = spec.loss(net, batch)
-        with record_function(BACKWARD):
-            loss.backward()
-        with record_function(OPTIMIZER):
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-    return train_step
+    ranges for Perfetto (the reading does not depend on them)."""
+    return make_step(
+        spec, device, seed=seed, lr=lr, compile=compile, wrap=wrap, batch_seed=batch_seed,
+        phases=(FORWARD, BACKWARD, OPTIMIZER),
+    )  # fmt: skip
 
 
 def _profile_step(

@@ -227,7 +227,9 @@ def _label(key: str) -> str:
     return variants()[key].label
 
 
-def _runner(fn: Callable, x: dict, cfg: TailBenchConfig) -> Callable[[], object]:
+def runner(fn: Callable, x: dict, cfg: TailBenchConfig) -> Callable[[], object]:
+    """One call of a tail variant as Part B times it: the forward, or forward + backward with
+    fresh gradients (autograd.grad) against the bench's dy."""
     g, u, r, w = x["gate"], x["up"], x["residual"], x["weight"]
     if not cfg.backward:
         return lambda: fn(g, u, r, w, cfg.eps)
@@ -302,7 +304,7 @@ def run_tail_bench(
 
     x = make_inputs(cfg)
     ref = _reference(x, cfg)
-    runners = {k: _runner(known[k].fn, x, cfg) for k in keys}
+    runners = {k: runner(known[k].fn, x, cfg) for k in keys}
     checks: dict[str, VariantCheck] = {}
     eager_outs = None
     for i, key in enumerate(keys):  # eager first: it is the baseline and the max-|diff| reference

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 # Sizes of the float64 check's small copy: the run's widths, few layers and tokens (cheap in
 # float64, and through Triton's interpreter on a CPU).
@@ -142,23 +143,33 @@ def autocast_for(device: torch.device) -> Callable[[], contextlib.AbstractContex
     return contextlib.nullcontext
 
 
+Phases = tuple[str, str, str]  # profiler range names of a step's forward, backward and optimizer
+
+
 def train_step(
     spec: ModelSpec,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: tuple[torch.Tensor, torch.Tensor],
     device: torch.device,
+    phases: Phases | None = None,
 ) -> Callable[[], torch.Tensor]:
     """One whole training step of `model` (built by `spec`, maybe fused or compiled) as a training
-    loop runs it; returns the loss without reading it (no device synchronisation)."""
+    loop runs it; returns the loss without reading it (no device synchronisation). `phases`: the
+    names of profiler ranges to cut it into, for a trace a person reads (nothing reads them back:
+    profuse.attribution finds the phases without them)."""
     autocast = autocast_for(device)
+    label = record_function if phases else (lambda _name: contextlib.nullcontext())
+    forward, backward, optimize = phases or ("", "", "")
 
     def step() -> torch.Tensor:
-        with autocast():
+        with label(forward), autocast():
             loss = spec.loss(model, batch)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        with label(backward):
+            loss.backward()
+        with label(optimize):
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         return loss.detach()
 
     return step
@@ -173,17 +184,26 @@ def make_step(
     fuse: bool = False,
     ops=None,
     compile: bool = False,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
+    batch_seed: int | None = None,
+    phases: Phases | None = None,
 ) -> Callable[[], torch.Tensor]:
-    """Build `spec`'s model on `device` (fused, then compiled, as asked), AdamW and one batch;
-    return its training step: the zero-argument callable profuse.profile takes."""
+    """Build `spec`'s model on `device` (fused, wrapped, then compiled, as asked), AdamW and one
+    batch; return its training step: the zero-argument callable profuse.profile takes.
+
+    `wrap` is applied to the model on its device before torch.compile (DistributedDataParallel;
+    the optimizer holds the parameters, which the wrapper shares); `batch_seed` draws the batch
+    (default `seed`), so data-parallel ranks can each have their own; `phases` as train_step's.
+    """
     device = torch.device(device)
     model = spec.build(device, seed)
     if fuse:
         spec.fuse(model, ops)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    net = model
+    net = wrap(model) if wrap is not None else model
     if compile:
         from profuse.compile import compile_model
 
-        net = compile_model(model)
-    return train_step(spec, net, optimizer, spec.batch(device, seed), device)
+        net = compile_model(net)
+    batch = spec.batch(device, seed if batch_seed is None else batch_seed)
+    return train_step(spec, net, optimizer, batch, device, phases)
