@@ -186,8 +186,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "--heads", type=int, default=None, help="attention heads; must divide --d-model (default: 4)"
     )
     g.add_argument("--vocab-size", type=int, default=None, help="vocabulary size (default: 8192)")
-    g.add_argument("--seq-len", type=int, default=None, help="tokens per sequence (default: 256)")
-    g.add_argument("--batch-size", type=int, default=None, help="sequences per step (default: 8)")
+    g.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens per sequence (default: 256 for the GPT; a Hugging Face preset's)",
+    )
+    g.add_argument("--batch-size", type=int, default=None,
+                   help="sequences per step (default: 8 for the GPT; a Hugging Face preset's)")  # fmt: skip
     g.add_argument(
         "--profile-steps", type=positive_int, default=4, help="profiled training steps (default: 4)"
     )
