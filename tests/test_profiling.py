@@ -18,6 +18,7 @@ from profuse.profiling import (
     ProfileResult,
     analyze_trace,
     categorize,
+    read_spans,
     run_profile,
 )
 from profuse.report.profile import format_profile, format_profile_comparison
@@ -713,22 +714,31 @@ def test_a_backward_kernel_on_the_autograd_thread_is_placed_by_its_forward_modul
 def test_the_optimizer_is_found_without_labels(profiled):
     """The same trace read with the step's forward / backward / optimizer ranges and without them:
     torch's own Optimizer.step# and zero_grad# ranges find AdamW's work, autograd's nodes the
-    backward, and the candidates do not move (within two points of the step: what
-    the ranges' own Python time adds, more on a busy machine)."""
+    backward, and no share moves by more than the ranges' own Python time, which the labelled
+    reading gives to their phase and the unlabelled one to the step (a machine's load changes
+    that time, not the bound: it is read from the same trace)."""
     result, _, _ = profiled
     trace = _trace(result)
     labelled = analyze_trace(trace, device="cpu")
-    bare = [e for e in trace if e.get("name") not in ("forward", "backward", "optimizer")]
+    phases = ("forward", "backward", "optimizer")
+    bare = [e for e in trace if e.get("name") not in phases]
     unlabelled = analyze_trace(bare, device="cpu")
+    steps = [s for s in read_spans(trace) if s.name.startswith("ProfilerStep#")]
+    own_us = sum(
+        s.self_us
+        for s in read_spans(trace)
+        if s.name in phases and any(st.ts <= s.ts < st.end for st in steps)
+    )
+    bound = 100.0 * own_us / labelled.total_us + 0.5  # points of the step; 0.5 for rounding
     assert labelled.shares["optimizer"] > 0.5  # AdamW is there to be found
     for cat in ("optimizer", "memory_bound", "loss"):
-        assert abs(unlabelled.shares[cat] - labelled.shares[cat]) < 2.0, cat
+        assert abs(unlabelled.shares[cat] - labelled.shares[cat]) <= bound, cat
     for phase in ("backward", "optimizer"):
-        assert abs(unlabelled.phase_pct[phase] - labelled.phase_pct[phase]) < 2.0, phase
+        assert abs(unlabelled.phase_pct[phase] - labelled.phase_pct[phase]) <= bound, phase
     before = {c.name: c.pct for c in labelled.candidates}
     after = {c.name: c.pct for c in unlabelled.candidates}
     assert set(after) == set(before)
-    assert all(abs(after[name] - before[name]) < 2.0 for name in before)
+    assert all(abs(after[name] - before[name]) <= bound for name in before)
 
 
 def test_autocasts_weight_cast_in_an_mlp_is_a_copy_not_gate_x_up():
