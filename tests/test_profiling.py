@@ -154,8 +154,14 @@ def test_report_reads_like_the_lab(profiled):
     assert set(rows) == {c.name for c in candidates if c.pct >= 0.05}  # the smallest are named, not listed
     small = [c.name for c in candidates if c.pct < 0.05]
     assert not small or f"  (under 0.05% each: {', '.join(small)})" in lines
-    assert "add_rms_norm" in rows[A.RESIDUAL_NORM] and "silu_mul" in rows[A.ACTIVATION_MUL]
-    assert "none yet" in rows[A.OPTIMIZER_WORK]
+    # Which op covers each candidate, in its row where the row is shown: on a busy CPU one stalled
+    # op can push the tiny model's gate x up under the 0.05% that is listed (0.054% seen).
+    found = {c.name: c for c in candidates}
+    assert found[A.RESIDUAL_NORM].covered_by == "add_rms_norm"
+    assert found[A.ACTIVATION_MUL].covered_by == "silu_mul"
+    assert found[A.OPTIMIZER_WORK].covered_by is None
+    for name, row in rows.items():
+        assert (found[name].covered_by or "none yet") in row
     assert any(line.startswith("phases: forward ") for line in lines)
     assert lines[-1].startswith(f"trace written: {result.trace_path} (")
     assert lines[-1].endswith("- open it at https://ui.perfetto.dev")
