@@ -217,11 +217,11 @@ def test_presets_and_overrides():
 
 
 def test_cli_maps_preset_and_model_flags(capsys):
-    from profuse.cli import _step_config, build_step_parser
+    from profuse.cli import build_step_parser, step_config
 
     args = build_step_parser().parse_args(["--preset", "small", "--layers", "3", "--batch-size", "2",
                                            "--variants", "compile,eager", "--trials", "5"])  # fmt: skip
-    cfg = _step_config(args, CPU, args.preset)
+    cfg = step_config(args, CPU, args.preset)
     m = cfg.model.config  # StepConfig.model is a ModelSpec: the built-in GPT's holds its GPTConfig
     assert (m.n_layer, m.d_model, m.batch_size, m.seq_len) == (
         3,
