@@ -37,6 +37,7 @@ from cases import (
 from profuse import cli
 from profuse import sweep as S
 from profuse.cli import main
+from profuse.cli import results as cli_results
 from profuse.errors import UsageError
 from profuse.report import plots
 from profuse.report import sweep as R
@@ -811,7 +812,7 @@ def test_sweep_where_nothing_fits_writes_nothing(tmp_path):
 
 
 def test_interrupted_sweep_keeps_only_the_sizes_done_in_a_partial_file(tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "Progress", InterruptAtSecondSize)
+    monkeypatch.setattr(cli_results, "Progress", InterruptAtSecondSize)
     out = tmp_path / "killed"
     code, _, stderr = run_cli("sweep", *TINY_SWEEP, "--out", str(out))
     assert code == 130 and "interrupted" in stderr
@@ -825,7 +826,7 @@ def test_interrupted_sweep_keeps_only_the_sizes_done_in_a_partial_file(tmp_path,
 def test_interrupted_sweep_says_what_it_kept_and_how_to_go_on(tmp_path, monkeypatch):
     """Ctrl-C names the partial file, the command that reads it, and a command that times the
     sizes left (which the sweep's parser reads back as exactly those sizes)."""
-    monkeypatch.setattr(cli, "Progress", InterruptAtSecondSize)
+    monkeypatch.setattr(cli_results, "Progress", InterruptAtSecondSize)
     out = tmp_path / "killed run"  # a space: the command must quote it
     argv = ["--rows", "64,128,160", "--cols", "96", "--trials", "3", "--variants", "eager", "--seed", "7"]
     code, stdout, stderr = run_cli("sweep", *argv, "--device", "cpu", "--out", str(out))
@@ -908,7 +909,7 @@ def test_interrupted_sweep_keeps_the_previous_files(tmp_path, monkeypatch, saved
     before = {n: (src / n).read_bytes() for n in ("results.json", "results.csv")}
     for name, blob in before.items():
         (out / name).write_bytes(blob)
-    monkeypatch.setattr(cli, "Progress", InterruptAtSecondSize)
+    monkeypatch.setattr(cli_results, "Progress", InterruptAtSecondSize)
     code, _, _ = run_cli("sweep", *TINY_SWEEP, "--out", str(out))
     assert code == 130
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != "results.partial.json"} == before
@@ -971,7 +972,7 @@ def every_kind(tmp_path_factory, saved):
     assert code == 0, err
     partial = root / "partial"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(cli, "Progress", InterruptAtSecondSize)
+        mp.setattr(cli_results, "Progress", InterruptAtSecondSize)
         code, _, _ = run_cli("sweep", *TINY_SWEEP, "--out", str(partial))
     assert code == 130
     return {

@@ -217,11 +217,11 @@ def test_presets_and_overrides():
 
 
 def test_cli_maps_preset_and_model_flags(capsys):
-    from profuse.cli import _step_config, build_step_parser
+    from profuse.cli import build_step_parser, step_config
 
     args = build_step_parser().parse_args(["--preset", "small", "--layers", "3", "--batch-size", "2",
                                            "--variants", "compile,eager", "--trials", "5"])  # fmt: skip
-    cfg = _step_config(args, CPU, args.preset)
+    cfg = step_config(args, CPU, args.preset)
     m = cfg.model.config  # StepConfig.model is a ModelSpec: the built-in GPT's holds its GPTConfig
     assert (m.n_layer, m.d_model, m.batch_size, m.seq_len) == (
         3,
@@ -698,9 +698,11 @@ def test_hf_step_command(tmp_path, capsys, monkeypatch):
     assert code == 0 and again.rstrip("\n") == out.rstrip("\n").rsplit("\n", 1)[0]  # all but 'results:'
 
 
-def test_hf_fused_step_with_eager_ops():
+def test_hf_fused_step_with_eager_ops(tmp_path):
     """The plumbing of a fused Hugging Face model: fusion.fuse's structure with plain-torch ops."""
-    cfg = S.StepConfig(model=hf_tiny(), variants=("eager", "fused"), trials=2, profile_steps=1)
+    cfg = S.StepConfig(
+        model=hf_tiny(), variants=("eager", "fused"), trials=2, profile_steps=1, out_dir=tmp_path
+    )
     res = S.run_step(cfg, ops=fusion.EAGER)
     assert res.check.passed and not res.failed, (res.check, res.failed)
     assert res.first_steps["fused"].grad_rel_diff < BACKWARD_TOL[torch.float32]
@@ -723,7 +725,7 @@ def test_hf_fused_step_through_the_interpreter(monkeypatch):
     assert res.first_steps["fused"].grad_rel_diff < BACKWARD_TOL[cfg.dtype]
 
 
-def test_liger_variants_with_a_stand_in_liger(monkeypatch):
+def test_liger_variants_with_a_stand_in_liger(monkeypatch, tmp_path):
     """liger-kernel runs on CUDA only; a stand-in with its entry point (the same math, and a
     patched module global as Liger's RoPE is) runs the variants' plumbing here: the same-math
     checks, liger's first step against eager computing Liger's (shifted) loss, the timed steps
@@ -737,7 +739,11 @@ def test_liger_variants_with_a_stand_in_liger(monkeypatch):
     monkeypatch.setattr(L, "liger_transformers", fake)
     monkeypatch.setattr(L, "unavailable", lambda device, family: "")
     cfg = S.StepConfig(
-        model=hf_tiny(seq_len=24), variants=("eager", "liger-ops", "liger"), trials=2, profile_steps=1
+        model=hf_tiny(seq_len=24),
+        variants=("eager", "liger-ops", "liger"),
+        trials=2,
+        profile_steps=1,
+        out_dir=tmp_path,
     )
     res = S.run_step(cfg)
     assert not res.failed and not res.skipped, res.failed
@@ -831,14 +837,14 @@ def test_a_variant_that_replaces_the_parameters_is_refused(monkeypatch):
     assert list(res.comparison.timings) == ["eager"]
 
 
-def test_a_model_fusion_cannot_label_is_profiled_unlabelled(monkeypatch):
+def test_a_model_fusion_cannot_label_is_profiled_unlabelled(monkeypatch, tmp_path):
     from profuse.models.gpt import GPTSpec
 
     def refuse(self, model):
         raise ValueError("no block ops this fusion knows\nsecond line")
 
     monkeypatch.setattr(GPTSpec, "label", refuse)
-    cfg = S.StepConfig(model=TINY, variants=("eager",), trials=2, profile_steps=1)
+    cfg = S.StepConfig(model=TINY, variants=("eager",), trials=2, profile_steps=1, out_dir=tmp_path)
     res = S.run_step(cfg)
     assert res.profiles["eager"].block_op_pct == {} and res.amdahl is None
     assert res.amdahl_note.endswith("(ValueError: no block ops this fusion knows)")

@@ -707,6 +707,7 @@ def profile_variant(
         regions=regions,
         compiled=name in COMPILED_VARIANTS,
         progress=say,
+        summary_name=None,  # Part C writes step.json; a variant's profile.json would be clutter
     )
     s = result.summary
     block_ops = {op: s.region_pct.get(fusion.BLOCK_OP_RANGES[op], 0.0) for op in OPS} if regions else {}

@@ -1,0 +1,146 @@
+"""`profuse step`: Part C, the whole training step of a model in several variants."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from profuse.cli.common import (
+    Parser,
+    Progress,
+    add_device_args,
+    add_out_arg,
+    add_threads_arg,
+    check_out,
+    nonnegative_int,
+    positive_int,
+    set_threads,
+    trial_count,
+    variant_keys,
+)
+
+# --------------------------------------------------------------------------------------------
+# Part C: the whole training step
+# --------------------------------------------------------------------------------------------
+
+STEP_VARIANTS = ("eager", "fused", "liger-ops", "liger", "compile", "compile+fused", "cudagraphs")
+# The sizes --preset names: the built-in GPT's, then the Hugging Face models' (profuse.models).
+GPT_STEP_PRESETS = ("lab", "small", "medium")
+HF_STEP_PRESETS = ("tiny", "Llama-3.2-1B", "Qwen2.5-0.5B", "Qwen3-0.6B")
+CPU_STEP_HINT = (
+    "Part C (the whole training step, eager vs fused vs torch.compile) runs here on CUDA; on a CPU run "
+    "it yourself: profuse step --device cpu --preset lab --variants eager,compile (TRITON_INTERPRET=1 "
+    "adds the fused variants, slowly)"
+)
+
+
+def build_step_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="profuse step",
+        description="Part C: how much faster does fusing make the training step, really? Whole training "
+        "steps (forward, loss, backward, AdamW) of a model (the built-in GPT, or a Hugging Face "
+        "Llama-family model with random weights) as written (eager), with its block ops fused "
+        "(silu_mul, add_rms_norm: profuse's Triton kernels), with Liger-Kernel's patch, under "
+        "torch.compile, and both: the same math checked against float64 first, then interleaved "
+        "trials with the speedup over eager and its 95% CI, peak memory, kernels per step, the gain "
+        "Amdahl's law predicts from the fused ops' own speedups beside the gain measured, and a "
+        "verdict. Writes step.json and a trace per variant.",
+    )
+    add_device_args(p)
+    p.add_argument(
+        "--model", default="gpt", metavar="gpt|hf:ARCH",
+        help="the model: gpt, the built-in (default), or hf:ARCH, ARCH one of llama, mistral, qwen2, "
+        "qwen3 (transformers' own class, random weights, nothing downloaded)",
+    )  # fmt: skip
+    p.add_argument(
+        "--preset", default=None, choices=GPT_STEP_PRESETS + HF_STEP_PRESETS,
+        help="model size. gpt: lab = 4 layers, d_model 256, 8 x 256 tokens a step (the lab's, the "
+        "default); small = 8 layers, d_model 1024, 8 heads, 8 x 1024 tokens; medium = small with "
+        "d_model 2048, 16 heads (the model flags override them). hf:ARCH: tiny (2 layers, width 96, "
+        "2 x 64 tokens; the default) or a published model's shapes, 4 x 2048 tokens a step: "
+        "Llama-3.2-1B (hf:llama), Qwen2.5-0.5B (hf:qwen2), Qwen3-0.6B (hf:qwen3)",
+    )  # fmt: skip
+    p.add_argument(
+        "--hf-config", type=Path, default=None, metavar="PATH",
+        help="with --model hf:ARCH: a local config.json (or its folder) instead of a preset; "
+        "4 x 2048 tokens a step unless --batch-size and --seq-len say otherwise",
+    )  # fmt: skip
+    g = p.add_argument_group("the model (the built-in GPT's sizes; each overrides the preset)")
+    g.add_argument("--layers", type=positive_int, default=None, help="transformer blocks")
+    g.add_argument("--d-model", type=positive_int, default=None, help="hidden size")
+    g.add_argument("--heads", type=positive_int, default=None, help="attention heads; must divide --d-model")
+    g.add_argument("--vocab-size", type=positive_int, default=None, help="vocabulary size")
+    g.add_argument("--seq-len", type=positive_int, default=None, help="tokens per sequence (any model)")
+    g.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (any model)")
+    p.add_argument(
+        "--variants", type=variant_keys, default=None, metavar="LIST",
+        help=f"comma-separated, from: {', '.join(STEP_VARIANTS)} (default: for gpt eager, fused, "
+        "compile, compile+fused; for hf:ARCH all. eager, the baseline, is always in; a variant that "
+        "cannot run here is skipped with the reason: fused where no Triton kernels run, liger and "
+        "liger-ops without CUDA and liger-kernel, cudagraphs without CUDA)",
+    )  # fmt: skip
+    p.add_argument("--trials", type=trial_count, default=30, help="interleaved timed trials (default: 30)")
+    p.add_argument(
+        "--profile-steps", type=nonnegative_int, default=3,
+        help="profiled steps per variant, for kernels per step and the Amdahl prediction; 0 skips the "
+        "profiles and the prediction (default: 3)",
+    )  # fmt: skip
+    add_threads_arg(p)
+    add_out_arg(p, ".", "step.json and the traces (trace-step-VARIANT.json)")
+    return p
+
+
+def step_config(args, device, preset: str | None):
+    from profuse.models import model_spec
+    from profuse.step import StepConfig
+
+    spec = model_spec(
+        getattr(args, "model", "gpt"),
+        preset,
+        config_path=getattr(args, "hf_config", None),
+        batch_size=getattr(args, "batch_size", None),
+        seq_len=getattr(args, "seq_len", None),
+        n_layer=getattr(args, "layers", None),
+        d_model=getattr(args, "d_model", None),
+        n_head=getattr(args, "heads", None),
+        vocab_size=getattr(args, "vocab_size", None),
+    )
+    kw = {
+        name: getattr(args, name) for name in ("variants", "trials", "profile_steps") if hasattr(args, name)
+    }
+    return StepConfig(model=spec, device=device, seed=args.seed, out_dir=args.out, **kw)
+
+
+def check_step(cfg) -> None:
+    """Part C's memory check, for the variants that can run here: before any long work."""
+    from profuse.step import check_step_fits, plan
+
+    check_step_fits(cfg, plan(cfg, None)[0])
+
+
+def run_part_c(cfg) -> None:
+    from profuse.files import write_json
+    from profuse.report.step import format_step
+    from profuse.step import run_step
+
+    progress = Progress()
+    try:
+        res = run_step(cfg, progress=progress)
+    finally:
+        progress.close()
+    data = res.to_dict()
+    print(format_step(data))
+    path = write_json(Path(cfg.out_dir) / "step.json", data)
+    print(f"results: {path}")
+
+
+def cmd_step(argv: list[str]) -> int:
+    args = build_step_parser().parse_args(argv)  # before torch is imported: --help stays quick
+    from profuse.env import resolve_device
+
+    check_out(args, ())  # a folder that cannot be written fails now, not after the measuring
+    set_threads(args)
+    cfg = step_config(args, resolve_device(args.device), args.preset)
+    check_step(cfg)
+    run_part_c(cfg)
+    return 0
