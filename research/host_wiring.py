@@ -49,7 +49,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import profuse.kernels.autotune as autotune  # noqa: E402
-from profuse import blockops  # noqa: E402
+from profuse import blockops, tail  # noqa: E402
 from profuse.kernels.add_rms_norm import add_rms_norm_backward, add_rms_norm_forward  # noqa: E402
 from profuse.kernels.swiglu import silu_mul_backward, silu_mul_forward  # noqa: E402
 
@@ -60,7 +60,15 @@ ROWS, COLS, EPS = 4, 8, 1e-6
 # --------------------------------------------------------------------------------------------
 
 # Which runtime argument is the launch's first output, by Launch.kind (see each launcher's args).
-OUTPUT_ARG = {"silu_mul fwd": 2, "silu_mul bwd": 3, "add_rms_norm fwd": 3, "add_rms_norm bwd": 5, "dw sum": 1}
+OUTPUT_ARG = {
+    "silu_mul fwd": 2,
+    "silu_mul bwd": 3,
+    "add_rms_norm fwd": 3,
+    "add_rms_norm bwd": 5,
+    "dw sum": 1,
+    "fwd": 4,  # the tail's forward (kernels/tail/plans.py)
+    "bwd": 6,  # the tail's one-pass backward
+}
 TRACE: dict | None = None  # set to a dict to record the Python stack at each launch
 
 
@@ -359,7 +367,7 @@ class ArnBareLaunchers(torch.autograd.Function):
 class ArnFloor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, residual, weight, eps):
-        y, h = torch.empty_like(x), torch.empty_like(x)
+        y, h = torch.empty_like(x), torch.empty_like(residual)  # h: the (fp32) residual's dtype
         rstd = torch.empty(x.shape[:-1], dtype=torch.float32)
         direct_launch(y, x)
         ctx.save_for_backward(h, weight, rstd)
@@ -368,12 +376,12 @@ class ArnFloor(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dh):
         h, weight, rstd = ctx.saved_tensors
-        d = torch.empty_like(h)
+        dx, dr = torch.empty_like(dy), torch.empty_like(h)  # x's dtype, the residual's
         partial = torch.empty((1, h.shape[-1]), dtype=torch.float32)
-        direct_launch(d, dy, h, partial)  # the gradient kernel, with the dw partials
+        direct_launch(dx, dy, h, dr, partial)  # the gradient kernel, with the dw partials
         dw = torch.empty_like(weight)
         direct_launch(dw, partial)  # the dw column sum's launch
-        return d, d, dw, None
+        return dx, dr, dw, None
 
 
 # --------------------------------------------------------------------------------------------
@@ -381,8 +389,8 @@ class ArnFloor(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------
 
 WIRINGS = [
-    ("eager", "a: eager torch ops (the bar)"),
-    ("profuse", "e: profuse.blockops today (Function -> launcher, eager branch)"),
+    ("eager", "a: eager torch ops (the bar; the tail's: F.rms_norm)"),
+    ("profuse", "e: profuse today (Function -> launcher, eager branch)"),
     ("over_ops", "b: Function over custom ops (profuse's traced branch, called eagerly)"),
     ("registered", "c: custom_op + register_autograd (backward a custom op)"),
     ("triton_op", "c': triton_op + register_autograd (backward a custom op)"),
@@ -399,6 +407,10 @@ SILU = {
     "bare_launchers": SiluBareLaunchers.apply,
     "floor": SiluFloor.apply,
 }
+TAIL = {
+    "eager": lambda g, u, r, w: tail.tail_rms_norm(g, u, r, w, EPS),
+    "profuse": lambda g, u, r, w: tail.tail_triton(g, u, r, w, EPS),
+}
 ARN = {
     "eager": add_rms_eager,
     "profuse": lambda x, r, w: blockops.add_rms_norm(x, r, w, EPS),
@@ -410,21 +422,36 @@ ARN = {
 }
 
 
+# Dtypes as benchmarks/host_overhead.py has them on the H200: bf16 activations, and for
+# add_rms_norm an fp32 residual stream and weight (h and dh fp32).
+BF16, FP32 = torch.bfloat16, torch.float32
+DTYPES = {
+    "silu_mul": ((BF16, BF16), (BF16,)),
+    "add_rms_norm": ((BF16, FP32, FP32), (BF16, FP32)),
+    "tail": ((BF16, BF16, BF16, BF16), (BF16,)),
+}
+
+
+FAMILIES = {"silu_mul": SILU, "add_rms_norm": ARN, "tail": TAIL}
+
+
 def make_calls(op: str, fn):
-    """(forward, forward + backward) for one wiring: zero-argument callables over fixed tiny fp32
-    CPU tensors, leaves that need gradients. The no-grad forward is `forward` counted with grad
-    mode off around the whole loop (so no context manager is counted per call)."""
+    """(forward, forward + backward) for one wiring: zero-argument callables over fixed tiny CPU
+    tensors, leaves that need gradients; the backward is torch.autograd.grad of every output
+    for every input, as benchmarks/host_overhead.py calls it. The no-grad forward is `forward`
+    counted with grad mode off around the whole loop (no context manager counted per call)."""
     torch.manual_seed(0)
-    args = [torch.randn(ROWS, COLS, requires_grad=True) for _ in range(2)]
-    if op == "add_rms_norm":
-        args.append(torch.randn(COLS, requires_grad=True))
-    grads = [torch.randn(ROWS, COLS) for _ in range(2)]
+    in_dtypes, grad_dtypes = DTYPES[op]
+    args = [torch.randn(ROWS, COLS, dtype=d).requires_grad_() for d in in_dtypes]
+    if op != "silu_mul":  # the weight: one row
+        args[-1] = torch.randn(COLS, dtype=in_dtypes[-1]).requires_grad_()
+    grads = [torch.randn(ROWS, COLS, dtype=d) for d in grad_dtypes]
 
     def fwd():
         fn(*args)
 
     def fwd_bwd():
-        torch.autograd.backward(fn(*args), grads[0] if op == "silu_mul" else grads)
+        torch.autograd.grad(fn(*args), args, grads)
 
     return {"fwd_nograd": fwd, "fwd": fwd, "fwd_bwd": fwd_bwd}
 
@@ -456,6 +483,8 @@ def pieces() -> dict:
     return {
         "stand-in kernel: out.zero_()": lambda: a.zero_(),
         "torch.empty(shape, dtype=, device=)": lambda: torch.empty(g.shape, dtype=g.dtype, device=g.device),
+        "torch.empty_like(t)": lambda: torch.empty_like(g),
+        "t.device (a torch.device made)": lambda: g.device,
         "torch.compiler.is_compiling()": torch.compiler.is_compiling,
         "blockops.check_silu_mul_args": lambda: blockops.check_silu_mul_args(g, u),
         "blockops.check_add_rms_norm_args": lambda: blockops.check_add_rms_norm_args(g, u, w),
@@ -466,8 +495,8 @@ def pieces() -> dict:
 
 
 def cases():
-    for op, table in (("silu_mul", SILU), ("add_rms_norm", ARN)):
-        for wiring, _ in WIRINGS:
+    for op, table in FAMILIES.items():
+        for wiring in table:
             for mode, call in make_calls(op, table[wiring]).items():
                 yield op, wiring, mode, call
     for name, call in pieces().items():
@@ -481,8 +510,8 @@ def empty_call():
 def check_wirings() -> None:
     """Every wiring runs and hands back gradients shaped like its inputs (the values are the
     stand-in's, not the op's: this checks the wiring, not the math)."""
-    for op, table in (("silu_mul", SILU), ("add_rms_norm", ARN)):
-        for wiring, _ in WIRINGS:
+    for op, table in FAMILIES.items():
+        for wiring in table:
             calls = make_calls(op, table[wiring])
             with torch.no_grad():
                 calls["fwd_nograd"]()
@@ -668,12 +697,14 @@ def main() -> None:
         args.json.write_text(json.dumps(results, indent=1))
     print(f"# {results['machine']}, {args.n} calls a case; per call, less an empty call's")
     modes = ("fwd_nograd", "fwd", "fwd_bwd")
-    for op in ("silu_mul", "add_rms_norm"):
+    for op, table in FAMILIES.items():
         print(f"\n## {op}\n")
         head = " | ".join(f"{m} Ir | {m} py calls | {m} op events" for m in modes)
         print(f"| wiring | {head} |")
         print("|---" * (1 + 3 * len(modes)) + "|")
         for wiring, label in WIRINGS:
+            if wiring not in table:
+                continue
             cells = []
             for m in modes:
                 c = results["cases"][f"{op}|{wiring}|{m}"]
@@ -685,8 +716,8 @@ def main() -> None:
         c = results["cases"][f"piece|{name}|fwd_nograd"]
         print(f"| {name} | {ir_cell(c)} | {c['py_calls']:g} | {c['op_events']['total']} |")
     print("\n## Python frames from the call to each launch (forward + backward, with grad)\n")
-    for op in ("silu_mul", "add_rms_norm"):
-        for wiring, _ in WIRINGS[1:]:
+    for op, table in FAMILIES.items():
+        for wiring in list(table)[1:]:
             for stack in results["cases"][f"{op}|{wiring}|fwd_bwd"]["launch_stacks"]:
                 print(f"- {op} {wiring} ({len(stack)} frames): {' > '.join(stack)}")
 
