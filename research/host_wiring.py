@@ -41,12 +41,14 @@ import tempfile
 import traceback
 from pathlib import Path
 
-# profuse's launchers refuse CPU tensors unless Triton's interpreter is on; the stand-in launch
-# means the interpreter never runs anything.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+# Without a GPU, profuse's launchers refuse CPU tensors unless Triton's interpreter is on; the
+# stand-in launch (use_stand_in) means the interpreter never runs anything. With a GPU the
+# wirings below can be imported and run with profuse's real kernels (no stand-in).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import profuse.kernels.autotune as autotune  # noqa: E402
 from profuse import blockops, tail  # noqa: E402
@@ -81,15 +83,17 @@ def stand_in(out_arg: int):
     return run
 
 
-original_init = autotune.Launch.__init__
+def use_stand_in() -> None:
+    """From now on every profuse Launch made runs the stand-in instead of its Triton kernel: the
+    launcher's Python (plan lookup, Launch.__call__, log_launch) is kept, Triton's own launch
+    path is not. Call it before the first call of any op (plans keep their Launch)."""
+    original_init = autotune.Launch.__init__
 
+    def init_with_stand_in(self, kernel, grid, config, kind, **meta):
+        original_init(self, kernel, grid, config, kind, **meta)
+        self.run = stand_in(OUTPUT_ARG[kind])
 
-def init_with_stand_in(self, kernel, grid, config, kind, **meta):
-    original_init(self, kernel, grid, config, kind, **meta)
-    self.run = stand_in(OUTPUT_ARG[kind])
-
-
-autotune.Launch.__init__ = init_with_stand_in
+    autotune.Launch.__init__ = init_with_stand_in
 
 
 def direct_launch(out: torch.Tensor, *inputs: torch.Tensor) -> None:
@@ -484,6 +488,10 @@ def pieces() -> dict:
         "stand-in kernel: out.zero_()": lambda: a.zero_(),
         "torch.empty(shape, dtype=, device=)": lambda: torch.empty(g.shape, dtype=g.dtype, device=g.device),
         "torch.empty_like(t)": lambda: torch.empty_like(g),
+        "torch.empty_like(t, memory_format=torch.contiguous_format)": lambda: torch.empty_like(
+            g, memory_format=torch.contiguous_format
+        ),
+        "t.new_empty(shape)": lambda: g.new_empty(g.shape),
         "t.device (a torch.device made)": lambda: g.device,
         "torch.compiler.is_compiling()": torch.compiler.is_compiling,
         "blockops.check_silu_mul_args": lambda: blockops.check_silu_mul_args(g, u),
@@ -677,6 +685,7 @@ def main() -> None:
     parser.add_argument("--callgrind-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    use_stand_in()
     if args.callgrind_child:
         callgrind_child(args.callgrind_child, args.n)
         return
