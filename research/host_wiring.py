@@ -515,6 +515,33 @@ def empty_call():
     return None
 
 
+def check_against_eager() -> list[tuple[str, str, float]]:
+    """With profuse's real kernels (no stand-in; Triton's interpreter on CPU): each wiring's
+    outputs and gradients against the eager row's, as (op, wiring, largest relative error of
+    any output or gradient). The floor runs the stand-in whatever happens, so it is left out."""
+    torch.manual_seed(1)
+    rows = []
+    for op, table in FAMILIES.items():
+        in_dtypes, grad_dtypes = DTYPES[op]
+        args = [torch.randn(5, 24, dtype=d).requires_grad_() for d in in_dtypes]
+        if op != "silu_mul":
+            args[-1] = (1 + 0.1 * torch.randn(24, dtype=in_dtypes[-1])).requires_grad_()
+        grads = [torch.randn(5, 24, dtype=d) for d in grad_dtypes]
+        ref = None
+        for wiring, fn in table.items():
+            if wiring == "floor":
+                continue
+            out = fn(*args)
+            outs = out if isinstance(out, tuple) else (out,)
+            vals = [t.float() for t in (*outs, *torch.autograd.grad(outs, args, grads))]
+            if ref is None:
+                ref = vals
+                continue
+            err = max(((a - b).norm() / b.norm()).item() for a, b in zip(vals, ref, strict=True))
+            rows.append((op, wiring, err))
+    return rows
+
+
 def check_wirings() -> None:
     """Every wiring runs and hands back gradients shaped like its inputs (the values are the
     stand-in's, not the op's: this checks the wiring, not the math)."""
@@ -682,9 +709,16 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=50, help="calls counted per case")
     parser.add_argument("--callgrind", action="store_true", help="also count instructions under callgrind")
     parser.add_argument("--json", type=Path, help="write every count here")
+    parser.add_argument(
+        "--check", action="store_true", help="only compare each wiring with eager, real kernels (slow on CPU)"
+    )
     parser.add_argument("--callgrind-child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.check:
+        for op, wiring, err in check_against_eager():
+            print(f"{op} {wiring}: largest relative error against eager {err:.2e}")
+        return
     use_stand_in()
     if args.callgrind_child:
         callgrind_child(args.callgrind_child, args.n)
