@@ -9,7 +9,8 @@ every block:
                                         rstd = 1 / sqrt(mean(h^2) + eps)   -> (y, h)
 
 add_rms_norm is the residual add followed by the next norm (twice per block): h is the new
-residual stream, y what the next matmul reads.
+residual stream, y what the next matmul reads. `rms_norm(x, w, eps)` is the norm alone, for the
+one norm of a model with no add in front (where the embeddings enter the stream).
 
 Dtypes, as a bf16-autocast model has them: the residual stream is fp32 and a branch's output
 bf16. So x and residual may differ: h comes out in the dtype `x + residual` would have (bf16 +
@@ -155,3 +156,48 @@ def add_rms_norm(
     from profuse.kernels import add_rms_norm as kernel
 
     return kernel.add_rms_norm_fused(x, residual, weight, float(eps))
+
+
+# --------------------------------------------------------------------------------------------
+# rms_norm
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """y = rms_norm(x) * weight as Hugging Face's Llama RMSNorm computes it: fp32 inside, the
+    normalised value cast back to x's dtype, then times the weight; y in x's dtype."""
+    x32 = x.to(torch.float32)
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * y.to(x.dtype)).to(x.dtype)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """The oracle: float64, written out."""
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+def check_rms_norm_args(x, weight) -> None:
+    """Raise ValueError naming the argument whose type, shape, dtype or device is off."""
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32")
+    if x.dim() < 1 or x.shape[-1] == 0:
+        raise ValueError(f"x must have a non-empty last dimension, got shape {tuple(x.shape)}")
+    if weight.shape != (x.shape[-1],):
+        raise ValueError(f"weight has shape {tuple(weight.shape)}, expected ({x.shape[-1]},)")
+    if weight.device != x.device:
+        raise ValueError(f"weight is on {weight.device}, x is on {x.device}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+    """y = rms_norm(x) * weight in one Triton kernel forward and one backward, fp32 inside; y in
+    x's dtype; dweight bitwise repeatable. Custom ops under torch.compile (no graph break)."""
+    if not HAS_TRITON:
+        raise RuntimeError(TRITON_MISSING)
+    check_rms_norm_args(x, weight)
+    from profuse.kernels import rms_norm as kernel
+
+    return kernel.rms_norm_fused(x, weight, float(eps))

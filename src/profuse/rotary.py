@@ -1,0 +1,160 @@
+"""Rotary position embedding on queries and keys, and Qwen3's per-head q/k RMSNorm before it.
+
+    rope(x) = x * cos + rotate_half(x) * sin,   rotate_half([x1, x2]) = [-x2, x1]
+
+over the last dimension (head_dim D, halves x1 and x2), with cos and sin of shape (B, T, D) as a
+Hugging Face model's rotary module returns them (the same for every head). Queries are
+(B, Hq, T, D) and keys (B, Hk, T, D), Hk <= Hq under grouped-query attention: the layout
+Hugging Face's attention passes (views of (B, T, H, D) projections, transposed; any strides with
+a contiguous last dimension).
+
+`qk_norm_rope` first normalises each head (Qwen3's q_norm and k_norm: an RMSNorm over D with a
+(D,) weight each), taking q and k before the transpose, (B, T, H, D), as Qwen3 normalises them,
+and returns them rotated in the (B, H, T, D) layout, as Hugging Face's attention goes on with.
+
+Dtypes: Hugging Face computes in the dtypes it is given, so where cos is fp32 and q bf16 (bf16
+autocast over fp32 parameters) its rotated q comes out fp32, and attention casts it back to bf16.
+The fused ops return q's and k's own dtype under autocast (what attention reads: the same values,
+one pass fewer) and the promoted dtype otherwise. All arithmetic is fp32 inside the kernels.
+
+Each op here: the eager math (the baseline, Hugging Face's op for op), the float64 reference
+(the oracle), the argument check (one-line ValueError naming the argument), and the public entry
+point, which runs the Triton kernels (profuse.kernels.rope).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from profuse.kernels import HAS_TRITON, TRITON_MISSING
+from profuse.tail import DEFAULT_EPS, SUPPORTED_DTYPES
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[-x2, x1] for the halves x1, x2 of the last dimension."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_eager(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hugging Face's apply_rotary_pos_emb op for op: q, k (B, H, T, D); cos, sin (B, T, D)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def rope_reference(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    """The oracle: the same math in float64."""
+    return rope_eager(q.double(), k.double(), cos.double(), sin.double())
+
+
+def head_rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face's RMSNorm (Qwen3's q_norm, k_norm) op for op: fp32 inside, the normalised
+    value cast back to x's dtype, then times the weight."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def qk_norm_rope_eager(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float = DEFAULT_EPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's attention op for op: q (B, T, Hq, D) and k (B, T, Hk, D) normalised per head,
+    transposed to (B, H, T, D), then rotated."""
+    qn = head_rms_norm_hf(q, q_weight, eps).transpose(1, 2)
+    kn = head_rms_norm_hf(k, k_weight, eps).transpose(1, 2)
+    return rope_eager(qn, kn, cos, sin)
+
+
+def qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps: float = DEFAULT_EPS):
+    """The oracle: the same math in float64 (the norm written out, no casts in between)."""
+
+    def norm(x, w):
+        x = x.double()
+        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()).transpose(1, 2)
+
+    return rope_reference(norm(q, q_weight), norm(k, k_weight), cos, sin)
+
+
+def _check_common(q, k, cos, sin, heads_dim: int) -> None:
+    named = {"q": q, "k": k, "cos": cos, "sin": sin}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name} has dtype {t.dtype}; supported: bfloat16, float16, float32")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q is on {q.device}")
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be 4-D, got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+    d = q.shape[-1]
+    if d == 0 or d % 2:
+        raise ValueError(f"head_dim must be even and non-zero, got {d}")
+    seq_dim = 2 if heads_dim == 1 else 1
+    if k.shape[0] != q.shape[0] or k.shape[seq_dim] != q.shape[seq_dim] or k.shape[-1] != d:
+        raise ValueError(f"k has shape {tuple(k.shape)}, which does not match q's {tuple(q.shape)}")
+    if q.shape[heads_dim] % max(k.shape[heads_dim], 1):
+        raise ValueError(f"q's {q.shape[heads_dim]} heads are not a multiple of k's {k.shape[heads_dim]}")
+    want = (q.shape[seq_dim], d)
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dim() != 3 or tuple(t.shape[1:]) != want or t.shape[0] not in (1, q.shape[0]):
+            expected = f"({q.shape[0]} or 1, {want[0]}, {d})"
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected}")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError("q and k need a contiguous last dimension (head_dim)")
+
+
+def check_rope_args(q, k, cos, sin) -> None:
+    """Raise ValueError naming the argument whose type, shape, dtype or device is off."""
+    _check_common(q, k, cos, sin, heads_dim=1)
+
+
+def check_qk_norm_rope_args(q, k, q_weight, k_weight, cos, sin) -> None:
+    """Raise ValueError naming the argument whose type, shape, dtype or device is off."""
+    _check_common(q, k, cos, sin, heads_dim=2)
+    d = q.shape[-1]
+    for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
+        if not isinstance(w, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
+        if tuple(w.shape) != (d,):
+            raise ValueError(f"{name} has shape {tuple(w.shape)}, expected ({d},)")
+        if w.dtype not in SUPPORTED_DTYPES or w.device != q.device:
+            raise ValueError(f"{name} must be a bf16, fp16 or fp32 tensor on {q.device}")
+
+
+def rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rope_eager's (q, k) in one Triton launch forward and one backward, fp32 inside."""
+    if not HAS_TRITON:
+        raise RuntimeError(TRITON_MISSING)
+    check_rope_args(q, k, cos, sin)
+    from profuse.kernels import rope as kernel
+
+    return kernel.rope_fused(q, k, cos, sin)
+
+
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float = DEFAULT_EPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """qk_norm_rope_eager's (q, k) in one Triton launch forward and one backward, fp32 inside;
+    the weights' gradients bitwise repeatable."""
+    if not HAS_TRITON:
+        raise RuntimeError(TRITON_MISSING)
+    check_qk_norm_rope_args(q, k, q_weight, k_weight, cos, sin)
+    from profuse.kernels import rope as kernel
+
+    return kernel.qk_norm_rope_fused(q, k, q_weight, k_weight, cos, sin, float(eps))
