@@ -184,7 +184,11 @@ def test_no_grad_broadcast_dy_and_zero_rows(device):
     w0 = torch.ones(16, device=device, requires_grad=True)
     y0 = B.rms_norm(x0, w0)
     y0.sum().backward()
-    assert y0.shape == x0.shape and x0.grad.shape == x0.shape and torch.equal(w0.grad, torch.zeros(16))
+    assert (
+        y0.shape == x0.shape
+        and x0.grad.shape == x0.shape
+        and torch.equal(w0.grad, torch.zeros(16, device=device))
+    )
 
 
 def test_refusals_are_one_line(device):
