@@ -64,7 +64,12 @@ LIGER_MISSING = "liger-kernel is not installed (pip install liger-kernel)"
 EPS = 1e-6
 BF16, FP32 = torch.bfloat16, torch.float32
 VARIANTS = ("eager", "compile", "liger", "profuse")
-RESULTS = "bench_rope.json"
+OPS = ("rope", "qk_norm_rope", "rms_norm")
+
+
+def results_name(ops: list[str]) -> str:
+    """bench_rope.json for every op; a run of some ops names them (two runs share a folder)."""
+    return "bench_rope.json" if set(ops) == set(OPS) else f"bench_rope-{'-'.join(ops)}.json"
 
 
 @dataclass(frozen=True)
@@ -326,7 +331,9 @@ def table(results: list[dict]) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, help="folder for bench_rope.json")
+    p.add_argument(
+        "--out", required=True, help="folder for bench_rope.json (bench_rope-OPS.json for some ops)"
+    )
     p.add_argument("--ops", default="rope,qk_norm_rope,rms_norm", help="comma-separated ops to run")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants (eager always)")
     p.add_argument("--trials", type=int, default=20, help="interleaved timed trials per mode")
@@ -336,15 +343,13 @@ def main() -> int:
     args = p.parse_args()
     ops = [o for o in args.ops.split(",") if o]
     variants = list(dict.fromkeys(["eager", *[v for v in args.variants.split(",") if v]]))
-    unknown = [o for o in ops if o not in ("rope", "qk_norm_rope", "rms_norm")] + [
-        v for v in variants if v not in VARIANTS
-    ]
+    unknown = [o for o in ops if o not in OPS] + [v for v in variants if v not in VARIANTS]
     if unknown:
         print(f"bench_rope.py: error: unknown op or variant {unknown}", file=sys.stderr)
         return 2
     dev = torch.device(args.device)
     try:
-        check_folder(args.out, (RESULTS,))
+        check_folder(args.out, (results_name(ops),))
     except UsageError as err:
         print(f"bench_rope.py: error: {err}", file=sys.stderr)
         return 2
@@ -357,7 +362,7 @@ def main() -> int:
         print(f"[{time.perf_counter() - t0:6.1f} s] {case.name}", file=sys.stderr, flush=True)
     saved = {"environment": environment(dev), "copy_ceiling_bytes_per_s": ceiling, "has_liger": HAS_LIGER,
              "cases": results}  # fmt: skip
-    path = write_json(Path(args.out) / RESULTS, saved)
+    path = write_json(Path(args.out) / results_name(ops), saved)
     for r in results:
         bad = {v: res for v, res in r["variants"].items() if not res["ok"]}
         for v, res in bad.items():
