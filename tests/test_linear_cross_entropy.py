@@ -82,7 +82,11 @@ def run(fn, hidden, weight, labels, g: float = 1.0, **kw):
 
 def fused(hidden, weight, labels, *, chunk_size=4, config=SMALL_BLOCKS, accumulate=None, **kw):
     """linear_cross_entropy through the kernel-level entry, chunks of 4 tokens by default."""
-    target = CE._targets(labels, kw.pop("shift", True), kw.pop("shift_labels", None), CE.IGNORE_INDEX)
+    shift, shift_labels = kw.pop("shift", True), kw.pop("shift_labels", None)
+    if shift_labels is not None:
+        target = shift_labels.reshape(-1)
+    else:
+        target = (CE.shifted_labels(labels) if shift else labels).reshape(-1)
     return K.linear_cross_entropy_fused(
         hidden, weight, target, CE.IGNORE_INDEX, kw.pop("num_items_in_batch", None),
         chunk_size=chunk_size, accumulate=accumulate, config=config,
@@ -453,3 +457,14 @@ def test_mixed_dtypes_outside_autocast(device):
     hidden, weight, labels = inputs((2, 9, 33, 203), FP32, device, seed=22)
     with pytest.raises(ValueError, match="must share a dtype"):
         fused(hidden.to(BF16), weight, labels)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="targets on the device: CUDA")
+def test_target_out_of_range_on_device_is_nan():
+    """On CUDA a target outside the vocabulary is not checked (a host read would wait for the
+    device): its row's loss and the gradients come out NaN, never a quietly wrong number."""
+    dev = torch.device("cuda")
+    hidden, weight, labels = inputs((2, 9, 33, 203), FP32, dev, seed=23)
+    labels[1, 4] = 203
+    loss, gh, gw = run(fused, hidden, weight, labels)
+    assert math.isnan(loss.item()) and gh.isnan().any() and gw.isnan().any()

@@ -267,9 +267,29 @@ def _has_out_dtype() -> bool:
 
 
 HAS_OUT_DTYPE = _has_out_dtype()
+_OUT_DTYPE_WORKS: dict[tuple, bool] = {}
 
 
-def _ce_launch(cfg: KernelConfig, n_rows: int, write_grad: bool) -> Launch:
+def out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
+    """Does cuBLAS take `dtype` x `dtype` -> fp32 here (mm and addmm with out_dtype, into an
+    out= tensor)? Tried once per device and dtype on 16 x 16 tensors: where the build or the
+    card refuses, the fallback (a product in `dtype`, summed in fp32) runs instead of an error."""
+    key = (device, dtype)
+    if key not in _OUT_DTYPE_WORKS:
+        ok = HAS_OUT_DTYPE and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
+        if ok:
+            try:
+                a = torch.ones((16, 16), dtype=dtype, device=device)
+                out = torch.zeros((16, 16), dtype=torch.float32, device=device)
+                torch.mm(a, a, out_dtype=torch.float32, out=out)
+                torch.addmm(out, a, a, out_dtype=torch.float32, out=out)
+            except (RuntimeError, TypeError, NotImplementedError):
+                ok = False
+        _OUT_DTYPE_WORKS[key] = ok
+    return _OUT_DTYPE_WORKS[key]
+
+
+def ce_launch(cfg: KernelConfig, n_rows: int, write_grad: bool) -> Launch:
     programs = min(n_rows, cfg.programs) if cfg.programs else n_rows
     return Launch(
         _cross_entropy_kernel, (max(1, programs),), cfg, "cross_entropy",
@@ -318,18 +338,13 @@ def _plan(
     acc = None
     if need_gw:
         acc = torch.float32 if accumulate == "fp32" or weight.dtype == torch.float32 else weight.dtype
-    out_dtype_mm = (
-        HAS_OUT_DTYPE
-        and device.type == "cuda"
-        and mm_dtype in (torch.bfloat16, torch.float16)
-        and torch.cuda.get_device_capability(device)[0] >= 8
-    )
+    out_dtype_mm = out_dtype_works(device, mm_dtype)
     cfg = config or ce_candidates(vocab, sm_count(device))[0]
     write_grad = need_gh or need_gw
     last = n_tokens % chunk
     plan = Plan(
-        chunk, acc, out_dtype_mm, _ce_launch(cfg, min(chunk, n_tokens), write_grad),
-        _ce_launch(cfg, last, write_grad) if last and n_tokens > chunk else None,
+        chunk, acc, out_dtype_mm, ce_launch(cfg, min(chunk, n_tokens), write_grad),
+        ce_launch(cfg, last, write_grad) if last and n_tokens > chunk else None,
     )  # fmt: skip
     return PLANS.add(key, plan)
 
@@ -366,6 +381,8 @@ def _divisor(target, ignore_index, num_items, num_items_value, device) -> torch.
     if num_items is not None:
         if num_items.device == device:
             return num_items.reshape(())
+        if num_items.device.type != "cpu":
+            return num_items.to(device).reshape(())
         num_items_value = float(num_items.item())  # a CPU tensor: no device to wait for
     if num_items_value >= 0:
         return torch.full((), num_items_value, dtype=torch.float32, device=device)
@@ -451,7 +468,9 @@ def linear_cross_entropy_forward(
                     _product_into(acc, z.t(), x, plan.out_dtype_mm)
                 else:
                     _accumulate(acc, z.t(), x, plan.out_dtype_mm)
-        del logits_buf, w
+        # The chunk's logits go before the accumulator's cast (the peak is the larger of the two,
+        # not their sum); z, a view of them, would keep them alive.
+        z = x = logits_buf = w = None
         grad_weight = None
         if acc is not None:
             if n_tokens == 0:
