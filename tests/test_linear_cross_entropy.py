@@ -273,16 +273,15 @@ def test_launch_candidates(device):
 
 
 def test_chunk_rule():
-    """The chunk rule: the weight's bytes bound the logits', within the floor and the cap, then
-    free memory and the token count; multiples of 128 above 128."""
-    assert K.chunk_rows(8192, 2048, 128256, 2, 2, None) == 2048  # Llama-3.2-1B bf16
-    assert K.chunk_rows(8192, 1024, 151936, 2, 2, None) == 1024  # Qwen3-0.6B bf16
-    assert K.chunk_rows(8192, 1024, 151936, 2, 4, None) == 2048  # under amp
-    assert K.chunk_rows(8192, 256, 32000, 2, 2, None) == K.CHUNK_FLOOR
-    assert K.chunk_rows(8192, 8192, 32000, 2, 2, None) == K.CHUNK_CAP
-    assert K.chunk_rows(100, 2048, 128256, 2, 2, None) == 100
-    assert K.chunk_rows(8192, 2048, 128256, 2, 2, 4 * 300 * 128256 * 2) == 256  # 300 fit: 256
-    assert K.chunk_rows(8192, 2048, 128256, 2, 2, 0) == 1
+    """The chunk rule: the hidden size in tokens (the logits take the weight's bytes), within the
+    floor and the cap, then free memory and the token count; multiples of 128 above 128."""
+    assert K.chunk_rows(8192, 2048, 128256, 2, None) == 2048  # Llama-3.2-1B
+    assert K.chunk_rows(8192, 1024, 151936, 2, None) == 1024  # Qwen3-0.6B
+    assert K.chunk_rows(8192, 256, 32000, 2, None) == K.CHUNK_FLOOR
+    assert K.chunk_rows(8192, 8192, 32000, 2, None) == K.CHUNK_CAP
+    assert K.chunk_rows(100, 2048, 128256, 2, None) == 100
+    assert K.chunk_rows(8192, 2048, 128256, 2, 4 * 300 * 128256 * 2) == 256  # 300 fit: 256
+    assert K.chunk_rows(8192, 2048, 128256, 2, 0) == 1
 
 
 def test_chunk_from_environment(monkeypatch, device):

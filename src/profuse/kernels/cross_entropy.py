@@ -26,14 +26,15 @@ step 4 is compute-bound when its flops per byte of accumulator, 2C / 8, pass the
 accumulator). Below that each chunk pays a memory-bound pass over V x H, which is where a chunk
 of 256 tokens (Liger-Kernel's rule at this shape: 32 passes) loses its time.
 
-The chunk rule (`chunk_rows`): C is the hidden size scaled so the chunk's logits take no more
-bytes than the weight (C x V x b <= V x H x weight bytes: the op's transient memory is at most
-one more weight), clamped to [CHUNK_FLOOR, CHUNK_CAP] tokens, then cut to what a quarter of the
-device's free memory holds, to the token count, and down to a multiple of 128. At 8192 tokens:
-Llama-3.2-1B bf16 2048 (4 chunks, 525 MB of logits), Qwen3-0.6B bf16 1024 (8 chunks, 311 MB);
-under amp (fp32 weights) both 2048. An argument of `linear_cross_entropy_fused` or the
-environment variable PROFUSE_CE_CHUNK overrides it; the cap awaits the H200 sweep
-(docs/kernels.md).
+The chunk rule (`chunk_rows`): C = H tokens, so the chunk's logits (C x V in the matmul dtype)
+take the bytes of the weight in that dtype: the op's transient memory is one more weight (under
+amp, about what Liger-Kernel holds then: besides its bf16 cast of the weight that autocast caches,
+it casts the weight again for every chunk's logits, `weight.t()` being a view autocast does not
+cache). Clamped to [CHUNK_FLOOR, CHUNK_CAP] tokens, then cut to what a quarter of the device's
+free memory holds, to the token count, and down to a multiple of 128. At 8192 tokens:
+Llama-3.2-1B 2048 (4 chunks, 525 MB of bf16 logits), Qwen3-0.6B 1024 (8 chunks, 311 MB). An
+argument of `linear_cross_entropy_fused` or the environment variable PROFUSE_CE_CHUNK overrides
+it; the bounds await the H200 sweep (docs/kernels.md).
 
 The weight's gradient is accumulated in fp32 (`accumulate="fp32"`, the default): where the
 weight is fp32 (amp, or fp32 training) the accumulator is the gradient itself; with 16-bit
@@ -220,13 +221,11 @@ def ce_candidates(n_cols: int, n_sms: int) -> list[KernelConfig]:
     return out
 
 
-def chunk_rows(
-    n_tokens: int, hidden: int, vocab: int, mm_bytes: int, weight_bytes: int, free_bytes: int | None
-) -> int:
-    """Tokens per chunk (module docstring): hidden x weight_bytes / mm_bytes, within
-    [CHUNK_FLOOR, CHUNK_CAP], at most CHUNK_MEMORY_SHARE of `free_bytes` in logits, at most
-    `n_tokens`, a multiple of 128 where above it."""
-    c = max(CHUNK_FLOOR, min(CHUNK_CAP, hidden * weight_bytes // mm_bytes))
+def chunk_rows(n_tokens: int, hidden: int, vocab: int, mm_bytes: int, free_bytes: int | None) -> int:
+    """Tokens per chunk (module docstring): `hidden`, within [CHUNK_FLOOR, CHUNK_CAP], at most
+    CHUNK_MEMORY_SHARE of `free_bytes` in logits of `mm_bytes` an element, at most `n_tokens`, a
+    multiple of 128 where above it."""
+    c = max(CHUNK_FLOOR, min(CHUNK_CAP, hidden))
     if free_bytes is not None:
         c = min(c, int(CHUNK_MEMORY_SHARE * free_bytes) // (vocab * mm_bytes))
     c = max(1, min(c, n_tokens))
@@ -334,7 +333,7 @@ def _plan(
         chunk = max(1, min(requested, n_tokens))
     else:
         free = free_memory_bytes(device) if device.type == "cuda" else None
-        chunk = chunk_rows(n_tokens, hidden, vocab, mm_bytes, weight.element_size(), free)
+        chunk = chunk_rows(n_tokens, hidden, vocab, mm_bytes, free)
     acc = None
     if need_gw:
         acc = torch.float32 if accumulate == "fp32" or weight.dtype == torch.float32 else weight.dtype
