@@ -410,6 +410,18 @@ def test_compile_fullgraph_matches_eager(device):
     assert any("profuse.linear_cross_entropy_scale_" in t for t in seen["backward"]), seen["backward"]
 
 
+def test_compile_under_autocast(device):
+    """Compiled under autocast over fp32 weights (amp): the matmul dtype is read while tracing,
+    no graph break, and the result is the eager fused op's."""
+    hidden, weight, labels = inputs((2, 9, 48, 203), FP32, device, seed=24)
+    compiled = torch.compile(CE.linear_cross_entropy, fullgraph=True)
+    with torch.autocast(device.type, dtype=BF16):
+        got = run(compiled, hidden, weight, labels)
+        eager = run(CE.linear_cross_entropy, hidden, weight, labels)
+    for name, c, e in zip(("loss", "grad_hidden", "grad_weight"), got, eager):
+        assert c.dtype == e.dtype == FP32 and T.relative_error(c, e) <= 1e-6, name
+
+
 def test_double_backward_refused(device):
     hidden, weight, labels = inputs((2, 9, 33, 203), FP32, device, seed=18)
     h = hidden.clone().requires_grad_()
