@@ -118,6 +118,11 @@ class CompileSplit:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @property
+    def compiled_anything(self) -> bool:
+        """Did torch.compile or profuse's autotuner work in this step?"""
+        return bool(self.phases or self.tuner_configs or self.counts.get("graphs"))
+
     def summary(self) -> str:
         """'Dynamo/Inductor: _compile.compile_inner 4.1 s, ...; 2 graphs; autotuner 30.2 s (12
         shapes, 140 configs)': the largest phases, then the tuner."""

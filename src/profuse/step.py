@@ -602,7 +602,8 @@ def _first_steps(cfg, variants, optimizer, batch, failed, tell, splits, phase) -
             with phase(f"first:{v.name}"), split_compile() as split:
                 seconds, value, grads = _forward_backward(v, v.net, v.loss, params, batch, dev)
             splits[v.name] = split[0]
-            tell(f"first step: {v.name} took {seconds:.1f} s: {split[0].summary()}", i + 1, len(variants))
+            what = f": {split[0].summary()}" if split[0].compiled_anything else ""
+            tell(f"first step: {v.name} took {seconds:.1f} s{what}", i + 1, len(variants))
             first = FirstStep(seconds=seconds, loss=value)
             if v.name == BASELINE:
                 kept["own"] = (value, grads)
@@ -656,6 +657,7 @@ def _timed_steps(cfg, steps, optimizer, first_steps, tell, phase) -> tuple[Compa
     dev = cfg.device
     memory: dict[str, StepMemory] = {}
     say = lambda stage, done, total: tell(f"steps: {stage}", done, total)
+    tell(f"steps: warm-up, then {cfg.trials} trials of {', '.join(steps)}", 0, 1)
     with _compile.no_recompiles():
         with phase("trials"):
             comparison = compare(

@@ -581,7 +581,7 @@ def time_lines(data: dict) -> list[str]:
     lines = [f"run time: {', '.join(shown)}{total}"]
     for name, split in (data.get("compile") or {}).items():
         cs = CompileSplit(**split)
-        if cs.phases or cs.tuner_configs:
+        if cs.compiled_anything:
             lines.append(f"{'':>4}first step of {name}: {cs.seconds:.1f} s; {cs.summary()}")
     return lines
 
