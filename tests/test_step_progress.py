@@ -232,8 +232,9 @@ def test_the_verdict_names_a_winner_or_a_draw_and_the_bound():
         "basis": "GPU kernel time",
         "time_per_step_us": 186_616,
     }
-    v = decide(_data({"eager": None}, device="cuda:0", profile=busy))
+    v = decide(_data({"eager": None, "fused": sp(1.2, 1.1, 1.3)}, device="cuda:0", profile=busy))
     assert v.bound == "device-bound" and v.bound_why == "the GPU idles only 4% of it"
+    assert v.bounds == {"eager": "device-bound", "fused": ""}  # fused: no profile, no host time to say
     assert decide({"comparison": None}) is None
 
 

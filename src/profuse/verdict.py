@@ -8,9 +8,10 @@ The rules, today's:
 - the winner is the fastest variant (largest median speedup) whose CI over eager lies above 1;
   where none does, eager wins when every other variant is measurably slower, else nothing
   differs measurably (winner None);
-- what bounds the eager step: on a CPU the whole step is host time; on CUDA, launch-bound where
-  the eager profile's GPU idles over profiling.LAUNCH_BOUND_IDLE_PCT, else host- or device-bound
-  by the CPU's time to issue a step against the profile's kernel time a step.
+- what bounds a variant's step (the eager step's is the verdict's): on a CPU the whole step is
+  host time; on CUDA, launch-bound where the variant's profile's GPU idles over
+  profiling.LAUNCH_BOUND_IDLE_PCT, else host- or device-bound by the CPU's time to issue a step
+  against the profile's kernel time a step.
 The paired tie test (the set the winner cannot be told apart from, `tied_with`) and the bound
 from a host time that cannot include waiting for the GPU replace the two rules here, and only
 here.
@@ -33,6 +34,7 @@ class StepVerdict:
     slower: list[str] = field(default_factory=list)  # measurably slower than eager
     bound: str = ""  # "device-bound", "host-bound", "launch-bound", or "" where not known
     bound_why: str = ""  # the evidence, in words
+    bounds: dict[str, str] = field(default_factory=dict)  # every timed variant's bound, by the same rule
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -47,23 +49,24 @@ def _time(seconds: float) -> str:
     return f"{seconds:.2f} s"
 
 
-def step_bound(data: dict) -> tuple[str, str]:
-    """What bounds the eager step: ('device-bound' | 'host-bound' | 'launch-bound' | '', the
-    evidence). From the eager profile's GPU idle share (launch-bound where the profile says so)
-    and the harness's host time per step against the profile's kernel time per step (host over
-    device: host-bound); '' where neither was measured."""
-    eager = data["results"][data["comparison"]["baseline"]]
-    profile = (data.get("profiles") or {}).get("eager")
+def step_bound(data: dict, name: str | None = None) -> tuple[str, str]:
+    """What bounds variant `name`'s step (default the baseline, eager): ('device-bound' |
+    'host-bound' | 'launch-bound' | '', the evidence). From its profile's GPU idle share
+    (launch-bound where the profile says so) and the harness's host time per step against the
+    profile's kernel time per step (host over device: host-bound); '' where neither was measured."""
+    name = name or data["comparison"]["baseline"]
+    result = data["results"][name]
+    profile = (data.get("profiles") or {}).get(name)
     if not data["config"]["device"].startswith("cuda"):
         return "host-bound", "on a CPU the whole step is host time"
     if profile and profile["launch_bound"]:
         return "launch-bound", f"the GPU idles {profile['gpu_idle_pct']:.0f}% of it, waiting for launches"
-    host = eager["host_s"]
+    host = result["host_s"]
     device = profile["time_per_step_us"] * 1e-6 if profile and profile["basis"] == "GPU kernel time" else None
     if host is not None and device is not None:
         terms = f"the CPU issues it in {_time(host)}, its kernels take {_time(device)}"
         return ("host-bound", terms) if host >= device else ("device-bound", terms)
-    if eager["host_bound"]:
+    if result["host_bound"]:
         return "host-bound", "its host time is within 10% of its time a step"
     if profile and profile["gpu_idle_pct"] is not None:
         return "device-bound", f"the GPU idles only {profile['gpu_idle_pct']:.0f}% of it"
@@ -87,4 +90,7 @@ def decide(data: dict) -> StepVerdict | None:
         winner = data["comparison"]["baseline"]
     else:
         winner = None
-    return StepVerdict(winner=winner, faster=faster, level=level, slower=slower, bound=bound, bound_why=why)
+    bounds = {name: step_bound(data, name)[0] for name in data["results"]}
+    return StepVerdict(
+        winner=winner, faster=faster, level=level, slower=slower, bound=bound, bound_why=why, bounds=bounds
+    )

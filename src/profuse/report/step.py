@@ -140,6 +140,7 @@ def _table(data: dict) -> list[str]:
     results = data["results"]
     cuda = data["config"]["device"].startswith("cuda")
     profiles, memory, firsts = data["profiles"], data["memory"], data["first_steps"]
+    bounds = (verdict_of(data) or {}).get("bounds") or {}  # the run's decision (profuse.verdict)
     unit = time_unit(results[cmp["baseline"]]["median_s"])
     launches = next((p["launch_unit"] for p in profiles.values()), "kernels")
     header = f"{'variant':>{W}}  {'median':>10}  {'vs eager (95% CI)':<38}"
@@ -170,8 +171,8 @@ def _table(data: dict) -> list[str]:
             )
             if cuda and p and p["gpu_idle_pct"] is not None:
                 row += f"  {p['gpu_idle_pct']:>7.1f}%"
-        if r["host_bound"]:
-            row += "  host-bound"
+        if cuda and bounds.get(name):
+            row += f"  {bounds[name]}"
         lines.append(row.rstrip())
     return lines
 
