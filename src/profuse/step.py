@@ -891,6 +891,12 @@ def run_step(
     block_ops = ops or fusion.FUSED
     check_step_fits(cfg, names)
     counts = budget(cfg, names)
+    tell(
+        f"plan ({cfg.precision}): {', '.join(names)}; {counts['compiles']} compile(s), {counts['checks']} "
+        f"check(s), {counts['trial_rounds']} trial rounds, {counts['profiled_steps']} profiled steps",
+        0,
+        1,
+    )
     failed: dict[str, str] = {}
     with phase("check"):
         checks, names = _math_stage(cfg, names, block_ops, failed, tell)
