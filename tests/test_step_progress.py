@@ -153,7 +153,11 @@ def test_torch_compile_phases_are_read_from_its_own_timers(monkeypatch):
         metrics["_compile.compile_inner"].append(3.5)  # what compiling this step added
         metrics["OutputGraph.call_user_compiler"] = [2.5]
     assert split[0].phases == {"_compile.compile_inner": 3.5, "OutputGraph.call_user_compiler": 2.5}
-    assert split[0].summary().startswith("torch.compile: _compile.compile_inner 3.5 s, OutputGraph")
+    assert split[0].summary().startswith("torch.compile: Dynamo (the forward's compile within) 3.5 s; ")
+    metrics.clear()  # a torch whose timers have other names: the largest, by name
+    with C.split_compile(clock=clock, tuner=FakeTuner(clock)) as split:
+        metrics["compile_attempt_0"] = [1.5]
+    assert split[0].summary().startswith("torch.compile: compile_attempt_0 1.5 s; ")
 
 
 # --------------------------------------------------------------------------------------------

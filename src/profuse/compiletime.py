@@ -27,8 +27,19 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 
-# Shown in a report line: the largest phases, by name.
-SHOWN_PHASES = 4
+# The phases a report line names, where torch timed them (they nest: Dynamo's holds the
+# forward's compile; the backward is compiled at the first backward, outside it). Seen in torch
+# 2.13's timers on a cold compile: 44.6 s Dynamo, 41.7 s Inductor forward, 6.6 s backward, 9.4 s
+# waiting for kernels, 36.4 s code generation (the CPU's C++ compiles).
+NAMED_PHASES = {
+    "_compile.compile_inner": "Dynamo (the forward's compile within)",
+    "compile_fx.<locals>.fw_compiler_base": "Inductor forward",
+    "compile_fx.<locals>.bw_compiler": "Inductor backward",
+    "GraphLowering.codegen": "code generation",
+    "async_compile.wait": "waiting for compiled kernels",
+    "PyCodeCache.load_by_key_path": "loading compiled code",
+}
+SHOWN_PHASES = 4  # where torch has none of NAMED_PHASES: its largest, by name
 
 
 def _metrics() -> dict[str, float]:
@@ -127,9 +138,10 @@ class CompileSplit:
         """'Dynamo/Inductor: _compile.compile_inner 4.1 s, ...; 2 graphs; autotuner 30.2 s (12
         shapes, 140 configs)': the largest phases, then the tuner."""
         parts = []
-        if self.phases:
-            top = list(self.phases.items())[:SHOWN_PHASES]
-            parts.append("torch.compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in top))
+        named = [(label, self.phases[key]) for key, label in NAMED_PHASES.items() if key in self.phases]
+        shown = named or list(self.phases.items())[:SHOWN_PHASES]
+        if shown:
+            parts.append("torch.compile: " + ", ".join(f"{k} {v:.1f} s" for k, v in shown))
         graphs = int(self.counts.get("graphs", 0))
         breaks = int(self.counts.get("graph_breaks", 0))
         if graphs or breaks:
