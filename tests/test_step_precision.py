@@ -204,8 +204,9 @@ def test_a_file_of_both_precisions_prints_a_table_each_then_the_moves(one_run, t
     "flags, precisions",
     [(GPT_FLAGS, ["amp"]), (GPT_FLAGS + ["--precision", "bf16"], ["bf16"]),
      (GPT_FLAGS + ["--precision", "both"], ["amp", "bf16"]),
+     (HF_FLAGS, ["amp"]), (HF_FLAGS + ["--precision", "bf16"], ["bf16"]),
      (HF_FLAGS + ["--precision", "both"], ["amp", "bf16"])],
-    ids=["gpt-amp", "gpt-bf16", "gpt-both", "hf-both"],
+    ids=["gpt-amp", "gpt-bf16", "gpt-both", "hf-amp", "hf-bf16", "hf-both"],
 )  # fmt: skip
 def test_step_runs_and_records_each_precision(flags, precisions, tmp_path, capsys):
     if "hf:llama" in flags:
@@ -242,9 +243,13 @@ def test_an_unknown_precision_is_one_line_exit_2(command, flags, tmp_path, capsy
     "flags, precisions",
     [(["--layers", "1", "--d-model", "32", "--heads", "2", "--vocab-size", "64", "--seq-len", "8",
        "--batch-size", "2", "--precision", "bf16"], ["bf16"]),
+     (["--layers", "1", "--d-model", "32", "--heads", "2", "--vocab-size", "64", "--seq-len", "8",
+       "--batch-size", "2", "--precision", "both"], ["amp", "bf16"]),
+     (["--model", "hf:qwen3", "--preset", "tiny", "--batch-size", "1", "--seq-len", "16",
+       "--precision", "bf16"], ["bf16"]),
      (["--model", "hf:qwen3", "--preset", "tiny", "--batch-size", "1", "--seq-len", "16",
        "--precision", "both"], ["amp", "bf16"])],
-    ids=["gpt-bf16", "hf-both"],
+    ids=["gpt-bf16", "gpt-both", "hf-bf16", "hf-both"],
 )  # fmt: skip
 def test_profile_runs_in_each_precision(flags, precisions, tmp_path, capsys):
     if "hf:qwen3" in flags:
