@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import types
+import warnings
 
 import pytest
 import torch
@@ -121,13 +122,18 @@ def test_a_local_config_file(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", [tiny("llama", batch_size=3, seq_len=19), tiny("qwen3"), model_spec(
-    "gpt", "lab", n_layer=1, d_model=48, n_head=2, vocab_size=97, seq_len=11, batch_size=3)],
-    ids=["llama", "qwen3", "gpt"])  # fmt: skip
+SMALL_GPT = dict(n_layer=1, d_model=48, n_head=2, vocab_size=97, seq_len=11, batch_size=3)
+SPECS = [tiny("llama", batch_size=3, seq_len=19), tiny("qwen3"), model_spec("gpt", "lab", **SMALL_GPT)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["llama", "qwen3", "gpt"])
 def test_batch_and_loss(spec):
-    idx, targets = spec.batch(CPU, seed=5)
-    assert idx.shape == targets.shape == (spec.batch_size, spec.seq_len) and idx.dtype == torch.long
-    assert torch.equal(idx[:, 1:], targets[:, :-1])  # targets are the next tokens
+    idx, labels = spec.batch(CPU, seed=5)
+    assert idx.shape == labels.shape == (spec.batch_size, spec.seq_len) and idx.dtype == torch.long
+    if spec.family == "gpt":
+        assert torch.equal(idx[:, 1:], labels[:, :-1])  # targets are the next tokens
+    else:
+        assert labels is idx  # a causal LM's labels are its input ids; the model shifts them
     assert 0 <= int(idx.min()) and int(idx.max()) < spec.vocab_size
     again, _ = spec.batch(CPU, seed=5)
     other, _ = spec.batch(CPU, seed=6)
@@ -135,15 +141,94 @@ def test_batch_and_loss(spec):
     model = spec.build(CPU)
     logits = spec.logits(model, idx)
     assert logits.shape == (spec.batch_size, spec.seq_len, spec.vocab_size)
-    want = F.cross_entropy(logits.reshape(-1, spec.vocab_size), targets.reshape(-1))
-    torch.testing.assert_close(spec.loss(model, (idx, targets)), want, rtol=0, atol=0)
+    if spec.family == "gpt":  # every token predicts the next one
+        want = F.cross_entropy(logits.reshape(-1, spec.vocab_size), labels.reshape(-1))
+    else:  # position t predicts label t + 1: B x (T - 1) tokens
+        want = F.cross_entropy(logits[:, :-1].reshape(-1, spec.vocab_size), idx[:, 1:].reshape(-1))
+    torch.testing.assert_close(spec.loss(model, (idx, labels)), want, rtol=1e-6, atol=0)
+    torch.testing.assert_close(spec.reference_loss(model, (idx, labels)), want, rtol=1e-6, atol=0)
 
 
-def test_make_step_trains():
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hf_step_loss_is_the_models_own_and_the_reference_is_its_math_in_float64(arch):
+    """Every variant's step computes what a Hugging Face training loop does (the model's own
+    loss, labels = input ids); the float64 check's reference computes that loss from the logits
+    itself, since Hugging Face's casts the logits to fp32."""
+    spec = tiny(arch, batch_size=3, seq_len=23)
+    model = spec.build(CPU, seed=2)
+    batch = spec.batch(CPU, seed=4)
+    idx, labels = batch
+    own = model(input_ids=idx, labels=labels, use_cache=False).loss
+    assert torch.equal(spec.loss(model, batch), own)
+    from transformers.loss.loss_utils import ForCausalLMLoss  # Hugging Face's causal-LM loss itself
+
+    logits = spec.logits(model, idx)
+    hf = ForCausalLMLoss(logits, labels, vocab_size=spec.vocab_size)
+    torch.testing.assert_close(own, hf, rtol=1e-6, atol=0)
+    double = spec.build(CPU, seed=2).double()
+    ref = spec.reference_loss(double, batch)
+    assert ref.dtype == torch.float64  # the reference stays in float64
+    assert hf.dtype == torch.float32  # where Hugging Face's own drops to fp32
+    torch.testing.assert_close(ref.float(), own, rtol=1e-5, atol=0)
+    with pytest.raises(AssertionError):  # not profuse's loss over all T positions
+        torch.testing.assert_close(own, F.cross_entropy(logits.reshape(-1, spec.vocab_size), idx.reshape(-1)))
+
+
+@pytest.mark.parametrize("precision", ["amp", "bf16"])
+def test_make_step_trains(precision):
     spec = tiny("mistral")
-    step = make_step(spec, CPU, lr=1e-2)
+    step = make_step(spec, CPU, lr=1e-2, precision=precision)
     losses = [float(step()) for _ in range(4)]
     assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Precision: amp (fp32 parameters, bf16 autocast on CUDA) and bf16 (bf16 parameters)
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["llama", "qwen3", "gpt"])
+def test_bf16_parameters_keep_their_objects_ties_and_fp32_buffers(spec):
+    amp, bf16 = spec.build_for(CPU, seed=3), spec.build_for(CPU, seed=3, precision="bf16")
+    assert all(p.dtype == torch.float32 for p in amp.parameters())
+    assert all(p.dtype == torch.bfloat16 for p in bf16.parameters())
+    for (n, p), (m, q) in zip(amp.named_parameters(), bf16.named_parameters(), strict=True):
+        assert n == m and torch.equal(p.to(torch.bfloat16), q)  # the same weights, rounded once
+    assert {b.dtype for b in bf16.buffers()} <= {torch.float32}  # RoPE's frequencies stay fp32
+    assert sum(p.numel() for p in bf16.parameters()) == spec.param_count()  # tied weights stay tied
+
+
+def test_precision_settings():
+    from profuse.models.spec import (
+        autocast_for,
+        check_precision,
+        compute_dtype,
+        param_dtype,
+        precision_text,
+        state_bytes_per_parameter,
+    )
+
+    cuda = torch.device("cuda")  # only read, never used
+    assert (param_dtype("amp"), param_dtype("bf16")) == (torch.float32, torch.bfloat16)
+    assert (
+        compute_dtype(cuda, "amp")
+        == compute_dtype(CPU, "bf16")
+        == compute_dtype(cuda, "bf16")
+        == torch.bfloat16
+    )
+    assert compute_dtype(CPU, "amp") == torch.float32
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # made, never entered: no GPU is needed for that
+        assert isinstance(autocast_for(cuda, "amp")(), torch.autocast)
+    for device, precision in ((cuda, "bf16"), (CPU, "amp"), (CPU, "bf16")):
+        assert not isinstance(autocast_for(device, precision)(), torch.autocast)
+    assert (state_bytes_per_parameter("amp"), state_bytes_per_parameter("bf16")) == (18, 8)
+    assert precision_text(cuda, "amp").startswith("amp: bf16 autocast over fp32 parameters")
+    assert precision_text(CPU, "bf16").endswith("slow on a CPU")
+    for bad in ("fp16", "both", ""):
+        with pytest.raises(UsageError, match="unknown precision") as err:
+            check_precision(bad)
+        assert "\n" not in str(err.value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -291,12 +376,6 @@ def test_liger_patch_leaves_the_modeling_module_as_it_was(monkeypatch):
     assert set(ops_only.patched) == {"LlamaRMSNorm"}  # rope off: Liger's RMSNorm and SwiGLU alone
 
 
-def test_hf_loss_is_the_shifted_loss():
-    """Liger's variant trains on the model's own loss (labels = input ids, shifted inside): the
-    same as profuse's over the first T - 1 positions."""
-    spec = tiny("qwen2", batch_size=3, seq_len=21)
-    model = spec.build(CPU)
-    batch = spec.batch(CPU)
-    want = L.shifted_loss(spec.logits)(model, batch)
-    torch.testing.assert_close(L.hf_loss(model, batch), want, rtol=1e-6, atol=0)
-    assert not torch.allclose(want, spec.loss(model, batch))  # not profuse's over all T
+def test_liger_has_no_loss_of_its_own():
+    """Liger's variants train on the model's own loss, as every other variant does."""
+    assert not hasattr(L, "hf_loss") and not hasattr(L, "shifted_loss")

@@ -24,8 +24,9 @@ from profuse import step as S
 from profuse.bench.stats import FEW_TRIALS
 from profuse.errors import UsageError
 from profuse.model import GPT, AddRMSNorm, GPTConfig, SwiGLU, random_batch
-from profuse.report.step import format_step, load_step
+from profuse.report.step import format_step, load_step, verdict_line
 from profuse.tail import BACKWARD_TOL, FORWARD_TOL
+from profuse.verdict import decide
 
 TINY = GPTConfig(n_layer=2, d_model=64, n_head=2, vocab_size=128, seq_len=16, batch_size=2)
 # A width that is not a power of two, and a hidden size that is not a multiple of 64.
@@ -292,7 +293,29 @@ def test_run_times_checks_and_profiles_every_variant(eager_vs_fused, capsys):
         assert p.gpu_idle_pct is None and not p.launch_bound
         assert (out / f"trace-step-{name}.json").exists()
     assert {"checking the fused step against float64", "first step: eager", "steps: trials"} <= set(stages)
-    assert any(s.startswith("profiling ") for s in stages) and any(s.startswith("silu_mul: ") for s in stages)
+    assert any(s.startswith("profile: ") for s in stages) and any(s.startswith("silu_mul: ") for s in stages)
+    for name in ("eager", "fused"):  # each variant named as its first step, trials and profile go
+        assert any(s.startswith(f"first step: {name} took ") for s in stages)
+        assert any(s.startswith(f"profile: {name}: ") for s in stages)
+
+
+def test_run_records_its_phases_budget_and_first_step_splits(eager_vs_fused):
+    res, _, _ = eager_vs_fused
+    data = res.to_dict()
+    phases = data["phases"]
+    top = ("check", "build", "trials", "profiles", "ops")
+    each = ("first:eager", "first:fused", "profile:eager", "profile:fused")
+    assert set(top + each + ("total",)) <= set(phases) and "memory" not in phases  # CPU: no memory phase
+    assert all(phases[k] >= 0 for k in phases)
+    firsts = phases["first:eager"] + phases["first:fused"]
+    assert phases["total"] >= sum(phases[k] for k in top) + firsts - 1e-9
+    assert phases["profiles"] >= phases["profile:eager"] + phases["profile:fused"] - 1e-9
+    b = data["budget"]
+    assert (b["variants"], b["compiles"], b["checks"], b["trial_rounds"], b["host_rounds"]) == (2, 0, 1, 3, 0)
+    assert b["profiled_steps"] == 2 * 2 and b["op_timings"] == 2
+    assert set(data["compile"]) == {"eager", "fused"}  # every first step split, compiled or not
+    assert data["compile"]["fused"]["tuner_configs"] == 0  # fusion.EAGER: nothing to tune
+    assert data["verdict"]["winner"] in (None, "eager", "fused") and data["verdict"]["bound"] == "host-bound"
 
 
 def test_eager_profile_finds_the_fused_ops_forward_and_backward(eager_vs_fused):
@@ -448,11 +471,11 @@ def test_results_round_trip_through_json_and_the_report(eager_vs_fused, tmp_path
     # TINY is not the lab preset's model: the header says the preset was resized.
     assert lines[0] == (
         "=== Part C: the whole training step, eager vs fused vs torch.compile "
-        "(cpu, preset lab, resized by the model flags) ==="
+        "(cpu, amp, preset lab, resized by the model flags) ==="
     )
     assert lines[-1].startswith("CPU: ")
     data["config"]["resized"] = False  # files written before the field, and runs at the preset
-    assert format_step(data).splitlines()[0].endswith("(cpu, preset lab) ===")
+    assert format_step(data).splitlines()[0].endswith("(cpu, amp, preset lab) ===")
     assert any(line.startswith("same math (blockops eager") and line.endswith("ok") for line in lines)
     # eager stand-ins: about 1.0x, so the verdict may go either way ("1.02x (..." or "1.02x slower (...")
     assert any(
@@ -480,7 +503,13 @@ def test_step_command_eager_and_compile(tmp_path, capsys, monkeypatch):
     argv = ["step", *TINY_FLAGS, "--profile-steps", "0", "--out", str(tmp_path)]
     code, out, err = run(argv, capsys)
     assert code == 0, err
-    assert err == ""  # no progress bar off a terminal
+    # progress as lines on stderr, off a terminal too, naming each variant; none on stdout
+    progress = err.splitlines()
+    assert all(re.match(r"\[ *\d+:\d\d\] ", line) for line in progress), err
+    for name in ("eager", "compile"):
+        assert any(f"first step: {name}" in line for line in progress)
+        assert not any(f"first step: {name}" in line for line in out.splitlines())
+    assert any("steps: trials: 2/2" in line for line in progress)
     lines = [line.strip() for line in out.splitlines()]
     assert lines[0].startswith("=== Part C:")
     assert any(line.startswith("fused: skipped (needs a CUDA GPU") for line in lines)
@@ -622,10 +651,12 @@ def test_memory_estimate_counts_the_shared_state_once():
     p, act = spec.param_count(), spec.activation_bytes(torch.bfloat16)
     two = S.estimated_bytes(cfg, ["eager", "compile"])
     assert two == S.estimated_bytes(cfg, ["eager", "fused", "compile", "compile+fused"]) == 22 * p + act
-    assert S.estimated_bytes(cfg, ["eager", "liger"]) == two + 4 * p  # eager's gradients of Liger's loss
+    assert S.estimated_bytes(cfg, ["eager", "liger"]) == two  # every variant pays the same loss
     assert S.estimated_bytes(cfg, ["eager", "cudagraphs"]) == two + act  # the graphs' memory pool
     every = S.estimated_bytes(cfg, list(S.ALL_VARIANTS))
     assert every < 0.9 * 139e9 < len(S.ALL_VARIANTS) * 16 * p + act  # fits an H200 shared, not copied
+    bf16 = S.StepConfig(model=spec, device=cuda, precision="bf16")  # bf16 weights, gradients, moments
+    assert S.estimated_bytes(bf16, ["eager", "compile"]) == 8 * p + 2 * p + act
 
 
 def test_a_step_that_will_not_fit_is_refused_in_one_line_before_any_work(tmp_path, capsys, monkeypatch):
@@ -678,7 +709,7 @@ def test_hf_step_command(tmp_path, capsys, monkeypatch):
     lines = [line.strip() for line in out.splitlines()]
     assert lines[0] == (
         "=== Part C: the whole training step of hf:llama tiny, eager vs fused vs Liger-Kernel vs "
-        "torch.compile (cpu) ==="
+        "torch.compile (cpu, amp) ==="
     )
     assert lines[1].startswith(
         "model: hf:llama tiny (transformers' own class, random weights): 2 layers, d_model 96"
@@ -728,7 +759,7 @@ def test_hf_fused_step_through_the_interpreter(monkeypatch):
 def test_liger_variants_with_a_stand_in_liger(monkeypatch, tmp_path):
     """liger-kernel runs on CUDA only; a stand-in with its entry point (the same math, and a
     patched module global as Liger's RoPE is) runs the variants' plumbing here: the same-math
-    checks, liger's first step against eager computing Liger's (shifted) loss, the timed steps
+    checks, liger's first step against eager's (the same loss: the model's own), the timed steps
     and profiles, and the modeling module left as it was."""
     from test_models import fake_liger
 
@@ -749,18 +780,13 @@ def test_liger_variants_with_a_stand_in_liger(monkeypatch, tmp_path):
     assert not res.failed and not res.skipped, res.failed
     assert set(res.checks) == {"liger-ops", "liger"} and all(c.passed for c in res.checks.values())
     assert list(res.comparison.timings) == ["eager", "liger-ops", "liger"]
-    assert res.first_steps["liger-ops"].grad_rel_diff == 0.0  # the stand-in's math is the model's
-    assert (
-        res.first_steps["liger"].grad_rel_diff < BACKWARD_TOL[torch.float32]
-    )  # against eager's shifted loss
-    assert (
-        res.first_steps["liger"].loss != res.first_steps["eager"].loss
-    )  # a different loss: B x (T - 1) tokens
+    for name in ("liger-ops", "liger"):  # the stand-in's math is the model's, and so is the loss
+        assert res.first_steps[name].grad_rel_diff == 0.0
+        assert res.first_steps[name].loss == res.first_steps["eager"].loss
     assert calls and L.modeling_module("llama").apply_rotary_pos_emb is rope
     text = format_step(res.to_dict())
-    assert (
-        "same math (liger (Liger-Kernel's default patch" in text and "liger's loss is the model's own" in text
-    )
+    assert "same math (liger (Liger-Kernel's default patch" in text
+    assert "loss: the model's own, model(input_ids, labels=input_ids).loss" in text
 
 
 def _verdict_data(eager_vs_fused, speedup, *, cuda=False, idle=None, host_s=None, kernel_s=None):
@@ -774,6 +800,7 @@ def _verdict_data(eager_vs_fused, speedup, *, cuda=False, idle=None, host_s=None
             )
         data["profiles"]["eager"]["time_per_step_us"] = kernel_s * 1e6
         data["results"]["eager"]["host_s"] = host_s
+    data["verdict"] = decide(data).to_dict()  # as the run decides it from what it measured
     return data
 
 
@@ -807,16 +834,23 @@ def test_verdict(eager_vs_fused, speedup, kw, words):
 
 
 def test_old_step_files_still_read(eager_vs_fused):
-    """A step.json written before --model: no model_arg, spec, checks or amdahl_note."""
+    """A step.json written before --model (no model_arg, spec, checks or amdahl_note) and before
+    --precision (its precision in words; no verdict, phases, compile splits or budget): the
+    verdict is decided as the run would have."""
     data = eager_vs_fused[0].to_dict()
-    for key in ("model_arg", "spec"):
+    want = verdict_line(data)
+    for key in ("model_arg", "spec", "precision_text"):
         del data["config"][key]
-    del data["checks"], data["amdahl_note"]
+    data["config"]["precision"] = "fp32"
+    for key in ("checks", "amdahl_note", "verdict", "phases", "compile", "budget"):
+        del data[key]
     text = format_step(data)
     assert text.splitlines()[0].startswith(
-        "=== Part C: the whole training step, eager vs fused vs torch.compile"
+        "=== Part C: the whole training step, eager vs fused vs torch.compile (cpu, preset"
     )
-    assert any(line.startswith("VERDICT: ") for line in text.splitlines())
+    assert text.splitlines()[1].endswith("parameters; fp32")
+    assert [line for line in text.splitlines() if line.startswith("VERDICT: ")] == [want]
+    assert not any(line.startswith("run time: ") for line in text.splitlines())
 
 
 def test_a_variant_that_replaces_the_parameters_is_refused(monkeypatch):

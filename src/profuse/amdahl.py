@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -21,11 +21,21 @@ from profuse import model as M
 from profuse.bench.stats import Speedup
 from profuse.bench.timing import Comparison, compare
 from profuse.env import dtype_name
-
-if TYPE_CHECKING:
-    from profuse.step import StepConfig
+from profuse.models.spec import ModelSpec
 
 Progress = Callable[[str, int, int], None]
+
+
+class StepConfig(Protocol):
+    """What the op timings read of a run's settings (profuse.step.StepConfig has them all):
+    plain values, so this module needs nothing of profuse.step, which imports it."""
+
+    spec: ModelSpec
+    device: torch.device
+    dtype: torch.dtype  # the branches' dtype (the precision's)
+    seed: int
+    trials: int
+    warmup: int
 
 
 @dataclass

@@ -20,9 +20,11 @@ Hugging Face models of profuse.models):
    operators or kernels per step, the GPU's idle share and the launch-bound verdict, and the
    fusion candidates by the structure that issued them.
 
-On CUDA profuse's steps run the forward and the loss under bf16 autocast (the lab's CUDA dtype):
-matmuls and attention in bf16 on the tensor cores, the weights, AdamW and the loss in fp32. On CPU
-all is fp32, as in the lab. A user's step runs as written.
+profuse's own steps run in one of two precisions (profuse.models.spec.PRECISIONS): amp, the
+default, runs the forward and the loss under bf16 autocast on CUDA (the lab's CUDA dtype: matmuls
+and attention in bf16 on the tensor cores, the weights, AdamW and the loss in fp32; on CPU all is
+fp32, as in the lab); bf16 holds the parameters and AdamW's state in bf16, no autocast. A user's
+step runs as written.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ from profuse.env import quiet_native_stderr
 from profuse.errors import UsageError
 from profuse.files import atomic_path, check_folder, write_json
 from profuse.model import GPTConfig
-from profuse.models.spec import ModelSpec, make_step
+from profuse.models.spec import DEFAULT_PRECISION, ModelSpec, check_precision, make_step, precision_text
 from profuse.structure import module_ranges
 
 Progress = Callable[[str], None]
@@ -99,10 +101,12 @@ class ProfileConfig:
     seed: int = 0  # weights and the batch of random tokens
     row_limit: int = 12  # rows in the operator table
     lr: float = 1e-3  # AdamW's; any value profiles the same, this one also lets the model learn fast
+    precision: str = DEFAULT_PRECISION  # amp or bf16 (profuse.models.spec.PRECISIONS)
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
         self.out_dir = Path(self.out_dir)
+        check_precision(self.precision)
         if self.steps < 1:
             raise UsageError(f"the profile needs at least one step, not {self.steps}")
         if self.warmup < 0:
@@ -126,6 +130,7 @@ class ProfileConfig:
             "seed": self.seed,
             "row_limit": self.row_limit,
             "lr": self.lr,
+            "precision": self.precision,
         }
 
 
@@ -250,9 +255,11 @@ def profile_with_trace(
 
     spec = GPTSpec(cfg.model)
     step = spec_step(
-        spec, cfg.device, seed=cfg.seed, lr=cfg.lr, compile=cfg.compile, wrap=wrap, batch_seed=batch_seed
-    )
-    return _profile_step(step, cfg, cfg.to_dict(), progress, extra_rules=extra_rules)
+        spec, cfg.device, seed=cfg.seed, lr=cfg.lr, compile=cfg.compile, wrap=wrap, batch_seed=batch_seed,
+        precision=cfg.precision,
+    )  # fmt: skip
+    precision = spec_precision(cfg.device, cfg.precision)
+    return _profile_step(step, cfg, cfg.to_dict(), progress, extra_rules=extra_rules, precision=precision)
 
 
 def profile(
@@ -297,7 +304,7 @@ def profile(
     )  # fmt: skip
     names = (trace_name,) if summary_name is None else (trace_name, summary_name)
     check_folder(cfg.out_dir, names, flag="out")  # before any step runs
-    config = {k: v for k, v in cfg.to_dict().items() if k not in ("model", "seed", "lr")}
+    config = {k: v for k, v in cfg.to_dict().items() if k not in ("model", "seed", "lr", "precision")}
     result, _trace = _profile_step(
         step, cfg, config, progress, regions=tuple(regions), find_device=device is None,
         structure=structure and not compiled, about=about, precision=precision or USERS_PRECISION,
@@ -316,12 +323,13 @@ def spec_step(
     compile: bool = False,
     wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
     batch_seed: int | None = None,
+    precision: str = DEFAULT_PRECISION,
 ) -> Callable[[], torch.Tensor]:
-    """profuse.models.make_step's training step, cut into `forward`, `backward` and `optimizer`
-    ranges for Perfetto (the reading does not depend on them)."""
+    """profuse.models.make_step's training step in `precision` (amp or bf16), cut into
+    `forward`, `backward` and `optimizer` ranges for Perfetto (the reading does not depend on them)."""
     return make_step(
         spec, device, seed=seed, lr=lr, compile=compile, wrap=wrap, batch_seed=batch_seed,
-        phases=(FORWARD, BACKWARD, OPTIMIZER),
+        phases=(FORWARD, BACKWARD, OPTIMIZER), precision=precision,
     )  # fmt: skip
 
 
@@ -377,9 +385,10 @@ def _profile_step(
 USERS_PRECISION = "as the step runs it"
 
 
-def spec_precision(device: torch.device) -> str:
-    """How spec_step computes on `device` (models.spec.autocast_for): bf16 autocast on CUDA."""
-    return "bf16 autocast" if torch.device(device).type == "cuda" else "fp32"
+def spec_precision(device: torch.device, precision: str = DEFAULT_PRECISION) -> str:
+    """How spec_step computes on `device` in `precision`, in words (models.spec.precision_text):
+    'amp: bf16 autocast over fp32 parameters and AdamW state' on CUDA, for instance."""
+    return precision_text(device, precision)
 
 
 def _step_device(seen: torch.device | None) -> torch.device:

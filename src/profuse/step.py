@@ -8,37 +8,50 @@ on the same batch, all from the same initial parameters:
     fused            its block ops swapped for the fused Triton ones (ModelSpec.fuse: profuse.fusion)
     liger-ops        Liger-Kernel's RMSNorm and SwiGLU alone: op for op with fused (HF, CUDA)
     liger            Liger-Kernel as its users apply it: RoPE, RMSNorm, SwiGLU and fused linear
-                     cross-entropy, the loss computed Liger's way (profuse.models.liger) (HF, CUDA)
+                     cross-entropy (profuse.models.liger) (HF, CUDA)
     compile          the whole model under torch.compile (profuse.compile.compile_model)
     compile+fused    the fused model under torch.compile (the block ops are compiled ops: no break)
     cudagraphs       torch.compile mode "reduce-overhead": the compiled step replayed as CUDA
                      graphs, for launch-bound steps (CUDA)
 
-The variants share one set of Parameter objects and one AdamW state (each is a deep copy of the
-model whose parameters map to themselves): a step's time does not depend on the weights' values,
-and a 1B-parameter model's 20 GB of fp32 weights, gradients and moments stay resident once, not
-once a variant. bf16 autocast on CUDA, as Part A; fp32 on the CPU. In order:
+Every variant's step computes the loss its users compute (ModelSpec.loss: for a Hugging Face model
+`model(input_ids, labels=input_ids).loss`, so a fused linear cross-entropy inside the model
+applies), and pays the same loss. The variants share one set of Parameter objects and one AdamW
+state (each is a deep copy of the model whose parameters map to themselves): a step's time does
+not depend on the weights' values, and a 1B-parameter model's 20 GB of fp32 weights, gradients
+and moments stay resident once, not once a variant. The precision is the run's
+(StepConfig.precision, profuse.models.spec.PRECISIONS): amp (fp32 parameters and AdamW state,
+bf16 autocast on CUDA; fp32 on a CPU) or bf16 (bf16 parameters and AdamW state, no autocast);
+`profuse step --precision both` runs the whole of it once in each. In order:
 
 1. The size is checked against the device's free memory (one line, before any work).
 2. Same math: on a small copy of the model (ModelSpec.small: 2 layers, 128 tokens, the run's
    widths) each variant that swaps ops (fused, liger-ops, liger) computes the loss and every
-   gradient, compared with float64 (profuse's own loss, ModelSpec.loss): it must be as close to
-   it as the unfused step is (within a factor 2, or the dtype's tolerance). A variant that is
-   not is reported as failed and never timed.
-3. The first forward and backward of every variant (compilation included) from the same initial
+   gradient in the run's precision, compared with float64 (the same weights; the loss from the
+   logits, ModelSpec.reference_loss): it must be as close to it as the unfused step is (within a
+   factor 2, or the dtype's tolerance). A variant that is not is reported as failed and never
+   timed.
+3. The first forward and backward of every variant (compilation included, split by
+   profuse.compiletime into torch.compile's phases and profuse's autotuner) from the same initial
    weights, before any optimizer step: loss and gradients compared with eager's at the real size.
    Then interleaved trials of whole steps, back to back as a training loop runs them
    (bench.timing.compare, timing "loop", no L2 flush: a step's own traffic evicts the cache),
    and the step speedup over eager with its bootstrap CI.
 4. Peak memory of one step per variant (CUDA): the resident state (parameters, AdamW moments)
    plus the most a step allocates above it.
-5. A short profile of each variant (profiling.profile), one variant built at a time: kernels per
-   step, the memory-bound share, GPU idle. The eager one labels the ops fusion replaces
-   (ModelSpec.label), so the trace says how much of the step is in them, forward and backward.
+5. A short profile of each timed variant as it was timed (profuse.stepprofile: nothing built or
+   compiled again): kernels per step, the memory-bound share, GPU idle, time by category. The
+   eager one runs through a labelled copy (ModelSpec.label), so the trace says how much of the
+   step is in the ops fusion replaces, forward and backward.
 6. Amdahl (profuse.amdahl): those ops' share f of the eager step and their own speedups s,
    timed like Part B (fused vs eager at the model's shapes, ModelSpec.op_shapes, forward +
-   backward, device time),
-   predict the step's gain 1 / ((1 - sum f) + sum f / s), printed beside the gain measured in 3.
+   backward, device time), predict the step's gain 1 / ((1 - sum f) + sum f / s), printed beside
+   the gain measured in 3.
+7. The verdict (profuse.verdict): the winner and what bounds the eager step, decided once and
+   saved; the report prints it.
+
+Each phase's wall time is recorded (StepResult.phases) with the run's budget counted before it
+starts (`budget`), and progress goes out through the `progress(stage, done, total)` callback.
 """
 
 from __future__ import annotations
@@ -49,7 +62,7 @@ import gc
 import importlib
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -62,6 +75,7 @@ from profuse import compile as _compile
 from profuse.amdahl import Amdahl, OpTiming, time_block_ops
 from profuse.bench.stats import Speedup, speedup_ci
 from profuse.bench.timing import Comparison, compare
+from profuse.compiletime import CompileSplit, split_compile
 from profuse.env import check_fits, environment, interpreting
 from profuse.errors import UsageError
 from profuse.kernels import HAS_TRITON, TRITON_MISSING
@@ -69,11 +83,23 @@ from profuse.model import GPTConfig
 from profuse.models import ModelSpec, autocast_for
 from profuse.models import liger as L
 from profuse.models.gpt import PRESETS, GPTSpec, preset_model
-from profuse.models.spec import CHECK_BATCH, CHECK_LAYERS, CHECK_SEQ_LEN
-from profuse.profiling import BACKWARD, FORWARD, OPTIMIZER, profile
+from profuse.models.spec import (
+    CHECK_BATCH,
+    CHECK_LAYERS,
+    CHECK_SEQ_LEN,
+    DEFAULT_PRECISION,
+    check_precision,
+    compute_dtype,
+    param_dtype,
+    precision_text,
+    state_bytes_per_parameter,
+)
+from profuse.profiling import BACKWARD, FORWARD, OPTIMIZER
+from profuse.stepprofile import VariantProfile, profile_variant
 from profuse.tail import BACKWARD_TOL, FORWARD_TOL, relative_error
+from profuse.verdict import StepVerdict, decide
 
-__all__ = ["CHECK_BATCH", "CHECK_LAYERS", "CHECK_SEQ_LEN", "PRESETS", "preset_model"]
+__all__ = ["CHECK_BATCH", "CHECK_LAYERS", "CHECK_SEQ_LEN", "PRESETS", "VariantProfile", "preset_model"]
 
 Progress = Callable[[str, int, int], None]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -123,10 +149,15 @@ class StepConfig:
     profile_steps: int = 3  # profiled steps per variant; 0: no profiles and no Amdahl prediction
     out_dir: Path = Path(".")  # the profiles' traces go here
     lr: float = 1e-3  # AdamW's, as Part A
+    # amp: fp32 parameters and AdamW state, bf16 autocast on CUDA; bf16: bf16 parameters and AdamW
+    # state, no autocast (profuse.models.spec.PRECISIONS)
+    precision: str = DEFAULT_PRECISION
+    trace_tag: str = ""  # appended to the traces' names: the precision, where one folder holds two runs
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
         self.out_dir = Path(self.out_dir)
+        check_precision(self.precision)
         if isinstance(self.model, GPTConfig):
             preset = self.preset or "lab"
             if preset not in PRESETS:
@@ -159,13 +190,20 @@ class StepConfig:
         return self.model  # a ModelSpec once constructed
 
     @property
-    def precision(self) -> str:
-        return "bf16 autocast" if self.device.type == "cuda" else "fp32"
+    def dtype(self) -> torch.dtype:
+        """The dtype the branches compute in: bf16 under CUDA autocast or with bf16 parameters,
+        fp32 for amp on the CPU (models.spec.compute_dtype)."""
+        return compute_dtype(self.device, self.precision)
 
     @property
-    def dtype(self) -> torch.dtype:
-        """The dtype the branches compute in: bf16 under CUDA autocast, fp32 on the CPU."""
-        return torch.bfloat16 if self.device.type == "cuda" else torch.float32
+    def param_dtype(self) -> torch.dtype:
+        """The parameters' and AdamW state's dtype: fp32 for amp, bf16 for bf16."""
+        return param_dtype(self.precision)
+
+    @property
+    def autocast(self) -> Callable[[], contextlib.AbstractContextManager]:
+        """The autocast context the step's forward runs under (models.spec.autocast_for)."""
+        return autocast_for(self.device, self.precision)
 
     @property
     def tokens(self) -> int:
@@ -192,6 +230,7 @@ class StepConfig:
             "out_dir": str(self.out_dir),
             "lr": self.lr,
             "precision": self.precision,
+            "precision_text": precision_text(self.device, self.precision),
             "timing": "loop",
         }
 
@@ -209,17 +248,18 @@ def num_params(m: GPTConfig) -> int:
 def estimated_bytes(cfg: StepConfig, variants: Sequence[str] | int | None = None) -> int:
     """A generous estimate of the peak memory of the run.
 
-    Once, whatever the number of variants (they share them): fp32 parameters, gradients and
-    AdamW's two moments (16 bytes a parameter), autocast's bf16 weight copies (2), eager's
-    first-step gradients kept to compare the others with (4; 4 more where liger runs: eager's
-    gradients of Liger's loss), one step's activations (ModelSpec.activation_bytes). A CUDA-graph
-    variant keeps one more step's activations resident in its graphs' memory pool.
+    Once, whatever the number of variants (they share them): parameters, gradients and AdamW's
+    two moments (16 bytes a parameter in fp32, 8 in bf16), autocast's bf16 weight copies (2, amp),
+    eager's first-step gradients kept to compare the others with (one more copy of the
+    parameters), one step's activations (ModelSpec.activation_bytes). A CUDA-graph variant keeps
+    one more step's activations resident in its graphs' memory pool.
     """
     names = cfg.variants if variants is None or isinstance(variants, int) else variants
     p = cfg.spec.param_count()
-    kept = 4 * p * (2 if "liger" in names else 1)
+    kept = cfg.param_dtype.itemsize * p
     graphs = sum(n in GRAPH_VARIANTS for n in names)
-    return 18 * p + kept + cfg.spec.activation_bytes(cfg.dtype) * (1 + graphs)
+    state = state_bytes_per_parameter(cfg.precision) * p
+    return state + kept + cfg.spec.activation_bytes(cfg.dtype) * (1 + graphs)
 
 
 def check_step_fits(cfg: StepConfig, variants: Sequence[str] | int | None = None) -> None:
@@ -294,25 +334,22 @@ class _Variant:
     name: str
     model: nn.Module  # the prepared copy; its parameters are the run's shared ones
     net: nn.Module  # the model, or the model under torch.compile
-    loss: LossFn  # what its step minimises (spec.loss, or Liger's through the model's forward)
-    ref_loss: LossFn  # the same loss in profuse's own terms, for eager and float64 to compute
+    loss: LossFn  # what its step minimises: the spec's, the users' loss (the same for every variant)
+    autocast: Callable[[], contextlib.AbstractContextManager]  # the precision's (nothing for bf16)
     globals: contextlib.AbstractContextManager = field(default_factory=contextlib.nullcontext)
 
 
-def _prepare(spec: ModelSpec, name: str, model: nn.Module, ops: fusion.BlockOps) -> _Variant:
-    """`model` (in place) made into variant `name`."""
-    loss, ref_loss = spec.loss, spec.loss
+def _prepare(spec: ModelSpec, name: str, model: nn.Module, ops: fusion.BlockOps, autocast) -> _Variant:
+    """`model` (in place) made into variant `name`; `autocast` the precision's context."""
     module_globals: contextlib.AbstractContextManager = contextlib.nullcontext()
     if name in FUSED_VARIANTS:
         spec.fuse(model, ops)
     elif name in LIGER_VARIANTS:
         module_globals = L.patch(model, spec.family, ops_only=name == "liger-ops")
-        if name == "liger":
-            loss, ref_loss = L.hf_loss, L.shifted_loss(spec.logits)
     net = model
     if name in COMPILED_VARIANTS:
         net = _compile.compile_model(model, cudagraphs=name in GRAPH_VARIANTS)
-    return _Variant(name, model, net, loss, ref_loss, module_globals)
+    return _Variant(name, model, net, spec.loss, autocast, module_globals)
 
 
 def _train_step(
@@ -320,7 +357,7 @@ def _train_step(
 ) -> Callable[[], torch.Tensor]:
     """One whole step, as a training loop runs it; returns the loss without reading it (no sync).
     `ranges`: cut into Part A's forward, backward and optimizer profiler ranges."""
-    autocast = autocast_for(device)
+    autocast = v.autocast
     label = record_function if ranges else (lambda _name: contextlib.nullcontext())
     graphs = v.name in GRAPH_VARIANTS
 
@@ -380,22 +417,23 @@ def _loss_and_grads(
 
 
 def check_variant_math(cfg: StepConfig, name: str, ops: fusion.BlockOps) -> MathCheck:
-    """Loss and gradients of one step of the small model: variant `name`, unfused, float64."""
+    """Loss and gradients of one step of the small model in the run's precision: variant `name`,
+    unfused, and float64 (the same weights, the precision's rounding of them included; the loss
+    from the logits, ModelSpec.reference_loss)."""
     dev, small = cfg.device, cfg.spec.small()
-    autocast = autocast_for(dev)
-    base = small.build(dev, cfg.seed)
+    autocast = cfg.autocast
+    base = small.build_for(dev, cfg.seed, cfg.precision)
     batch = small.batch(dev, cfg.seed)
     check = MathCheck(model=small.dims(), precision=cfg.precision, passed=False)
     try:
-        v = _prepare(small, name, copy.deepcopy(base), ops)
-        ref_loss = v.ref_loss
+        v = _prepare(small, name, copy.deepcopy(base), ops, autocast)
         got = _loss_and_grads(v.net, v.model, batch, autocast, v.loss, v.globals)
     except Exception as err:  # a variant that cannot run here is a failed check, not a crash
         check.error = _first_line(err)
         return check
     ref_model = copy.deepcopy(base).double()
-    ref = _loss_and_grads(ref_model, ref_model, batch, contextlib.nullcontext, ref_loss)
-    unfused = _loss_and_grads(base, base, batch, autocast, ref_loss)
+    ref = _loss_and_grads(ref_model, ref_model, batch, contextlib.nullcontext, small.reference_loss)
+    unfused = _loss_and_grads(base, base, batch, autocast, small.loss)
     if got.keys() != ref.keys():
         check.error = f"{name} changed the model's parameters: they no longer match the unfused model's"
         return check
@@ -476,13 +514,13 @@ def _build_variants(
     """Every variant over one set of parameters, and the one AdamW that steps them. Each is a
     deep copy of the model in which every Parameter maps to itself (the tied head stays tied);
     eager is the model itself. A variant that cannot be prepared goes to `failed`."""
-    base = cfg.spec.build(cfg.device, cfg.seed)
+    base = cfg.spec.build_for(cfg.device, cfg.seed, cfg.precision)
     shared = {id(p): p for p in base.parameters()}
     out = []
     for name in names:
         model = base if name == BASELINE else copy.deepcopy(base, memo=dict(shared))
         try:
-            v = _prepare(cfg.spec, name, model, ops)
+            v = _prepare(cfg.spec, name, model, ops, cfg.autocast)
         except Exception as err:  # e.g. a model fusion cannot fuse: a failed row, not a crash
             failed[name] = _first_line(err)
             continue
@@ -517,7 +555,7 @@ def _forward_backward(
 ) -> tuple[float, float, list[torch.Tensor]]:
     """(seconds, loss, gradients) of one forward and backward, timed whole; gradients cloned
     and the parameters' .grad cleared (no optimizer step: every variant starts from the same weights)."""
-    autocast = autocast_for(device)
+    autocast = v.autocast
     _sync(device)
     t0 = time.perf_counter()
     if v.name in GRAPH_VARIANTS:
@@ -546,32 +584,31 @@ def _compared(first: FirstStep, value: float, grads, eager: tuple[float, list]) 
     return first
 
 
-def _first_steps(cfg, variants, optimizer, batch, failed, tell) -> dict[str, FirstStep]:
+def _first_steps(cfg, variants, optimizer, batch, failed, tell, splits, phase) -> dict[str, FirstStep]:
     """Step 3's first half: every variant's first forward and backward from the same initial
-    weights, eager's first (the others are compared with it; liger with eager computing Liger's
-    loss), then the optimizer's first step, timed once and counted in every variant's first step
-    (the AdamW state it allocates is shared). A variant that raises goes to `failed`."""
+    weights, eager's first (the others are compared with it), then the optimizer's first step,
+    timed once and counted in every variant's first step (the AdamW state it allocates is
+    shared). A variant that raises goes to `failed`. Each first step's split (compiletime) goes to
+    `splits`, its wall time to `phase` ("first:NAME")."""
     dev, dtype = cfg.device, cfg.dtype
     params = [p for group in optimizer.param_groups for p in group["params"]]
     first_steps: dict[str, FirstStep] = {}
-    kept: dict[str, tuple[float, list]] = {}  # loss function -> eager's (loss, gradients)
+    kept: dict[str, tuple[float, list]] = {}  # eager's (loss, gradients)
     eager = next((v for v in variants if v.name == BASELINE), None)
     for i, v in enumerate(variants):
-        what = ", compiling" if v.name in COMPILED_VARIANTS else ""
+        what = " (compiling)" if v.name in COMPILED_VARIANTS else ""
         tell(f"first step: {v.name}{what}", i, len(variants))
         try:
-            seconds, value, grads = _forward_backward(v, v.net, v.loss, params, batch, dev)
+            with phase(f"first:{v.name}"), split_compile() as split:
+                seconds, value, grads = _forward_backward(v, v.net, v.loss, params, batch, dev)
+            splits[v.name] = split[0]
+            what = f": {split[0].summary()}" if split[0].compiled_anything else ""
+            tell(f"first step: {v.name} took {seconds:.1f} s{what}", i + 1, len(variants))
             first = FirstStep(seconds=seconds, loss=value)
             if v.name == BASELINE:
                 kept["own"] = (value, grads)
             elif eager is not None and BASELINE in first_steps:
-                key = "own" if v.ref_loss == cfg.spec.loss else v.name
-                if key not in kept:  # eager's step with this variant's loss
-                    _, e_value, e_grads = _forward_backward(eager, eager.net, v.ref_loss, params, batch, dev)
-                    kept[key] = (e_value, e_grads)
-                _check_first_step(_compared(first, value, grads, kept[key]), dtype)
-                if key != "own":
-                    del kept[key]
+                _check_first_step(_compared(first, value, grads, kept["own"]), dtype)
             del grads
         except Exception as err:  # a variant that cannot run here is a failed row, not a crash
             failed[v.name] = _first_line(err)
@@ -581,7 +618,7 @@ def _first_steps(cfg, variants, optimizer, batch, failed, tell) -> dict[str, Fir
         first_steps[v.name] = first
     kept.clear()
     if eager is not None and BASELINE in first_steps:  # the optimizer's first step, on eager's gradients
-        with autocast_for(dev)():
+        with eager.autocast():
             loss = eager.loss(eager.net, batch)
         loss.backward()
         _sync(dev)
@@ -614,29 +651,33 @@ def _step_memory(step: Callable[[], object], state_bytes: int, device: torch.dev
     return StepMemory(state_bytes, torch.cuda.max_memory_allocated(device) - before)
 
 
-def _timed_steps(cfg, steps, optimizer, first_steps, tell) -> tuple[Comparison, dict[str, StepMemory]]:
+def _timed_steps(cfg, steps, optimizer, first_steps, tell, phase) -> tuple[Comparison, dict[str, StepMemory]]:
     """Step 3's second half and step 4: interleaved trials of whole steps, then (CUDA) each
     variant's peak memory. No recompile is allowed while timing."""
     dev = cfg.device
     memory: dict[str, StepMemory] = {}
     say = lambda stage, done, total: tell(f"steps: {stage}", done, total)
+    tell(f"steps: warm-up, then {cfg.trials} trials of {', '.join(steps)}", 0, 1)
     with _compile.no_recompiles():
-        comparison = compare(
-            steps,
-            BASELINE,
-            trials=cfg.trials,
-            device=dev,
-            warmup=cfg.warmup,
-            flush_l2=False,  # a step's own traffic (hundreds of MB) evicts the L2
-            seed=cfg.seed,
-            progress=say,
-            timing="loop",  # back to back, as a training loop runs steps
-            first_calls={k: first_steps[k].seconds for k in steps},
-        )
+        with phase("trials"):
+            comparison = compare(
+                steps,
+                BASELINE,
+                trials=cfg.trials,
+                device=dev,
+                warmup=cfg.warmup,
+                flush_l2=False,  # a step's own traffic (hundreds of MB) evicts the L2
+                seed=cfg.seed,
+                progress=say,
+                timing="loop",  # back to back, as a training loop runs steps
+                first_calls={k: first_steps[k].seconds for k in steps},
+            )
         if dev.type == "cuda":
-            state = _state_bytes(optimizer)
-            for name, step in steps.items():
-                memory[name] = _step_memory(step, state, dev)
+            with phase("memory"):
+                state = _state_bytes(optimizer)
+                for i, (name, step) in enumerate(steps.items()):
+                    tell(f"memory: {name}", i, len(steps))
+                    memory[name] = _step_memory(step, state, dev)
     return comparison, memory
 
 
@@ -649,86 +690,100 @@ def _release(device: torch.device) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# 5. Profiles
+# 5. Profiles, of the variants as they were timed
 # --------------------------------------------------------------------------------------------
 
 
-@dataclass
-class VariantProfile:
-    """What a short profile of one variant's step says (profiling.profile's reading)."""
-
-    step_ms: float  # median profiled step, synchronised, under the profiler
-    basis: str  # "GPU kernel time" or "self CPU time": what the shares divide
-    time_per_step_us: float  # that time, per step
-    launches_per_step: float
-    launch_unit: str  # "kernels" or "operators"
-    memory_bound_pct: float  # memory-bound elementwise + norm work, % of the basis
-    gpu_idle_pct: float | None
-    launch_bound: bool
-    block_op_pct: dict[str, float]  # op -> % of the basis in it, forward and backward (eager only)
-    trace_path: str
-    label_error: str = ""  # eager: why the ops fusion replaces could not be labelled
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+def _labelled(cfg: StepConfig, eager: _Variant) -> tuple[_Variant, str]:
+    """A copy of the eager model over the same parameters, the ops fusion replaces in profiler
+    ranges (ModelSpec.label, the math unchanged); or the eager variant itself and why, where the
+    model cannot be labelled (profiled unlabelled: no Amdahl prediction)."""
+    shared = {id(p): p for p in eager.model.parameters()}
+    model = copy.deepcopy(eager.model, memo=dict(shared))
+    try:
+        cfg.spec.label(model)
+    except ValueError as err:  # a model fusion cannot fuse
+        return eager, _first_line(err)
+    if {id(p) for p in model.parameters()} != shared.keys():
+        return eager, "labelling it replaced the model's parameters"
+    return _Variant(BASELINE, model, model, eager.loss, eager.autocast, eager.globals), ""
 
 
-def _trace_name(variant: str) -> str:
-    return f"trace-step-{variant.replace('+', '-')}.json"
-
-
-def profile_variant(
-    cfg: StepConfig, name: str, ops: fusion.BlockOps, say: Callable[[str], None]
-) -> VariantProfile:
-    """A short profile of variant `name`, built alone (its own model and AdamW: the timed
-    variants are gone by now). The eager model has the ops fusion replaces labelled, where the
-    model can be labelled."""
-    spec, dev = cfg.spec, cfg.device
-    model = spec.build(dev, cfg.seed)
-    regions: tuple[str, ...] = ()
-    label_error = ""
-    if name == BASELINE:
-        try:
-            spec.label(model)  # the ranges that say where the ops fusion replaces run
-            regions = tuple(fusion.BLOCK_OP_RANGES[op] for op in OPS)
-        except ValueError as err:  # a model fusion cannot fuse: profiled unlabelled, no Amdahl
-            label_error = _first_line(err)
-            model = spec.build(dev, cfg.seed)
-    v = _prepare(spec, name, model, ops)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    step = _train_step(v, optimizer, spec.batch(dev, cfg.seed), dev, ranges=True)
-    result = profile(
-        step,
-        steps=cfg.profile_steps,
-        warmup=2,
-        out=cfg.out_dir,
-        device=dev,
-        trace_name=_trace_name(name),
-        regions=regions,
-        compiled=name in COMPILED_VARIANTS,
-        progress=say,
-        summary_name=None,  # Part C writes step.json; a variant's profile.json would be clutter
-    )
-    s = result.summary
-    block_ops = {op: s.region_pct.get(fusion.BLOCK_OP_RANGES[op], 0.0) for op in OPS} if regions else {}
-    return VariantProfile(
-        step_ms=result.step_ms,
-        basis=s.basis,
-        time_per_step_us=s.total_us / max(s.steps, 1),
-        launches_per_step=s.launches_per_step,
-        launch_unit=s.launch_unit,
-        memory_bound_pct=s.shares.get("memory_bound", 0.0),
-        gpu_idle_pct=s.gpu_idle_pct,
-        launch_bound=s.launch_bound,
-        block_op_pct=block_ops,
-        trace_path=result.trace_path,
-        label_error=label_error,
-    )
+def _profile_stage(cfg, variants, optimizer, batch, tell, phase) -> dict[str, VariantProfile]:
+    """Step 5: each timed variant's step profiled as it was timed (nothing built or compiled
+    again); eager through its labelled copy."""
+    profiles: dict[str, VariantProfile] = {}
+    for i, v in enumerate(variants):
+        say = lambda msg, i=i, name=v.name: tell(f"profile: {name}: {msg}", i, len(variants))
+        target, label_error, block_ops = v, "", {}
+        if v.name == BASELINE:
+            target, label_error = _labelled(cfg, v)
+            block_ops = {} if label_error else {op: fusion.BLOCK_OP_RANGES[op] for op in OPS}
+        with phase(f"profile:{v.name}"):
+            step = _train_step(target, optimizer, batch, cfg.device, ranges=True)
+            profiles[v.name] = profile_variant(
+                step,
+                v.name,
+                steps=cfg.profile_steps,
+                out_dir=cfg.out_dir,
+                device=cfg.device,
+                compiled=v.name in COMPILED_VARIANTS,
+                regions=block_ops.values(),
+                block_ops=block_ops,
+                tag=cfg.trace_tag,
+                label_error=label_error,
+                say=say,
+            )
+        del target, step
+    return profiles
 
 
 # --------------------------------------------------------------------------------------------
 # The run
 # --------------------------------------------------------------------------------------------
+
+
+class PhaseClock:
+    """The wall time of each phase of a run (name -> seconds, summed where a name repeats), read
+    off `clock`; `with phases("trials"): ...` times one."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        t0 = self.clock()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + self.clock() - t0
+
+
+def budget(cfg: StepConfig, names: Sequence[str]) -> dict[str, int]:
+    """What a run of `names` does at `cfg`'s settings, counted before it starts: where its
+    minutes can go. Steps are whole training steps at the real size; a timed trial round runs
+    every variant once (as many steps as the harness's timer takes a trial), and the warm-up
+    runs at least `warmup` steps a variant (on until steady: bench.timing)."""
+    n, cuda = len(names), cfg.device.type == "cuda"
+    checked = [c for c in CHECKED_VARIANTS if c in names or (c == "fused" and "compile+fused" in names)]
+    profiled = cfg.profile_steps > 0
+    compiled = sum(name in COMPILED_VARIANTS for name in names)
+    fused_timed = profiled and any(name in FUSED_VARIANTS for name in names)
+    return {
+        "variants": n,
+        "compiles": compiled,  # torch.compile of the whole model, forward and backward, once each
+        "builds": 1 + (1 if profiled else 0),  # the model, and eager's labelled copy for its profile
+        "checks": len(checked),  # each: a small copy's step as the variant, unfused and in float64
+        "first_steps": n + 1,  # and eager's again, for the optimizer's first step
+        "warmup_steps_at_least": n * cfg.warmup,
+        "trial_rounds": cfg.trials,
+        "host_rounds": cfg.trials if cuda else 0,  # each variant's step once a round (CUDA)
+        "memory_steps": n if cuda else 0,
+        "profiled_steps": n * cfg.profile_steps if profiled else 0,
+        "profile_warmup_steps": (n + compiled) if profiled else 0,
+        "op_timings": len(OPS) if fused_timed else 0,  # each: trial_rounds of the op, fused and eager
+    }
 
 
 @dataclass
@@ -750,6 +805,10 @@ class StepResult:
     amdahl: Amdahl | None
     checks: dict[str, MathCheck] = field(default_factory=dict)  # the Liger variants' same-math checks
     amdahl_note: str = ""  # why there is no Amdahl prediction, where profiles ran but it could not be made
+    compile: dict[str, CompileSplit] = field(default_factory=dict)  # each first step, split (compiletime)
+    phases: dict[str, float] = field(default_factory=dict)  # phase -> wall seconds ("total": the run)
+    budget: dict[str, int] = field(default_factory=dict)  # what the run was to do, counted up front
+    verdict: StepVerdict | None = None  # decided once (profuse.verdict); the report prints it
 
     def to_dict(self) -> dict:
         cmp = self.comparison
@@ -782,6 +841,10 @@ class StepResult:
             "ops": {k: v.to_dict() for k, v in self.ops.items()},
             "amdahl": self.amdahl.to_dict() if self.amdahl else None,
             "amdahl_note": self.amdahl_note,
+            "compile": {k: v.to_dict() for k, v in self.compile.items()},
+            "phases": self.phases,
+            "budget": self.budget,
+            "verdict": self.verdict.to_dict() if self.verdict else None,
             "comparison": cmp.to_dict() if cmp else None,
         }
 
@@ -812,44 +875,62 @@ def _amdahl_stage(
 
 
 def run_step(
-    cfg: StepConfig, progress: Progress | None = None, ops: fusion.BlockOps | None = None
+    cfg: StepConfig,
+    progress: Progress | None = None,
+    ops: fusion.BlockOps | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> StepResult:
-    """Part C, steps 1-6 of the module's docstring. `ops`: the fused implementations (default
-    profuse.blockops' Triton ones; fusion.EAGER runs anywhere). Nothing is printed."""
+    """Part C, steps 1-7 of the module's docstring. `ops`: the fused implementations (default
+    profuse.blockops' Triton ones; fusion.EAGER runs anywhere); `clock` times the phases.
+    Nothing is printed: `progress(stage, done, total)` hears of each stage as it starts."""
     tell = progress or (lambda _stage, _done, _total: None)
+    phase = PhaseClock(clock)
+    start = clock()
     dev, spec = cfg.device, cfg.spec
     names, skipped = plan(cfg, ops)
     block_ops = ops or fusion.FUSED
     check_step_fits(cfg, names)
+    counts = budget(cfg, names)
+    tell(
+        f"plan ({cfg.precision}): {', '.join(names)}; {counts['compiles']} compile(s), {counts['checks']} "
+        f"check(s), {counts['trial_rounds']} trial rounds, {counts['profiled_steps']} profiled steps",
+        0,
+        1,
+    )
     failed: dict[str, str] = {}
-    checks, names = _math_stage(cfg, names, block_ops, failed, tell)
-    _release(dev)
+    with phase("check"):
+        checks, names = _math_stage(cfg, names, block_ops, failed, tell)
+        _release(dev)
 
-    batch = spec.batch(dev, cfg.seed)
-    variants, optimizer = _build_variants(cfg, names, block_ops, failed)
-    first_steps = _first_steps(cfg, variants, optimizer, batch, failed, tell)
+    with phase("build"):
+        tell(f"build: {', '.join(names)} over one set of parameters ({cfg.precision})", 0, 1)
+        batch = spec.batch(dev, cfg.seed)
+        variants, optimizer = _build_variants(cfg, names, block_ops, failed)
+    splits: dict[str, CompileSplit] = {}
+    first_steps = _first_steps(cfg, variants, optimizer, batch, failed, tell, splits, phase)
     variants = [v for v in variants if v.name in first_steps]
     steps = {v.name: _train_step(v, optimizer, batch, dev) for v in variants}
     comparison, memory = (
-        _timed_steps(cfg, steps, optimizer, first_steps, tell) if BASELINE in steps else (None, {})
+        _timed_steps(cfg, steps, optimizer, first_steps, tell, phase) if BASELINE in steps else (None, {})
     )
     timed = list(comparison.timings) if comparison else []
     fusion_over_compile = None
     if "compile" in timed and "compile+fused" in timed:
         t = comparison.timings
         fusion_over_compile = speedup_ci(t["compile"].times_s, t["compile+fused"].times_s, seed=cfg.seed)
-    del steps, variants, optimizer
-    _release(dev)
 
     profiles: dict[str, VariantProfile] = {}
-    if cfg.profile_steps > 0:  # step 5
-        for i, name in enumerate(timed):
-            say = lambda _msg, i=i, name=name: tell(f"profiling {name}", i, len(timed))
-            profiles[name] = profile_variant(cfg, name, block_ops, say)
-            _release(dev)
-    ops_timed, amdahl, amdahl_note = _amdahl_stage(cfg, block_ops, comparison, profiles, timed, tell)
+    if cfg.profile_steps > 0 and timed:  # step 5
+        with phase("profiles"):
+            timed_variants = [v for v in variants if v.name in timed]
+            profiles = _profile_stage(cfg, timed_variants, optimizer, batch, tell, phase)
+            del timed_variants
+    del steps, variants, optimizer
+    _release(dev)
+    with phase("ops"):
+        ops_timed, amdahl, amdahl_note = _amdahl_stage(cfg, block_ops, comparison, profiles, timed, tell)
 
-    return StepResult(
+    result = StepResult(
         config=cfg,
         env=environment(dev),
         n_params=spec.param_count(),
@@ -866,4 +947,10 @@ def run_step(
         ops=ops_timed,
         amdahl=amdahl,
         amdahl_note=amdahl_note,
+        compile=splits,
+        phases=phase.seconds,
+        budget=counts,
     )
+    result.phases["total"] = clock() - start
+    result.verdict = decide(result.to_dict())
+    return result

@@ -8,7 +8,9 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from profuse import __version__
@@ -99,6 +101,18 @@ def variant_text(text: str) -> str:
 
 
 DTYPE_CHOICES = ("auto", "bf16", "fp16", "fp32", "bfloat16", "float16", "float32")
+
+# profuse.models.spec.PRECISIONS and "both" (named here: the parser loads before torch does).
+PRECISION_CHOICES = ("amp", "bf16", "both")
+
+
+def add_precision_arg(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--precision", default="amp", choices=PRECISION_CHOICES,
+        help="how the step computes, as people train: amp = fp32 parameters and AdamW state with bf16 "
+        "autocast on CUDA (fp32 on a CPU; the default); bf16 = bf16 parameters and AdamW state, no "
+        f"autocast (allowed on a CPU, where it is slow); both = {what} in each, one after the other",
+    )  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------
@@ -247,6 +261,7 @@ def build_profile_parser() -> argparse.ArgumentParser:
     g.add_argument("--step", default=None, help=f"{STEP_HELP}; --device auto asks the step where it runs")
     g.add_argument("--warmup", type=nonnegative_int, default=2,
                    help="unprofiled steps first, so first-call costs stay out (default: 2)")  # fmt: skip
+    add_precision_arg(g, "the profile (and --compile-step's) once in each, each printed")
     add_out_arg(
         p,
         ".",
@@ -276,8 +291,20 @@ PLOTS = ("speedup.png", "bandwidth.png")  # report.plots.SPEEDUP_PNG, BANDWIDTH_
 DDP_FILES = ("trace_rank0.json", "profile_ddp.json")  # distributed.SUMMARY_NAME (and a folder, logs/)
 
 
-def part_a_files(compile_step: bool) -> tuple[str, ...]:
-    return (TRACE_JSON, "trace-compiled.json", PROFILE_JSON) if compile_step else (TRACE_JSON, PROFILE_JSON)
+def tagged(name: str, tag: str) -> str:
+    """'trace.json' -> 'trace-bf16.json': one run's file where a folder holds a run per precision."""
+    if not tag:
+        return name
+    stem, dot, suffix = name.rpartition(".")
+    return f"{stem}-{tag}.{suffix}" if dot else f"{name}-{tag}"
+
+
+def part_a_files(compile_step: bool, precision: str = "amp") -> tuple[str, ...]:
+    tags = ("amp", "bf16") if precision == "both" else ("",)
+    traces = [tagged(TRACE_JSON, tag) for tag in tags]
+    if compile_step:
+        traces += [tagged("trace-compiled.json", tag) for tag in tags]
+    return (*traces, PROFILE_JSON)
 
 
 def replaced_note(path: Path) -> str:
@@ -385,3 +412,107 @@ class Progress:
         if kept:
             sys.stderr.write("".join(kept))
             sys.stderr.flush()
+
+
+def _clock_text(seconds: float) -> str:
+    """'0:07', '3:15', '1:02:03'."""
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+class ProgressLines:
+    """Progress of a run that takes minutes, as lines on stderr (a terminal, a log or a pipe
+    alike): a line as each stage starts, a counted stage's progress (trials 12/30) at most every
+    `every_s` with the time left at its pace so far, and a heartbeat where nothing was said for
+    `heartbeat_s` (a compile, a long first step), so a run never goes quiet for more than about
+    10 s. Off stdout, never in a saved file.
+
+    Feeds on `progress(stage, done, total)` callbacks, like Progress. A background thread calls
+    `beat()` once a second; `thread=False` and a fake `clock` let a test call it by hand.
+    """
+
+    def __init__(
+        self,
+        stream=None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        every_s: float = 5.0,
+        heartbeat_s: float = 8.0,
+        thread: bool = True,
+        prefix: str = "",
+    ):
+        self.stream = stream if stream is not None else sys.stderr
+        self.clock = clock
+        self.every_s = every_s
+        self.heartbeat_s = heartbeat_s
+        self.prefix = prefix  # before every stage: e.g. "bf16: " while the bf16 run goes
+        self.start = clock()
+        self.stage: str | None = None
+        self.stage_start = self.start
+        self.done = self.total = 0
+        self._paced: tuple[float, int] | None = None  # (time, done) at the stage's first count
+        self.last_line = self.start
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = None
+        if thread:
+            self._thread = threading.Thread(target=self._run, name="profuse-progress", daemon=True)
+            self._thread.start()
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        with self._lock:
+            now = self.clock()
+            stage = self.prefix + stage
+            if stage != self.stage:
+                self.stage, self.stage_start, self._paced = stage, now, None
+                self.done, self.total = done, total
+                self._say(now, self._text(now))
+                return
+            if self._paced is None and done > self.done:
+                self._paced = (now, done)  # the pace is measured from here: the first count seen
+            self.done, self.total = done, total
+            if done >= total or now - self.last_line >= self.every_s:
+                self._say(now, self._text(now))
+
+    def _text(self, now: float) -> str:
+        text = self.stage or ""
+        if self.total > 1 and self.done > 0:
+            text += f": {self.done}/{self.total}"
+            left = self.time_left(now)
+            if left is not None:
+                text += f", about {_clock_text(left)} left"
+        return text
+
+    def time_left(self, now: float) -> float | None:
+        """The counted stage's remaining time at its pace since its first count (None: no pace yet)."""
+        if self._paced is None or self.done >= self.total:
+            return None
+        t0, d0 = self._paced
+        if self.done <= d0:
+            return None
+        return (now - t0) / (self.done - d0) * (self.total - self.done)
+
+    def beat(self) -> None:
+        """A heartbeat line where nothing was said for `heartbeat_s`: the stage and how long it
+        has run ('first step: compile+fused (compiling), 35 s so far')."""
+        with self._lock:
+            now = self.clock()
+            if self.stage is None or now - self.last_line < self.heartbeat_s:
+                return
+            self._say(now, f"{self._text(now)}, {now - self.stage_start:.0f} s so far")
+
+    def _say(self, now: float, text: str) -> None:
+        self.stream.write(f"[{_clock_text(now - self.start):>5}] {text}\n")
+        self.stream.flush()
+        self.last_line = now
+
+    def _run(self) -> None:
+        while not self._stop.wait(1.0):
+            self.beat()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None

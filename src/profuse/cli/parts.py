@@ -20,8 +20,9 @@ from profuse.cli.common import (
     part_a_files,
     replaced_note,
     set_threads,
+    tagged,
 )
-from profuse.cli.step import CPU_STEP_HINT, check_step, run_part_c, step_config
+from profuse.cli.step import CPU_STEP_HINT, check_step, precisions, run_part_c, step_config
 from profuse.errors import UsageError
 
 # --------------------------------------------------------------------------------------------
@@ -64,8 +65,10 @@ def _profile_spec(args):
     model, preset, hf_config = (getattr(args, k, None) for k in ("model", "preset", "hf_config"))
     if getattr(args, "step", None) is not None:
         sizes = [*_GPT_SIZE_FLAGS, ("--seq-len", "seq_len"), ("--batch-size", "batch_size")]
+        precision = getattr(args, "precision", "amp")
         flags = [("--model", model), ("--preset", preset), ("--hf-config", hf_config),
                  ("--compile-step", args.compile_step or None),
+                 ("--precision", None if precision == "amp" else precision),
                  *((f, getattr(args, k)) for f, k in sizes)]  # fmt: skip
         given = [flag for flag, value in flags if value is not None]
         if given:
@@ -89,6 +92,8 @@ def _profile_config(args, device):
     spec = _profile_spec(args)
     if spec is None or spec.family != "gpt":
         raise UsageError("--nproc profiles the built-in GPT only: leave out --step and --model hf:ARCH")
+    if getattr(args, "precision", "amp") != "amp":
+        raise UsageError(f"--precision {args.precision} with --nproc: data-parallel profiles run in amp only")
     return ProfileConfig(
         model=spec.config, device=device, steps=args.profile_steps, warmup=getattr(args, "warmup", 2),
         out_dir=args.out, seed=args.seed,
@@ -97,48 +102,67 @@ def _profile_config(args, device):
 
 def run_part_a(args, device) -> None:
     """Part A: the built-in GPT, a Hugging Face model or the user's --step, through
-    profuse.profiling.profile; eager, and compiled beside it with --compile-step."""
+    profuse.profiling.profile; eager, and compiled beside it with --compile-step; in each
+    precision --precision names (both: one after the other, each its own model)."""
     from profuse.env import check_fits
     from profuse.files import write_json
-    from profuse.profiling import SUMMARY_KIND, compiled_trace_name, profile, spec_precision, spec_step
-    from profuse.report.profile import format_profile, format_profile_comparison
+    from profuse.models.spec import compute_dtype
+    from profuse.profiling import SUMMARY_KIND
 
     spec = _profile_spec(args)
+    chosen = precisions(args)
+    if spec is not None:
+        for precision in chosen:
+            need = spec.train_bytes(compute_dtype(device, precision), precision)
+            check_fits(need, device, f"Part A's step of {spec.describe()} ({precision})")
+    runs = {p: _part_a_run(args, device, spec, p, tag=p if len(chosen) > 1 else "") for p in chosen}
+    summary = {"kind": SUMMARY_KIND, **(runs[chosen[0]] if len(chosen) == 1 else {"runs": runs})}
+    path = Path(args.out) / PROFILE_JSON
+    earlier = replaced_note(path)
+    write_json(path, summary)
+    print(f"summary: {path}{earlier}; profuse report {path} prints it again")
+    print()
+
+
+def _part_a_run(args, device, spec, precision: str, tag: str) -> dict:
+    """One precision's Part A, printed as it finishes; its part of profile.json."""
+    from profuse.profiling import compiled_trace_name, profile, spec_precision, spec_step
+    from profuse.report.profile import format_profile, format_profile_comparison
+
     warmup = getattr(args, "warmup", 2)
     if spec is not None:
-        check_fits(spec.train_bytes(), device, f"Part A's step of {spec.describe()}")
-        about = {"model": spec.to_dict(), "describe": spec.describe()}
-        step = spec_step(spec, device, seed=args.seed)
-        where, precision = device, spec_precision(device)
+        about = {"model": spec.to_dict(), "describe": spec.describe(), "precision": precision}
+        step = spec_step(spec, device, seed=args.seed, precision=precision)
+        where, how = device, spec_precision(device, precision)
     else:
         from profuse.loader import load_step
 
         step = load_step(args.step)
         about = {"step": args.step, "describe": f"your step, {args.step}"}
         where = None if getattr(args, "device", "auto") == "auto" else device  # None: ask the step
-        precision = None  # as the user's step runs it
+        how = None  # as the user's step runs it
     progress = Progress()
-    say = lambda text: progress(text, 0, 1)
+    label = f"{precision}: " if tag else ""
+    say = lambda text: progress(label + text, 0, 1)
     common = dict(steps=args.profile_steps, out=args.out, progress=say, summary_name=None, about=about,
-                  precision=precision)  # fmt: skip
-    eager = profile(step, warmup=warmup, device=where, **common)
+                  precision=how)  # fmt: skip
+    trace = tagged(TRACE_JSON, tag)
+    eager = profile(step, warmup=warmup, device=where, trace_name=trace, **common)
     progress.close()
     print(format_profile(eager))
-    summary = {"kind": SUMMARY_KIND, "eager": eager.to_dict()}
+    run = {"eager": eager.to_dict()}
     if args.compile_step:
         del step  # the eager model's memory back before the compiled one is built
-        compiled_step = spec_step(spec, device, seed=args.seed, compile=True)
+        compiled_step = spec_step(spec, device, seed=args.seed, compile=True, precision=precision)
         compiled = profile(compiled_step, warmup=max(warmup, 1), device=device, compiled=True,
-                           trace_name=compiled_trace_name(TRACE_JSON), **common)  # fmt: skip
+                           trace_name=compiled_trace_name(trace), **common)  # fmt: skip
         progress.close()
         print()
         print(format_profile_comparison(eager, compiled))
-        summary["compiled"] = compiled.to_dict()
-    path = Path(args.out) / PROFILE_JSON
-    earlier = replaced_note(path)
-    write_json(path, summary)
-    print(f"summary: {path}{earlier}; profuse report {path} prints it again")
-    print()
+        run["compiled"] = compiled.to_dict()
+    if tag:
+        print()
+    return run
 
 
 def triton_note(args, device) -> str:
@@ -228,7 +252,7 @@ def cmd_profile(argv: list[str]) -> int:
         # first (a folder the check made and removed could vanish under another rank's probe).
         with contextlib.suppress(OSError):
             Path(args.out).mkdir(parents=True, exist_ok=True)
-    check_out(args, DDP_FILES if args.nproc is not None else part_a_files(args.compile_step))
+    check_out(args, DDP_FILES if args.nproc is not None else part_a_files(args.compile_step, args.precision))
     # --nproc N launches N ranks; a process that torchrun started is one of them already
     # (torchrun would read a --nproc after the module name as its own flag, so none is given).
     if args.nproc is not None or started_by_launcher():

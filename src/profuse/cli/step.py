@@ -7,9 +7,10 @@ from pathlib import Path
 
 from profuse.cli.common import (
     Parser,
-    Progress,
+    ProgressLines,
     add_device_args,
     add_out_arg,
+    add_precision_arg,
     add_threads_arg,
     check_out,
     nonnegative_int,
@@ -79,6 +80,7 @@ def build_step_parser() -> argparse.ArgumentParser:
         "cannot run here is skipped with the reason: fused where no Triton kernels run, liger and "
         "liger-ops without CUDA and liger-kernel, cudagraphs without CUDA)",
     )  # fmt: skip
+    add_precision_arg(p, "the whole run (every variant, its check, trials and profiles)")
     p.add_argument("--trials", type=trial_count, default=30, help="interleaved timed trials (default: 30)")
     p.add_argument(
         "--profile-steps", type=nonnegative_int, default=3,
@@ -86,11 +88,20 @@ def build_step_parser() -> argparse.ArgumentParser:
         "profiles and the prediction (default: 3)",
     )  # fmt: skip
     add_threads_arg(p)
-    add_out_arg(p, ".", "step.json and the traces (trace-step-VARIANT.json)")
+    add_out_arg(
+        p, ".", "step.json and the traces (trace-step-VARIANT.json; with --precision both "
+        "trace-step-VARIANT-amp.json and -bf16.json)",
+    )  # fmt: skip
     return p
 
 
-def step_config(args, device, preset: str | None):
+def precisions(args) -> tuple[str, ...]:
+    """The precisions a run of `args` covers, in order: ('amp',), ('bf16',) or both."""
+    chosen = getattr(args, "precision", "amp")
+    return ("amp", "bf16") if chosen == "both" else (chosen,)
+
+
+def step_config(args, device, preset: str | None, precision: str | None = None):
     from profuse.models import model_spec
     from profuse.step import StepConfig
 
@@ -108,7 +119,12 @@ def step_config(args, device, preset: str | None):
     kw = {
         name: getattr(args, name) for name in ("variants", "trials", "profile_steps") if hasattr(args, name)
     }
-    return StepConfig(model=spec, device=device, seed=args.seed, out_dir=args.out, **kw)
+    both = getattr(args, "precision", "amp") == "both"
+    precision = precision or precisions(args)[0]
+    return StepConfig(
+        model=spec, device=device, seed=args.seed, out_dir=args.out, precision=precision,
+        trace_tag=precision if both else "", **kw,
+    )  # fmt: skip
 
 
 def check_step(cfg) -> None:
@@ -118,19 +134,25 @@ def check_step(cfg) -> None:
     check_step_fits(cfg, plan(cfg, None)[0])
 
 
-def run_part_c(cfg) -> None:
+def run_part_c(cfgs) -> None:
+    """Part C in each config (one per precision, one after the other), its progress as lines on
+    stderr; one table each, then (two precisions) the ranks that moved; step.json holds it all."""
     from profuse.files import write_json
-    from profuse.report.step import format_step
+    from profuse.report.step import both_precisions, format_step
     from profuse.step import run_step
 
-    progress = Progress()
+    cfgs = cfgs if isinstance(cfgs, (list, tuple)) else [cfgs]
+    progress = ProgressLines()
+    runs = []
     try:
-        res = run_step(cfg, progress=progress)
+        for cfg in cfgs:
+            progress.prefix = f"{cfg.precision}: " if len(cfgs) > 1 else ""
+            runs.append(run_step(cfg, progress=progress).to_dict())
     finally:
         progress.close()
-    data = res.to_dict()
+    data = runs[0] if len(runs) == 1 else both_precisions(runs)
     print(format_step(data))
-    path = write_json(Path(cfg.out_dir) / "step.json", data)
+    path = write_json(Path(cfgs[0].out_dir) / "step.json", data)
     print(f"results: {path}")
 
 
@@ -140,7 +162,9 @@ def cmd_step(argv: list[str]) -> int:
 
     check_out(args, ())  # a folder that cannot be written fails now, not after the measuring
     set_threads(args)
-    cfg = step_config(args, resolve_device(args.device), args.preset)
-    check_step(cfg)
-    run_part_c(cfg)
+    device = resolve_device(args.device)
+    cfgs = [step_config(args, device, args.preset, p) for p in precisions(args)]
+    for cfg in cfgs:
+        check_step(cfg)
+    run_part_c(cfgs)
     return 0

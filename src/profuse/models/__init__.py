@@ -4,9 +4,10 @@
     model_spec("hf:llama", "Llama-3.2-1B")              a Hugging Face model, random weights
     model_spec("hf:qwen3", config_path="config.json")   a local config.json
 
-`make_step(spec, device)` builds one and returns its training step, the zero-argument callable
-profuse.profile takes. `profuse.models.liger` applies Liger-Kernel's patch to one built Hugging
-Face model without leaving it on the others (Part C's liger and liger-ops variants).
+`make_step(spec, device, precision="amp" | "bf16")` builds one and returns its training step, the
+zero-argument callable profuse.profile takes. `profuse.models.liger` applies Liger-Kernel's patch to
+one built Hugging Face model without leaving it on the others (Part C's liger and liger-ops
+variants).
 """
 
 from __future__ import annotations
@@ -14,11 +15,39 @@ from __future__ import annotations
 from pathlib import Path
 
 from profuse.errors import UsageError
-from profuse.models.spec import ModelSpec, OpShapes, autocast_for, make_step, train_step
+from profuse.models.spec import (
+    DEFAULT_PRECISION,
+    PRECISION_HELP,
+    PRECISIONS,
+    ModelSpec,
+    OpShapes,
+    autocast_for,
+    check_precision,
+    compute_dtype,
+    make_step,
+    param_dtype,
+    precision_text,
+    train_step,
+)
 
 MODEL_HELP = "gpt (the built-in, default) or hf:ARCH, ARCH one of llama, mistral, qwen2, qwen3"
 
-__all__ = ["MODEL_HELP", "ModelSpec", "OpShapes", "autocast_for", "make_step", "model_spec", "train_step"]
+__all__ = [
+    "DEFAULT_PRECISION",
+    "MODEL_HELP",
+    "PRECISIONS",
+    "PRECISION_HELP",
+    "ModelSpec",
+    "OpShapes",
+    "autocast_for",
+    "check_precision",
+    "compute_dtype",
+    "make_step",
+    "model_spec",
+    "param_dtype",
+    "precision_text",
+    "train_step",
+]
 
 
 def model_spec(

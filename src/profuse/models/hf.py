@@ -4,7 +4,8 @@ Nothing is downloaded: a size is a preset of published hyperparameters (each mod
 config.json), the CPU-sized `tiny`, or a local config.json (`--hf-config PATH`). The model is
 transformers' own class for the config (AutoModelForCausalLM.from_config), with SDPA attention
 and no KV cache (a training step has no use for one). Weights are random: the time and memory of
-a step depend on the shapes, not the values.
+a step depend on the shapes, not the values. The step's loss is the model's own
+(`model(input_ids, labels=input_ids).loss`, shifted inside), as a training loop computes it.
 
 Supported families (they share the MLP, decoder layer and norm layouts that profuse.fusion fuses):
 llama, mistral, qwen2, qwen3. transformers is an optional dependency: pip install 'profuse[hf]'.
@@ -17,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from profuse.crossentropy import IGNORE_INDEX, shifted_labels
 from profuse.errors import UsageError
 from profuse.models.spec import CHECK_BATCH, CHECK_LAYERS, CHECK_SEQ_LEN, ModelSpec, OpShapes
 
@@ -163,6 +166,31 @@ class HFSpec(ModelSpec):
 
     def logits(self, model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
         return model(input_ids=idx, use_cache=False).logits
+
+    def batch(self, device: torch.device | str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input_ids, labels), each (batch_size, seq_len): random tokens, and the labels a
+        causal-LM training loop passes, the input ids themselves (the model shifts them). The same
+        tokens as ModelSpec.batch's inputs."""
+        idx, _targets = super().batch(device, seed)
+        return idx, idx
+
+    def loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The model's own loss, as its users compute it: `model(input_ids, labels=labels).loss`,
+        shifted inside (token t predicts label t + 1), the mean over B x (T - 1) tokens. A fused
+        linear cross-entropy inside the model (profuse.fuse's, Liger's) computes it without the
+        logits; unfused, Hugging Face casts the logits to fp32 for it."""
+        idx, labels = batch
+        return model(input_ids=idx, labels=labels, use_cache=False).loss
+
+    def reference_loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """`loss`'s math from the logits in their own dtype (float64 stays float64): labels shifted
+        as Hugging Face shifts them (profuse.crossentropy.shifted_labels), ignore_index -100."""
+        idx, labels = batch
+        logits = self.logits(model, idx)
+        target = shifted_labels(labels).to(logits.device)
+        return F.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), target.reshape(-1), ignore_index=IGNORE_INDEX
+        )
 
     def small(self) -> HFSpec:
         cfg = type(self.config).from_dict(_config_fields(self.config))

@@ -13,12 +13,12 @@ Two ways of applying it, as Part C's variants:
 
     liger       Liger's defaults: RoPE, RMSNorm, SwiGLU and fused linear cross-entropy. The last
                 replaces the CausalLM forward, and in training with labels it computes the loss
-                from the last hidden state without materialising the logits: so this variant's
-                loss is the model's own (`hf_loss`: labels = input_ids, the model shifts them,
-                B x (T - 1) tokens), not profuse's, and is compared with eager computing that
-                same loss (`shifted_loss`).
+                from the last hidden state without materialising the logits.
     liger-ops   RMSNorm and SwiGLU alone (rope, cross-entropy and fused linear cross-entropy
-                off): the ops profuse fuses, op for op, with profuse's own loss.
+                off): the ops profuse's fused variant fuses, op for op.
+
+Both train on the model's own loss, `model(input_ids, labels=...).loss` (ModelSpec.loss), as
+every other variant does: the loss a Hugging Face training loop computes.
 
 liger-kernel is optional and runs on CUDA only (Triton GPU kernels).
 """
@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 # Found without importing it: liger-kernel loads Triton and transformers, which a run that never
@@ -123,24 +122,3 @@ def patch(model: nn.Module, family: str, *, ops_only: bool = False) -> ModuleGlo
         )
         globals_.__exit__()
     return globals_
-
-
-def hf_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """The loss as a Hugging Face training loop computes it, through the model's own forward
-    (Liger's fused linear cross-entropy, where patched): labels = input_ids, shifted inside, so
-    the mean over B x (T - 1) tokens. `batch`'s targets are not used."""
-    idx, _targets = batch
-    return model(input_ids=idx, labels=idx, use_cache=False).loss
-
-
-def shifted_loss(logits_of):
-    """profuse's loss over the tokens `hf_loss` counts: position t predicts idx[t + 1], the last
-    position left out. `logits_of(model, idx)` is the spec's forward. Computed here, so float64
-    stays float64 (HF's own loss casts the logits to fp32)."""
-
-    def loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        idx, _targets = batch
-        logits = logits_of(model, idx)[:, :-1]
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1))
-
-    return loss

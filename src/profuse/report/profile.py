@@ -32,8 +32,11 @@ def _steps(n: int) -> str:
 
 
 def _device_label(r: ProfileResult) -> str:
+    """'cuda', 'cuda, torch.compile', 'cuda, bf16' (the precision where profuse built the step)."""
     kind = r.device.split(":", 1)[0]
-    return f"{kind}, torch.compile" if r.compiled else kind
+    parts = [kind, "torch.compile"] if r.compiled else [kind]
+    precision = r.about.get("precision")
+    return ", ".join(parts + ([precision] if precision else []))
 
 
 def _per_step(r: ProfileResult) -> str:
@@ -239,10 +242,14 @@ def format_saved_profile(data: dict, source: str) -> str:
     """A saved profile.json as its run printed it; UsageError if malformed (a profile_ddp.json:
     report.distributed.format_saved_ddp_profile)."""
     try:
-        eager = ProfileResult.from_dict(data["eager"])
-        text = format_profile(eager, saved=True)
-        if data.get("compiled"):
-            text += "\n\n" + format_profile_comparison(eager, ProfileResult.from_dict(data["compiled"]))
-        return text
+        runs = data["runs"].values() if "runs" in data else [data]  # --precision both: one a precision
+        texts = []
+        for run in runs:
+            eager = ProfileResult.from_dict(run["eager"])
+            text = format_profile(eager, saved=True)
+            if run.get("compiled"):
+                text += "\n\n" + format_profile_comparison(eager, ProfileResult.from_dict(run["compiled"]))
+            texts.append(text)
+        return "\n\n".join(texts)
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as err:
         raise UsageError(f"{source} is a malformed Part A summary ({type(err).__name__}: {err})") from None

@@ -1,7 +1,9 @@
 """Part C as text: the step of every variant, and Amdahl's prediction beside the measured gain.
 
-Everything here reads the saved JSON shape (`StepResult.to_dict()`), so `profuse report step.json`
-prints a run saved on another card exactly as the run printed it.
+Everything here reads the saved JSON shape (`StepResult.to_dict()`, or with --precision both
+`both_precisions`' file of two runs), so `profuse report step.json` prints a run saved on another
+card exactly as the run printed it. The verdict's decision is the run's (profuse.verdict: the
+file's `verdict`); here it is put in words.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 from profuse.bench.stats import FEW_TRIALS, STATISTIC, steadiness, time_ratio_ci, unsteady_warning
 from profuse.bench.timing import WARMUP_BUDGET_S, warmup_warning
+from profuse.compiletime import CompileSplit
 from profuse.env import card_name, describe
 from profuse.errors import UsageError
 from profuse.report.sweep import (
@@ -23,6 +26,7 @@ from profuse.report.sweep import (
     warmup_line,
 )
 from profuse.report.units import fmt_bytes, fmt_time, speedup_terms, time_unit
+from profuse.verdict import decide
 
 W = 14  # variant column: fits "compile+fused"
 KIND = "step"
@@ -38,10 +42,10 @@ LIGER_OPS = {
     "liger-ops": "Liger-Kernel's RMSNorm and SwiGLU",
     "liger": "Liger-Kernel's default patch: RoPE, RMSNorm, SwiGLU, fused linear cross-entropy",
 }
-LIGER_LOSS_NOTE = (
-    "liger's loss is the model's own through Liger's fused linear cross-entropy (labels = the input "
-    "tokens, shifted inside: B x (T - 1) tokens, no logits materialised); the other variants compute "
-    "profuse's over B x T from the logits. Its first step is compared with eager computing that same loss"
+HF_LOSS_NOTE = (
+    "loss: the model's own, model(input_ids, labels=input_ids).loss (shifted inside: B x (T - 1) tokens), "
+    "in every variant; a fused linear cross-entropy inside the model (Liger's, profuse's) computes it "
+    "without the logits"
 )
 
 
@@ -71,6 +75,12 @@ def _is_hf(data: dict) -> bool:
     return data["config"].get("model_arg", "gpt").startswith("hf:")
 
 
+def precision_words(cfg: dict) -> str:
+    """The run's precision in words: 'amp: bf16 autocast over fp32 parameters and AdamW state';
+    files written before --precision hold the words themselves ('bf16 autocast', 'fp32')."""
+    return cfg.get("precision_text") or cfg.get("precision", "")
+
+
 def _model_line(data: dict) -> str:
     cfg = data["config"]
     m = cfg["model"]
@@ -82,12 +92,12 @@ def _model_line(data: dict) -> str:
             f"{m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads ({m['n_kv_head']} KV, "
             f"head dim {m['head_dim']}), ffn {m['ffn_hidden']}, vocab {m['vocab_size']}{tied}; "
             f"{m['batch_size']} x {m['seq_len']} = {tokens} tokens a step; "
-            f"{data['n_params'] / 1e6:.1f}M parameters; {cfg['precision']}"
+            f"{data['n_params'] / 1e6:.1f}M parameters; {precision_words(cfg)}"
         )
     return (
         f"model: {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, ffn {m['ffn_hidden']}, "
         f"vocab {m['vocab_size']}; {m['batch_size']} x {m['seq_len']} = {tokens} tokens a step; "
-        f"{data['n_params'] / 1e6:.1f}M parameters; {cfg['precision']}"
+        f"{data['n_params'] / 1e6:.1f}M parameters; {precision_words(cfg)}"
     )
 
 
@@ -130,6 +140,7 @@ def _table(data: dict) -> list[str]:
     results = data["results"]
     cuda = data["config"]["device"].startswith("cuda")
     profiles, memory, firsts = data["profiles"], data["memory"], data["first_steps"]
+    bounds = (verdict_of(data) or {}).get("bounds") or {}  # the run's decision (profuse.verdict)
     unit = time_unit(results[cmp["baseline"]]["median_s"])
     launches = next((p["launch_unit"] for p in profiles.values()), "kernels")
     header = f"{'variant':>{W}}  {'median':>10}  {'vs eager (95% CI)':<38}"
@@ -160,8 +171,8 @@ def _table(data: dict) -> list[str]:
             )
             if cuda and p and p["gpu_idle_pct"] is not None:
                 row += f"  {p['gpu_idle_pct']:>7.1f}%"
-        if r["host_bound"]:
-            row += "  host-bound"
+        if cuda and bounds.get(name):
+            row += f"  {bounds[name]}"
         lines.append(row.rstrip())
     return lines
 
@@ -233,6 +244,10 @@ def again_command(data: dict) -> str:
     into a folder of its own), with a thread count that suits the CPU it ran on."""
     cfg = data.get("config") or {}
     argv = ["profuse", "step", "--device", str(cfg.get("device", "auto")).split(":", 1)[0]]
+    if cfg.get("model_arg", "gpt") != "gpt":
+        argv += ["--model", str(cfg["model_arg"])]
+    if cfg.get("precision") == "bf16":
+        argv += ["--precision", "bf16"]
     if cfg.get("preset"):
         argv += ["--preset", str(cfg["preset"])]
     if cfg.get("resized"):
@@ -290,19 +305,23 @@ def _amdahl_caveat(data: dict) -> list[str]:
 
 
 def format_step(data: dict) -> str:
-    """Part C's block: the setup, the same-math check, the step table, the Amdahl prediction."""
+    """Part C's block (the setup, the same-math check, the step table, the Amdahl prediction, the
+    verdict); for a file of two precisions, one block each, then the ranks that moved."""
+    if data.get("runs"):
+        return format_both(data)
     cfg = data["config"]
     kind = cfg["device"].split(":", 1)[0]
+    where = f"{kind}, {cfg['precision']}" if "precision_text" in cfg else kind
     if _is_hf(data):
         title = (
             f"=== Part C: the whole training step of {cfg['model_arg']} {cfg['preset']}, eager vs fused vs "
-            f"Liger-Kernel vs torch.compile ({kind}) ==="
+            f"Liger-Kernel vs torch.compile ({where}) ==="
         )
     else:
         resized = ", resized by the model flags" if cfg.get("resized") else ""
         title = (
             "=== Part C: the whole training step, eager vs fused vs torch.compile "
-            f"({kind}, preset {cfg['preset']}{resized}) ==="
+            f"({where}, preset {cfg['preset']}{resized}) ==="
         )
     lines = [
         title,
@@ -359,8 +378,8 @@ def format_step(data: dict) -> str:
             "cudagraphs' peak memory leaves out its CUDA graphs' memory pool, held between steps "
             "(about one step's activations)"
         )
-    if "liger" in data["results"]:
-        notes.append(LIGER_LOSS_NOTE)
+    if _is_hf(data) and "precision_text" in cfg:  # files before the model's own loss computed profuse's
+        notes.append(HF_LOSS_NOTE)
     lines += notes + few_trials_note(cmp["trials"]) + interpreter_note(data["env"], fused_timed)
     lines += step_warnings(data)
     amdahl = _amdahl_lines(data)
@@ -372,6 +391,7 @@ def format_step(data: dict) -> str:
     traces = [p["trace_path"] for p in data["profiles"].values()]
     if traces:
         lines.append(f"traces: {', '.join(traces)} - open them at https://ui.perfetto.dev")
+    lines += time_lines(data)
     lines += ["", verdict_line(data)]
     env = data["env"]
     lines.append(describe(env))
@@ -403,7 +423,20 @@ def _short(sp: dict | None) -> str:
 
 def format_step_diff(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> str:
     """Two saved Part C runs (two cards, or before and after a change) variant by variant: the
-    ratio of step medians B/A with a bootstrap CI over each run's saved trials."""
+    ratio of step medians B/A with a bootstrap CI over each run's saved trials. Files of two
+    precisions (--precision both) are compared precision by precision."""
+    if a.get("runs") or b.get("runs"):
+        by_a, by_b = runs_by_precision(a), runs_by_precision(b)
+        common = [p for p in by_a if p in by_b]
+        if not common:
+            raise UsageError(
+                f"{names[0]} ({', '.join(by_a)}) and {names[1]} ({', '.join(by_b)}) share no precision: "
+                "nothing to compare"
+            )
+        return "\n\n".join(
+            format_step_diff(by_a[p], by_b[p], names=(f"{names[0]} [{p}]", f"{names[1]} [{p}]"))
+            for p in common
+        )
     for data, name in ((a, names[0]), (b, names[1])):
         if not (data.get("comparison") or {}).get("timings"):
             raise UsageError(f"{name} timed no step (its eager step did not run): nothing to compare")
@@ -455,29 +488,6 @@ def format_step_diff(a: dict, b: dict, names: tuple[str, str] = ("A", "B")) -> s
 # --------------------------------------------------------------------------------------------
 
 
-def step_bound(data: dict) -> tuple[str, str]:
-    """What bounds the eager step: ('device-bound' | 'host-bound' | 'launch-bound' | '', the
-    evidence). From the eager profile's GPU idle share (over profiling.LAUNCH_BOUND_IDLE_PCT:
-    launch-bound) and the harness's host time per step against the profile's kernel time per step
-    (host over device: host-bound); '' where neither was measured."""
-    eager = data["results"][data["comparison"]["baseline"]]
-    profile = data["profiles"].get("eager")
-    if not data["config"]["device"].startswith("cuda"):
-        return "host-bound", "on a CPU the whole step is host time"
-    if profile and profile["launch_bound"]:
-        return "launch-bound", f"the GPU idles {profile['gpu_idle_pct']:.0f}% of it, waiting for launches"
-    host = eager["host_s"]
-    device = profile["time_per_step_us"] * 1e-6 if profile and profile["basis"] == "GPU kernel time" else None
-    if host is not None and device is not None:
-        terms = f"the CPU issues it in {fmt_time(host).strip()}, its kernels take {fmt_time(device).strip()}"
-        return ("host-bound", terms) if host >= device else ("device-bound", terms)
-    if eager["host_bound"]:
-        return "host-bound", "its host time is within 10% of its time a step"
-    if profile and profile["gpu_idle_pct"] is not None:
-        return "device-bound", f"the GPU idles only {profile['gpu_idle_pct']:.0f}% of it"
-    return "", "no profile to say what bounds it (--profile-steps 0)"
-
-
 def _how(data: dict, winner: str, bound: str) -> str:
     """What the winner changes that matters for a step so bound."""
     if winner == "cudagraphs":
@@ -497,40 +507,165 @@ def _how(data: dict, winner: str, bound: str) -> str:
     )
 
 
+def verdict_of(data: dict) -> dict | None:
+    """The run's verdict as it decided it (step.json's `verdict`); decided now (profuse.verdict)
+    for files written before it was saved."""
+    saved = data.get("verdict")
+    if saved is not None:
+        return saved
+    decided = decide(data)
+    return decided.to_dict() if decided else None
+
+
 def verdict_line(data: dict) -> str:
     """'VERDICT: compile wins this step, 1.31x (1.28-1.35) faster than eager; the step is
-    device-bound (...): ...', or 'no measurable difference' where every CI straddles 1."""
-    if data.get("comparison") is None:
+    device-bound (...): ...', or 'no measurable difference' where every CI straddles 1. The
+    decision is the run's (verdict_of); the words are these."""
+    v = verdict_of(data)
+    if v is None:
         return ""
     speedups = {n: r["speedup"] for n, r in data["results"].items() if r["speedup"]}
     if not speedups:
         return "VERDICT: only eager was timed: nothing to referee"
-    bound, evidence = step_bound(data)
+    bound, evidence = v["bound"], v["bound_why"]
     step = (
         f"the eager step is {bound} ({evidence})"
         if bound
         else f"what bounds the eager step is not known ({evidence})"
     )
-    faster = {n: sp for n, sp in speedups.items() if sp["low"] > 1.0}
-    if faster:
-        winner = max(faster, key=lambda n: faster[n]["median"])
-        sp = faster[winner]
+    winner, faster, slower, level = v["winner"], v["faster"], v["slower"], v["level"]
+    if winner in speedups:
+        sp = speedups[winner]
         ratio, ci = speedup_terms(sp["median"], sp["low"], sp["high"], sp["verdict"])
-        others = [f"{n} {s['median']:.2f}x" for n, s in sorted(faster.items(), key=lambda x: -x[1]["median"])]
-        runner = f" (next: {', '.join(others[1:])})" if len(others) > 1 else ""
+        tied = f", tied with {', '.join(v['tied_with'])}" if v.get("tied_with") else ""
+        others = [f"{n} {speedups[n]['median']:.2f}x" for n in faster if n != winner]
+        runner = f" (next: {', '.join(others)})" if others else ""
         return (
-            f"VERDICT: {winner} wins this step, {ratio} ({ci}) faster than eager{runner}; {step}; "
+            f"VERDICT: {winner} wins this step{tied}, {ratio} ({ci}) faster than eager{runner}; {step}; "
             f"{_how(data, winner, bound)}"
         )
-    slower = sorted(n for n, sp in speedups.items() if sp["high"] < 1.0)
-    level = sorted(n for n in speedups if n not in slower)
-    if not level:
+    if winner is not None:  # eager: every other variant measurably slower
         return (
-            f"VERDICT: eager wins this step: every other variant is measurably slower ({', '.join(slower)}); "
-            + step
+            f"VERDICT: {winner} wins this step: every other variant is measurably slower "
+            f"({', '.join(slower)}); {step}"
         )
     tail = f"; {', '.join(slower)} measurably slower" if slower else ""
     return (
         f"VERDICT: no measurable difference: the CIs of {', '.join(level)} against eager straddle 1{tail}; "
         + step
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Where the run's time went
+# --------------------------------------------------------------------------------------------
+
+# The phases of a run (step.json's `phases`), in the order they run; "first:NAME" and
+# "profile:NAME" are each variant's share of "first steps" and "profiles".
+PHASES = (("check", "check"), ("build", "build"), ("first", "first steps"), ("trials", "trials"),
+          ("memory", "memory"), ("profiles", "profiles"), ("ops", "op timings"))  # fmt: skip
+
+
+def time_lines(data: dict) -> list[str]:
+    """Where the run's minutes went (its phases' wall time) and, for each variant whose first
+    step compiled or tuned anything, how that first step splits (profuse.compiletime)."""
+    phases = data.get("phases") or {}
+    if not phases:
+        return []
+    firsts = {k.split(":", 1)[1]: v for k, v in phases.items() if k.startswith("first:")}
+    shown = []
+    for key, label in PHASES:
+        seconds = sum(firsts.values()) if key == "first" else phases.get(key)
+        if seconds:
+            shown.append(f"{label} {seconds:.1f} s")
+    total = f"; total {phases['total']:.1f} s" if "total" in phases else ""
+    lines = [f"run time: {', '.join(shown)}{total}"]
+    for name, split in (data.get("compile") or {}).items():
+        cs = CompileSplit(**split)
+        if cs.compiled_anything:
+            lines.append(f"{'':>4}first step of {name}: {cs.seconds:.1f} s; {cs.summary()}")
+    return lines
+
+
+# --------------------------------------------------------------------------------------------
+# Two precisions: one run each, and the ranks that moved between them
+# --------------------------------------------------------------------------------------------
+
+SHOWN_MOVES = 3  # categories, and top operators, named for a rank that moved
+
+
+def both_precisions(runs: list[dict]) -> dict:
+    """One file for `profuse step --precision both`: each precision's run as it saved it."""
+    return {"kind": KIND, "precision": "both", "runs": runs}
+
+
+def _ranks(data: dict) -> dict[str, int]:
+    """variant -> its place by median step time among the timed variants (1: the fastest)."""
+    results = data.get("results") or {}
+    order = sorted(results, key=lambda n: results[n]["median_s"])
+    return {name: i + 1 for i, name in enumerate(order)}
+
+
+def _moves(a: dict[str, float], b: dict[str, float], labels: dict[str, str] | None = None) -> list[str]:
+    """The largest changes a -> b in ms a step, named: 'loss 12.10 -> 3.20 ms'."""
+    keys = sorted(set(a) | set(b), key=lambda k: -abs(b.get(k, 0.0) - a.get(k, 0.0)))
+    out = []
+    for k in keys[:SHOWN_MOVES]:
+        x, y = a.get(k, 0.0), b.get(k, 0.0)
+        if abs(y - x) < 0.005:
+            break
+        out.append(f"{(labels or {}).get(k, k)} {x:.2f} -> {y:.2f} ms")
+    return out
+
+
+def _ordinal(n: int) -> str:
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def rank_changes(a: dict, b: dict) -> list[str]:
+    """A line per variant whose place differs between run `a` and run `b` (two precisions), with
+    what its profiles say moved: the categories and the operator table's top rows that grew or
+    shrank most, in ms a step, eager's same categories beside them."""
+    from profuse.profiling import CATEGORY_LABELS
+
+    pa, pb = precision_words(a["config"]).split(":")[0], precision_words(b["config"]).split(":")[0]
+    ra, rb = _ranks(a), _ranks(b)
+    lines = []
+    for name in ra:
+        if name not in rb or ra[name] == rb[name]:
+            continue
+        sa, sb = (x["results"][name]["speedup"] for x in (a, b))
+        vs = f"; {_short(sa)} -> {_short(sb)} vs eager" if name != "eager" else ""
+        head = f"{name}: {_ordinal(ra[name])} in {pa} -> {_ordinal(rb[name])} in {pb}{vs}"
+        fa, fb = (x.get("profiles", {}).get(name) for x in (a, b))
+        if not (fa and fb and "category_ms" in fa and "category_ms" in fb):
+            lines.append(f"{head}; no profiles of it in both to say why (--profile-steps 0?)")
+            continue
+        cats = _moves(fa["category_ms"], fb["category_ms"], CATEGORY_LABELS)
+        ops = _moves(fa.get("top_ops", {}), fb.get("top_ops", {}))
+        why = f"its {fa['basis']} a step, {pa} -> {pb}: " + (", ".join(cats) or "no category moved")
+        ea, eb = (x.get("profiles", {}).get("eager") for x in (a, b))
+        if name != "eager" and ea and eb and "category_ms" in ea and "category_ms" in eb:
+            eager = _moves(ea["category_ms"], eb["category_ms"], CATEGORY_LABELS)
+            why += f" (eager's: {', '.join(eager) or 'none moved'})"
+        if ops:
+            why += f"; top operators: {', '.join(ops)}"
+        lines.append(f"{head}; {why}")
+    return lines
+
+
+def format_both(data: dict) -> str:
+    """`--precision both`: each precision's block, then a line per variant whose rank moved."""
+    runs = data["runs"]
+    blocks = [format_step(run) for run in runs]
+    a, b = runs[0], runs[1]
+    pa, pb = (precision_words(x["config"]).split(":")[0] for x in (a, b))
+    head = f"=== Part C: {pa} vs {pb}, the ranks that moved (by median step time; 1st = the fastest) ==="
+    moved = rank_changes(a, b) if a.get("results") and b.get("results") else []
+    return "\n\n".join([*blocks, "\n".join([head, *(moved or ["no variant changed its place"])])])
+
+
+def runs_by_precision(data: dict) -> dict[str, dict]:
+    """A step file's runs by precision: one for a plain run, two for --precision both."""
+    runs = data.get("runs") or [data]
+    return {str(run["config"].get("precision")): run for run in runs}

@@ -1,0 +1,256 @@
+"""What a long Part C run says while it runs and keeps about where its time went: progress lines
+on stderr (a fake clock, no sleeping), each phase's wall time, the first step's split into
+torch.compile's phases and profuse's autotuner, and the verdict decided once.
+"""
+
+from __future__ import annotations
+
+import ast
+import io
+import re
+from pathlib import Path
+
+import pytest
+
+from profuse import compiletime as C
+from profuse import step as S
+from profuse.cli.common import ProgressLines, tagged
+from profuse.model import GPTConfig
+from profuse.verdict import decide
+
+TINY = GPTConfig(n_layer=2, d_model=64, n_head=2, vocab_size=128, seq_len=16, batch_size=2)
+
+
+class FakeClock:
+    def __init__(self, t: float = 100.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def lines_of(stream: io.StringIO) -> list[str]:
+    return stream.getvalue().splitlines()
+
+
+# --------------------------------------------------------------------------------------------
+# Progress lines
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_line_as_each_stage_starts_with_the_time_since_the_run_began():
+    clock, out = FakeClock(), io.StringIO()
+    say = ProgressLines(out, clock=clock, thread=False)
+    say("checking the fused step against float64", 0, 1)
+    clock.advance(65)
+    say("first step: compile+fused (compiling)", 4, 6)
+    assert lines_of(out) == [
+        "[ 0:00] checking the fused step against float64",
+        "[ 1:05] first step: compile+fused (compiling): 4/6",
+    ]
+
+
+def test_counted_stages_say_how_far_and_the_time_left_at_most_every_few_seconds():
+    clock, out = FakeClock(), io.StringIO()
+    say = ProgressLines(out, clock=clock, thread=False, every_s=5.0)
+    say("steps: trials", 1, 30)  # the stage starts: a line; the pace is measured from the next
+    for k in range(2, 31):
+        clock.advance(2.0)  # a trial every 2 s
+        say("steps: trials", k, 30)
+    lines = lines_of(out)
+    assert lines[0] == "[ 0:00] steps: trials: 1/30"
+    assert lines[1] == "[ 0:06] steps: trials: 4/30, about 0:52 left"  # 2 s a trial, 26 to go
+    assert lines[-1] == "[ 0:58] steps: trials: 30/30"  # the last always said, with nothing left
+    gaps = [b - a for a, b in zip(_times(lines), _times(lines)[1:])]
+    assert all(g <= 6 for g in gaps) and len(lines) < 30  # throttled, never silent for long
+
+
+def _times(lines: list[str]) -> list[int]:
+    out = []
+    for line in lines:
+        m, s = re.match(r"\[ *(\d+):(\d\d)\]", line).groups()
+        out.append(60 * int(m) + int(s))
+    return out
+
+
+def test_a_heartbeat_while_a_stage_runs_long_so_no_ten_seconds_pass_silent():
+    clock, out = FakeClock(), io.StringIO()
+    say = ProgressLines(out, clock=clock, thread=False, heartbeat_s=8.0)
+    say("first step: compile+fused (compiling)", 5, 7)
+    for _ in range(40):  # the background thread's one-second ticks, by hand
+        clock.advance(1.0)
+        say.beat()
+    lines = lines_of(out)
+    assert lines[1] == "[ 0:08] first step: compile+fused (compiling): 5/7, 8 s so far"
+    assert lines[-1] == "[ 0:40] first step: compile+fused (compiling): 5/7, 40 s so far"
+    assert all(b - a <= 10 for a, b in zip(_times(lines), _times(lines)[1:]))
+    say.beat()  # no time passed: nothing to say
+    assert len(lines_of(out)) == len(lines)
+
+
+def test_the_prefix_names_the_precision_and_the_thread_stops_on_close():
+    out = io.StringIO()
+    say = ProgressLines(out, heartbeat_s=60.0)  # a real thread, which says nothing in this test
+    say.prefix = "bf16: "
+    say("first step: eager", 0, 2)
+    say.close()
+    assert lines_of(out)[0].endswith("] bf16: first step: eager") and say._thread is None
+
+
+def test_tagged_file_names():
+    assert tagged("trace.json", "bf16") == "trace-bf16.json" and tagged("trace.json", "") == "trace.json"
+
+
+# --------------------------------------------------------------------------------------------
+# The first step, split
+# --------------------------------------------------------------------------------------------
+
+
+class FakeTuner:
+    """Autotuner's shape: `chosen` keys, and `pick` that tunes a new key for 2 s of fake time."""
+
+    def __init__(self, clock: FakeClock):
+        self.chosen: dict = {}
+        self.clock = clock
+
+    def pick(self, key, candidates, launch, device):
+        if key not in self.chosen:
+            self.clock.advance(2.0)  # compiling and timing every candidate
+            self.chosen[key] = candidates[0]
+        return self.chosen[key]
+
+
+def test_the_tuner_is_watched_for_one_step_and_left_as_it_was():
+    clock = FakeClock()
+    tuner = FakeTuner(clock)
+    with C.split_compile(clock=clock, tuner=tuner) as split:
+        tuner.pick(("add_rms_norm", 8192), ["a", "b", "c"], None, None)
+        tuner.pick(("add_rms_norm", 8192), ["a", "b", "c"], None, None)  # a lookup now
+        tuner.pick(("silu_mul", 8192), ["a", "b"], None, None)
+        clock.advance(1.0)  # the rest of the step
+    [cs] = split
+    assert (cs.seconds, cs.tuner_s, cs.tuner_shapes, cs.tuner_configs) == (5.0, 4.0, 2, 5)
+    assert "pick" not in vars(tuner)  # the class's own pick again
+    assert (
+        cs.compiled_anything
+        and "profuse's autotuner 4.0 s (2 new shape(s), 5 launch config(s)" in cs.summary()
+    )
+    with C.split_compile(clock=clock, tuner=tuner) as split:
+        tuner.pick(("silu_mul", 8192), ["a", "b"], None, None)
+    assert split[0].tuner_shapes == 0 and not split[0].compiled_anything
+
+
+def test_torch_compile_phases_are_read_from_its_own_timers(monkeypatch):
+    from torch._dynamo import utils
+
+    metrics = {"_compile.compile_inner": [1.0]}
+    monkeypatch.setattr(utils, "compilation_time_metrics", metrics, raising=False)
+    clock = FakeClock()
+    with C.split_compile(clock=clock, tuner=FakeTuner(clock)) as split:
+        metrics["_compile.compile_inner"].append(3.5)  # what compiling this step added
+        metrics["OutputGraph.call_user_compiler"] = [2.5]
+    assert split[0].phases == {"_compile.compile_inner": 3.5, "OutputGraph.call_user_compiler": 2.5}
+    assert split[0].summary().startswith("torch.compile: Dynamo (the forward's compile within) 3.5 s; ")
+    metrics.clear()  # a torch whose timers have other names: the largest, by name
+    with C.split_compile(clock=clock, tuner=FakeTuner(clock)) as split:
+        metrics["compile_attempt_0"] = [1.5]
+    assert split[0].summary().startswith("torch.compile: compile_attempt_0 1.5 s; ")
+
+
+# --------------------------------------------------------------------------------------------
+# Phases and the verdict, decided once
+# --------------------------------------------------------------------------------------------
+
+
+def test_phases_sum_each_name_on_the_clock_given():
+    clock = FakeClock()
+    phases = S.PhaseClock(clock)
+    with phases("trials"):
+        clock.advance(3.0)
+    with phases("profile:eager"):
+        clock.advance(1.5)
+    with pytest.raises(RuntimeError), phases("trials"):  # a phase that fails still counts
+        clock.advance(1.0)
+        raise RuntimeError
+    assert phases.seconds == {"trials": 4.0, "profile:eager": 1.5}
+
+
+def test_the_budget_counts_what_a_run_will_do():
+    cfg = S.StepConfig(model=TINY, device="cuda", trials=30, profile_steps=3)
+    names = ["eager", "fused", "compile", "compile+fused", "cudagraphs"]
+    b = S.budget(cfg, names)
+    assert (b["compiles"], b["checks"], b["first_steps"], b["trial_rounds"], b["host_rounds"]) == (
+        3,
+        1,
+        6,
+        30,
+        30,
+    )
+    assert b["profiled_steps"] == 15 and b["profile_warmup_steps"] == 5 + 3 and b["op_timings"] == 2
+    assert S.budget(S.StepConfig(model=TINY, profile_steps=0), ["eager"])["builds"] == 1
+
+
+def test_the_run_uses_the_clock_it_is_given(tmp_path):
+    ticks = iter(range(10_000))
+    cfg = S.StepConfig(model=TINY, variants=("eager",), trials=2, profile_steps=0, out_dir=tmp_path)
+    res = S.run_step(cfg, clock=lambda: float(next(ticks)))
+    assert all(float(v).is_integer() and v >= 1 for v in res.phases.values())  # counted in ticks
+
+
+def _data(results: dict, *, device="cpu", profile=None) -> dict:
+    return {
+        "comparison": {"baseline": "eager"},
+        "config": {"device": device},
+        "results": {
+            n: {"median_s": 0.1, "host_s": None, "host_bound": False, "speedup": sp}
+            for n, sp in results.items()
+        },
+        "profiles": {"eager": profile} if profile else {},
+    }
+
+
+def sp(median, low, high):
+    return {"median": median, "low": low, "high": high}
+
+
+def test_the_verdict_names_a_winner_or_a_draw_and_the_bound():
+    v = decide(_data({"eager": None, "fused": sp(1.2, 1.1, 1.3), "compile": sp(1.3, 1.25, 1.35)}))
+    assert (v.winner, v.faster, v.level, v.slower, v.tied_with) == (
+        "compile",
+        ["compile", "fused"],
+        [],
+        [],
+        [],
+    )
+    assert (v.bound, v.bound_why) == ("host-bound", "on a CPU the whole step is host time")
+    v = decide(_data({"eager": None, "fused": sp(0.9, 0.85, 0.95)}))
+    assert v.winner == "eager" and v.slower == ["fused"]
+    v = decide(_data({"eager": None, "fused": sp(1.0, 0.95, 1.05), "compile": sp(0.8, 0.7, 0.9)}))
+    assert v.winner is None and v.level == ["fused"] and v.slower == ["compile"]
+    busy = {
+        "launch_bound": False,
+        "gpu_idle_pct": 4.3,
+        "basis": "GPU kernel time",
+        "time_per_step_us": 186_616,
+    }
+    v = decide(_data({"eager": None, "fused": sp(1.2, 1.1, 1.3)}, device="cuda:0", profile=busy))
+    assert v.bound == "device-bound" and v.bound_why == "the GPU idles only 4% of it"
+    assert v.bounds == {"eager": "device-bound", "fused": ""}  # fused: no profile, no host time to say
+    assert decide({"comparison": None}) is None
+
+
+# --------------------------------------------------------------------------------------------
+# amdahl is a tool of step, never the reverse
+# --------------------------------------------------------------------------------------------
+
+
+def test_amdahl_does_not_import_step_even_for_types():
+    import profuse.amdahl
+
+    tree = ast.parse(Path(profuse.amdahl.__file__).read_text(encoding="utf-8"))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert "profuse.step" not in imported
