@@ -1,0 +1,320 @@
+"""The direct launch (kernels/fast_launch.py, autotune.Launch) against a fake compiled kernel.
+
+The fake's parameters are a real triton JITFunction's (the kernel's signature as triton reads
+it: constexprs, defaults); its JIT route and its launcher each compute y = x * alpha + SHIFT in
+torch, the launcher from the arguments it is handed in the order the fast route hands them.
+So a binding that drops, adds or misplaces an argument gives a wrong y, and the tests see it.
+Checked: the arguments the launcher gets (both conventions: constexprs kept, triton 3.3 on, or
+dropped, 3.2), the specialisation guard (alignment, dtype, scalars: the JIT route, and a new
+binding where one can be made), the switches, the hooks, the first-launch check that turns the
+fast route off on a disagreement, and CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from profuse.kernels import HAS_TRITON
+
+if not HAS_TRITON:
+    pytest.skip("triton is not installed", allow_module_level=True)
+
+import triton.language as tl  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+from profuse.kernels import autotune as A  # noqa: E402
+from profuse.kernels import fast_launch as FL  # noqa: E402
+
+
+def _axpy_kernel(X_ptr, Y_ptr, n_cols, alpha, BLOCK: tl.constexpr, SHIFT: tl.constexpr = 3):
+    pass  # the fake below computes what this kernel would: y = x * alpha + SHIFT
+
+
+PARAMS = JITFunction(_axpy_kernel).params
+STREAM = 77
+
+
+def _axpy(values: dict) -> None:
+    n = values["n_cols"]
+    values["Y_ptr"][:n] = values["X_ptr"][:n] * values["alpha"] + values["SHIFT"]
+
+
+class FakeCompiled:
+    """A compiled kernel: its launcher records what it is handed and computes from it."""
+
+    n_regs, n_spills = 32, 0
+
+    def __init__(self, kernel, constants: dict):
+        self.kernel = kernel
+        self.constants = constants  # what the kernel was compiled with (its constexprs)
+        self.function = object()
+        self.packed_metadata = ("packed", constants["BLOCK"])
+        self.wrong = False
+
+    @property
+    def run(self):
+        return self.launcher
+
+    def launcher(self, g0, g1, g2, stream, function, packed, metadata, enter, leave, *kernel_args):
+        self.kernel.fast.append(((g0, g1, g2), stream, function, packed, metadata, enter, leave, kernel_args))
+        assert function is self.function and packed is self.packed_metadata
+        names = [p.name for p in PARAMS if FL.KEEPS_CONSTEXPRS or not p.is_constexpr]
+        assert len(kernel_args) == len(names)
+        values = {**self.constants, **dict(zip(names, kernel_args, strict=True))}
+        # The real launcher skips the constexprs it is handed: they must be the compiled ones.
+        assert all(values[k] == v for k, v in self.constants.items())
+        if self.wrong:
+            values["alpha"] += 1
+        _axpy(values)
+
+
+class FakeKernel:
+    """kernel[grid](*args, **meta): the JIT route; compiles (once per specialisation) and runs."""
+
+    params = PARAMS
+    __name__ = "_axpy_kernel"
+
+    def __init__(self):
+        self.jit, self.fast, self.compiled = [], [], {}
+        self.pre_run_hooks = []
+
+    def __getitem__(self, grid):
+        def run(*args, **meta):
+            self.jit.append(args)
+            values = {p.name: p.default for p in PARAMS if p.has_default}
+            values.update(zip((p.name for p in PARAMS), args))
+            values.update((k, v) for k, v in meta.items() if k in values or k in ("BLOCK",))
+            spec = tuple((a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args)
+            constants = {p.name: values[p.name] for p in PARAMS if p.is_constexpr}
+            key = (spec, tuple(constants.items()))
+            compiled = self.compiled.setdefault(key, FakeCompiled(self, constants))
+            _axpy(values)
+            return compiled
+
+        return run
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    """The fast route on, for CPU tensors (the fake kernel's), with a fixed stream handle."""
+    monkeypatch.setattr(A, "_FAST", True)
+    monkeypatch.setattr(A, "_FAST_FAILED", False)
+    monkeypatch.setattr(FL, "VERIFIED", True)
+    monkeypatch.setattr(FL, "DEVICE_TYPES", ("cpu",))
+    monkeypatch.setattr(FL, "current_device", lambda: 0)
+    monkeypatch.setattr(FL, "current_stream", lambda index: STREAM)
+    monkeypatch.setattr(A, "capturing", lambda device: False)
+
+
+def _xy(n=37, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n + 5, generator=gen).to(dtype), torch.full((n + 5,), float("nan"), dtype=dtype)
+
+
+def _check(x, y, n, alpha):
+    assert FL.same_bits(y[:n], x[:n] * alpha + 3)  # the fake's own arithmetic, in x's dtype
+
+
+@pytest.mark.parametrize("keeps_constexprs", [True, False], ids=["triton>=3.3", "triton3.2"])
+def test_the_bound_launch_hands_the_launcher_what_the_jit_route_would(fast, monkeypatch, keeps_constexprs):
+    monkeypatch.setattr(FL, "KEEPS_CONSTEXPRS", keeps_constexprs)
+    kernel = FakeKernel()
+    launch = A.Launch(kernel, (3,), None, "axpy", BLOCK=64, num_warps=4)
+    for call in range(4):
+        x, y = _xy(seed=call)
+        launch(x, y, 37, 0.5)
+        _check(x, y, 37, 0.5)
+    # Call 1: the JIT route (and the bind); call 2: the JIT route, then the checked fast launch;
+    # calls 3 and 4: the fast route alone.
+    assert len(kernel.jit) == 2 and len(kernel.fast) == 3
+    grid, stream, function, packed, metadata, enter, leave, kernel_args = kernel.fast[-1]
+    assert grid == (3, 1, 1) and stream == STREAM and (metadata, enter, leave) == (None, None, None)
+    assert kernel_args[2:] == ((37, 0.5, 64, 3) if keeps_constexprs else (37, 0.5))
+    assert kernel_args[0] is x and kernel_args[1] is y
+    (b,) = launch.bound.values()
+    assert b.checked and b.grid == (3, 1, 1) and b.dtypes == (torch.float32, torch.float32)
+
+
+def test_a_call_the_binding_does_not_cover_takes_the_jit_route_and_binds_anew(fast):
+    kernel = FakeKernel()
+    launch = A.Launch(kernel, (1,), None, "axpy", BLOCK=64)
+    x, y = _xy()
+    launch(x, y, 37, 2.0)
+    launch(x, y, 37, 2.0)  # checked
+    jit = len(kernel.jit)
+    # A tensor 4 bytes off a 16-byte boundary: compiled without the divisibility, never bound.
+    xs, ys = _xy(41)
+    launch(xs[1:], ys[1:], 37, 2.0)
+    _check(xs[1:], ys[1:], 37, 2.0)
+    assert len(kernel.jit) == jit + 1 and len(launch.bound) == 1
+    launch(xs[1:], ys[1:], 37, 2.0)
+    assert len(kernel.jit) == jit + 2  # again the JIT route: misaligned calls never go fast
+    # Another dtype, another value of a scalar (n == 1 or n % 16 == 0 are other kernels): each
+    # the JIT route, then bound beside the first.
+    for args in ((*_xy(dtype=torch.float16), 37, 2.0), (*_xy(), 32, 2.0), (*_xy(), 1, 2.0)):
+        before = len(kernel.jit)
+        launch(*args)
+        launch(*args)
+        _check(args[0], args[1], args[2], 2.0)
+        assert len(kernel.jit) == before + 2
+    assert len(launch.bound) == 4
+    # The first binding still launches fast, with the first compiled kernel.
+    fast_before, jit_before = len(kernel.fast), len(kernel.jit)
+    x, y = _xy(seed=9)
+    launch(x, y, 37, 2.0)
+    _check(x, y, 37, 2.0)
+    assert len(kernel.fast) == fast_before + 1 and len(kernel.jit) == jit_before
+
+
+def test_the_switches_keep_every_launch_on_the_jit_route(fast, monkeypatch):
+    monkeypatch.setenv("PROFUSE_FAST_LAUNCH", "0")
+    assert not FL.enabled_by_environment()
+    monkeypatch.delenv("PROFUSE_FAST_LAUNCH")
+    assert FL.enabled_by_environment()
+    kernel = FakeKernel()
+    launch = A.Launch(kernel, (1,), None, "axpy", BLOCK=64)
+    assert A.set_fast_launch(False) is True and not A.fast_launch_on()
+    x, y = _xy()
+    for _ in range(3):
+        launch(x, y, 37, 1.5)
+    assert len(kernel.jit) == 3 and not kernel.fast and not launch.bound
+    assert A.set_fast_launch(True) is False and A.fast_launch_on()
+    for _ in range(3):
+        launch(x, y, 37, 1.5)
+    assert len(kernel.jit) == 5 and len(kernel.fast) == 2
+    monkeypatch.setattr(FL, "VERIFIED", False)  # a triton version whose launch path was not read
+    monkeypatch.setattr(A, "_FAST", False)
+    A.set_fast_launch(True)
+    assert not A.fast_launch_on()
+
+
+def test_a_first_fast_launch_that_disagrees_turns_the_fast_route_off(fast):
+    kernel = FakeKernel()
+    launch = A.Launch(kernel, (1,), None, "axpy", BLOCK=64)
+    x, y = _xy()
+    launch(x, y, 37, 0.25)
+    for compiled in kernel.compiled.values():
+        compiled.wrong = True  # the launcher computes with alpha + 1
+    x, y = _xy(seed=1)
+    with pytest.warns(UserWarning, match="disagreed with triton's JIT route"):
+        launch(x, y, 37, 0.25)
+    _check(x, y, 37, 0.25)  # the JIT route's answer is the one kept
+    assert len(kernel.fast) == 1 and not A.fast_launch_on()
+    assert A.set_fast_launch(True) is False and not A.fast_launch_on()  # off for the process
+    launch(x, y, 37, 0.25)
+    assert len(kernel.fast) == 1 and len(kernel.jit) == 3
+
+
+def test_a_launcher_that_raises_on_its_first_call_turns_the_fast_route_off(fast):
+    kernel = FakeKernel()
+    launch = A.Launch(kernel, (1,), None, "axpy", BLOCK=64)
+    x, y = _xy()
+    launch(x, y, 37, 0.25)
+
+    def refuse(*args):
+        raise TypeError("function takes 9 positional arguments")
+
+    for b in launch.bound.values():
+        b.launcher = refuse
+    x, y = _xy(seed=2)
+    with pytest.warns(UserWarning, match="failed on its first call"):
+        launch(x, y, 37, 0.25)
+    _check(x, y, 37, 0.25)
+    assert not A.fast_launch_on()
+
+
+def test_launch_hooks_send_launches_down_the_jit_route(fast, monkeypatch):
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+    class Hooks:
+        launch_enter_hook = Chain([])
+        launch_exit_hook = Chain([])
+
+    monkeypatch.setattr(FL, "_HOOKS", Hooks)
+    assert FL.hooks_idle()
+    kernel = FakeKernel()
+    launch = A.Launch(kernel, (1,), None, "axpy", BLOCK=64)
+    x, y = _xy()
+    for _ in range(3):
+        launch(x, y, 37, 1.0)
+    assert len(kernel.fast) == 2
+    Hooks.launch_enter_hook = Chain([print])  # a profiler hooked the launches
+    assert not FL.hooks_idle()
+    launch(x, y, 37, 1.0)
+    assert len(kernel.fast) == 2 and len(kernel.jit) == 3
+    Hooks.launch_enter_hook, Hooks.launch_exit_hook = None, print  # 3.2-3.4: None or a function
+    assert not FL.hooks_idle()
+    Hooks.launch_exit_hook = None
+    Hooks.add_stages_inspection_hook = print  # 3.7-3.9: enters the kernel's cache key
+    assert not FL.hooks_idle()
+
+
+def test_inside_a_graph_capture_the_first_fast_launch_waits(fast, monkeypatch):
+    """Nothing can be compared during a capture: the JIT route runs, and the binding is checked
+    on its first fast launch outside one."""
+    kernel = FakeKernel()
+    launch = A.Launch(kernel, (1,), None, "axpy", BLOCK=64)
+    x, y = _xy()
+    launch(x, y, 37, 1.0)
+    monkeypatch.setattr(A, "capturing", lambda device: True)
+    launch(x, y, 37, 1.0)
+    assert len(kernel.jit) == 2 and not kernel.fast
+    monkeypatch.setattr(A, "capturing", lambda device: False)
+    launch(x, y, 37, 1.0)
+    launch(x, y, 37, 1.0)
+    assert len(kernel.jit) == 3 and len(kernel.fast) == 2
+
+
+def test_what_is_never_bound():
+    kernel = FakeKernel()
+    x, y = _xy()
+    compiled = FakeCompiled(kernel, {"BLOCK": 64, "SHIFT": 3})
+    bind = lambda args, c=compiled, **kw: FL.bind(kernel, (1,), {"BLOCK": 64}, args, c)
+    assert bind((x, y, 37, 1.0)) is None  # CPU tensors (DEVICE_TYPES is CUDA alone)
+    assert bind((x, y, 37, 1.0), c=None) is None  # the interpreter: no compiled kernel
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        "bool scalar",
+        "tensor after a scalar",
+        "misaligned",
+        "no tensors",
+        "unplaced parameter",
+    ],
+)
+def test_bind_refuses_what_it_cannot_place(fast, args):
+    kernel = FakeKernel()
+    x, y = _xy()
+    meta = {"BLOCK": 64}
+    compiled = FakeCompiled(kernel, {"BLOCK": 64, "SHIFT": 3})
+    call = {
+        "bool scalar": (x, y, True, 1.0),
+        "tensor after a scalar": (x, 37, y, 1.0),
+        "misaligned": (x[1:], y, 37, 1.0),
+        "no tensors": (1, 2, 37, 1.0),
+        "unplaced parameter": (x, y, 37, 1.0),
+    }[args]
+    if args == "unplaced parameter":
+        meta = {}  # BLOCK has no default and was not given
+    assert FL.bind(kernel, (1,), meta, call, compiled) is None
+    assert FL.bind(kernel, (1,), {"BLOCK": 64}, (x, y, 37, 1.0), compiled) is not None
+
+
+def test_same_bits_reads_bits_not_values():
+    a = torch.tensor([1.0, float("nan"), -0.0])
+    assert FL.same_bits(a, a.clone())
+    assert not FL.same_bits(a, torch.tensor([1.0, float("nan"), 0.0]))  # -0 and 0 differ in bits
+    assert not FL.same_bits(a, a.double())
+    b = torch.arange(6, dtype=torch.bfloat16).view(2, 3)[:, 1:]  # a strided view
+    assert FL.same_bits(b, b.clone()) and not FL.same_bits(b, b + 1)
+
+
+def test_the_version_read_and_the_conventions():
+    assert FL.VERSION >= (3, 2)
+    assert FL.KEEPS_CONSTEXPRS == (FL.VERSION >= (3, 3))
+    assert FL.VERIFIED == ((3, 2) <= FL.VERSION <= (3, 9))
