@@ -103,7 +103,7 @@ def fast(monkeypatch):
     monkeypatch.setattr(FL, "VERIFIED", True)
     monkeypatch.setattr(FL, "DEVICE_TYPES", ("cpu",))
     monkeypatch.setattr(FL, "current_device", lambda: 0)
-    monkeypatch.setattr(FL, "current_stream", lambda index: STREAM)
+    monkeypatch.setattr(FL, "stream_getter", lambda: lambda index: STREAM)
     monkeypatch.setattr(A, "capturing", lambda device: False)
 
 
@@ -133,7 +133,8 @@ def test_the_bound_launch_hands_the_launcher_what_the_jit_route_would(fast, monk
     assert kernel_args[2:] == ((37, 0.5, 64, 3) if keeps_constexprs else (37, 0.5))
     assert kernel_args[0] is x and kernel_args[1] is y
     (b,) = launch.bound.values()
-    assert b.checked and b.grid == (3, 1, 1) and b.dtypes == (torch.float32, torch.float32)
+    assert b.checked and (b.grid_0, b.grid_1, b.grid_2) == (3, 1, 1)
+    assert b.dtypes == (torch.float32, torch.float32)
 
 
 def test_a_call_the_binding_does_not_cover_takes_the_jit_route_and_binds_anew(fast):

@@ -104,15 +104,12 @@ def current_device() -> int:
 
 
 @functools.cache
-def _stream_getter():
+def stream_getter():
+    """index -> the raw handle of device `index`'s current stream, as JITFunction.run reads it
+    (triton's driver.active.get_current_stream: torch's _cuda_getCurrentRawStream)."""
     from triton.runtime.driver import driver
 
     return driver.active.get_current_stream
-
-
-def current_stream(index: int) -> int:
-    """The raw handle of the current stream of device `index`, as JITFunction.run reads it."""
-    return _stream_getter()(index)
 
 
 class Bound:
@@ -122,15 +119,16 @@ class Bound:
     dtypes, then checks the alignment). `checked` once a launch through it was compared with
     the JIT route's (autotune.Launch does it)."""
 
-    __slots__ = ("compiled", "launcher", "function", "packed", "grid", "device", "n_tensors", "dtypes",
-                 "tail", "checked")  # fmt: skip
+    __slots__ = ("compiled", "launcher", "function", "packed", "grid_0", "grid_1", "grid_2", "stream",
+                 "device", "n_tensors", "dtypes", "tail", "checked")  # fmt: skip
 
     def __init__(self, compiled, grid, device: int, n_tensors: int, dtypes: tuple, tail: tuple):
         self.compiled = compiled
         self.launcher = compiled.run  # made on the first launch; read once (a getattr override in 3.2-3.4)
         self.function = compiled.function
         self.packed = compiled.packed_metadata
-        self.grid = grid  # (grid_0, grid_1, grid_2)
+        self.grid_0, self.grid_1, self.grid_2 = grid
+        self.stream = stream_getter()  # device index -> its current stream's raw handle
         self.device = device
         self.n_tensors = n_tensors  # the runtime arguments: n_tensors tensors, then scalars
         self.dtypes = dtypes
@@ -138,10 +136,10 @@ class Bound:
         self.checked = False
 
     def launch(self, args: tuple) -> None:
-        """The launch JITFunction.run would make for `args`, made directly."""
-        g0, g1, g2 = self.grid
-        self.launcher(g0, g1, g2, current_stream(self.device), self.function, self.packed, None, None, None,
-                      *args, *self.tail)  # fmt: skip
+        """The launch JITFunction.run would make for `args`, made directly (autotune.Launch
+        makes the same call inline on its hot path)."""
+        self.launcher(self.grid_0, self.grid_1, self.grid_2, self.stream(self.device), self.function,
+                      self.packed, None, None, None, *args, *self.tail)  # fmt: skip
 
 
 def bind(kernel, grid: tuple, meta: dict, args: tuple, compiled) -> Bound | None:
