@@ -118,7 +118,8 @@ def install() -> None:
     if FL is not None:
         FL.DEVICE_TYPES = ("cuda", "cpu")
     if hasattr(A, "scratch_key"):  # scratch kept per plan, as on CUDA (one stream)
-        A.scratch_key = lambda device: None if A._TRACING else 0
+        for module in (ARN, P):
+            module.scratch_key = lambda device: None if A._TRACING else 0
 
 
 def set_route(direct: bool) -> None:

@@ -31,7 +31,12 @@ def _axpy_kernel(X_ptr, Y_ptr, n_cols, alpha, BLOCK: tl.constexpr, SHIFT: tl.con
     pass  # the fake below computes what this kernel would: y = x * alpha + SHIFT
 
 
+def _axpy_late_kernel(X_ptr, n_cols, alpha, Y_ptr, BLOCK: tl.constexpr, SHIFT: tl.constexpr = 3):
+    pass  # the same, y after the scalars (as a team launch appends its scratch tensors)
+
+
 PARAMS = JITFunction(_axpy_kernel).params
+LATE_PARAMS = JITFunction(_axpy_late_kernel).params
 STREAM = 77
 
 
@@ -59,7 +64,7 @@ class FakeCompiled:
     def launcher(self, g0, g1, g2, stream, function, packed, metadata, enter, leave, *kernel_args):
         self.kernel.fast.append(((g0, g1, g2), stream, function, packed, metadata, enter, leave, kernel_args))
         assert function is self.function and packed is self.packed_metadata
-        names = [p.name for p in PARAMS if FL.KEEPS_CONSTEXPRS or not p.is_constexpr]
+        names = [p.name for p in self.kernel.params if FL.KEEPS_CONSTEXPRS or not p.is_constexpr]
         assert len(kernel_args) == len(names)
         values = {**self.constants, **dict(zip(names, kernel_args, strict=True))}
         # The real launcher skips the constexprs it is handed: they must be the compiled ones.
@@ -72,21 +77,21 @@ class FakeCompiled:
 class FakeKernel:
     """kernel[grid](*args, **meta): the JIT route; compiles (once per specialisation) and runs."""
 
-    params = PARAMS
     __name__ = "_axpy_kernel"
 
-    def __init__(self):
+    def __init__(self, params=PARAMS):
+        self.params = params
         self.jit, self.fast, self.compiled = [], [], {}
         self.pre_run_hooks = []
 
     def __getitem__(self, grid):
         def run(*args, **meta):
             self.jit.append(args)
-            values = {p.name: p.default for p in PARAMS if p.has_default}
-            values.update(zip((p.name for p in PARAMS), args))
+            values = {p.name: p.default for p in self.params if p.has_default}
+            values.update(zip((p.name for p in self.params), args))
             values.update((k, v) for k, v in meta.items() if k in values or k in ("BLOCK",))
             spec = tuple((a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else a for a in args)
-            constants = {p.name: values[p.name] for p in PARAMS if p.is_constexpr}
+            constants = {p.name: values[p.name] for p in self.params if p.is_constexpr}
             key = (spec, tuple(constants.items()))
             compiled = self.compiled.setdefault(key, FakeCompiled(self, constants))
             _axpy(values)
@@ -273,37 +278,78 @@ def test_what_is_never_bound():
     kernel = FakeKernel()
     x, y = _xy()
     compiled = FakeCompiled(kernel, {"BLOCK": 64, "SHIFT": 3})
-    bind = lambda args, c=compiled, **kw: FL.bind(kernel, (1,), {"BLOCK": 64}, args, c)
-    assert bind((x, y, 37, 1.0)) is None  # CPU tensors (DEVICE_TYPES is CUDA alone)
-    assert bind((x, y, 37, 1.0), c=None) is None  # the interpreter: no compiled kernel
+    bind = lambda args, c=compiled: FL.bind(kernel, (1,), {"BLOCK": 64}, args, c)
+    assert "CUDA" in bind((x, y, 37, 1.0))  # CPU tensors (DEVICE_TYPES is CUDA alone)
+    assert "no compiled kernel" in bind((x, y, 37, 1.0), c=None)  # the interpreter
 
 
 @pytest.mark.parametrize(
-    "args",
-    [
-        "bool scalar",
-        "tensor after a scalar",
-        "misaligned",
-        "no tensors",
-        "unplaced parameter",
-    ],
+    "case", ["bool scalar", "misaligned", "no tensors", "unplaced parameter", "other layout"]
 )
-def test_bind_refuses_what_it_cannot_place(fast, args):
+def test_bind_refuses_what_it_cannot_place(fast, case):
     kernel = FakeKernel()
     x, y = _xy()
     meta = {"BLOCK": 64}
     compiled = FakeCompiled(kernel, {"BLOCK": 64, "SHIFT": 3})
+    first = FL.bind(kernel, (1,), meta, (x, y, 37, 1.0), compiled)
+    assert isinstance(first, FL.Bound) and first.layout.tensor_positions == (0, 1)
+    layout = None
     call = {
         "bool scalar": (x, y, True, 1.0),
-        "tensor after a scalar": (x, 37, y, 1.0),
         "misaligned": (x[1:], y, 37, 1.0),
         "no tensors": (1, 2, 37, 1.0),
         "unplaced parameter": (x, y, 37, 1.0),
-    }[args]
-    if args == "unplaced parameter":
+        "other layout": (x, 37, y, 1.0),
+    }[case]
+    if case == "unplaced parameter":
         meta = {}  # BLOCK has no default and was not given
-    assert FL.bind(kernel, (1,), meta, call, compiled) is None
-    assert FL.bind(kernel, (1,), {"BLOCK": 64}, (x, y, 37, 1.0), compiled) is not None
+    if case == "other layout":
+        layout = first.layout
+    why = FL.bind(kernel, (1,), meta, call, compiled, layout)
+    assert isinstance(why, str)
+    assert (why == FL.MISALIGNED) == (case == "misaligned")
+
+
+def test_tensors_after_scalars_bind_and_launch(fast):
+    """A team launch passes its scratch tensors after the scalars: the guard picks tensors and
+    scalars by position, and the launcher still gets every argument in the kernel's order."""
+    kernel = FakeKernel(LATE_PARAMS)
+    launch = A.Launch(kernel, (2,), None, "axpy", BLOCK=64)
+    for call in range(3):
+        x, y = _xy(seed=call)
+        launch(x, 37, 0.5, y)
+        _check(x, y, 37, 0.5)
+    assert len(kernel.jit) == 2 and len(kernel.fast) == 2
+    assert launch.layout.tensor_positions == (0, 3)
+    *_, kernel_args = kernel.fast[-1]
+    assert kernel_args[1:3] == (37, 0.5) and kernel_args[3] is y
+
+
+def test_a_launch_that_can_never_bind_stops_trying(fast, monkeypatch):
+    """Only a misaligned tensor is worth another bind on a later call; a refusal that holds for
+    every call (here: no compiled kernel, as under the interpreter) ends the attempts."""
+    calls = []
+    real = FL.bind
+
+    def counting(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(FL, "bind", counting)
+    kernel = FakeKernel()
+    launch = A.Launch(kernel, (1,), None, "axpy", BLOCK=64)
+    xs, ys = _xy(41)
+    for _ in range(3):
+        launch(xs[1:], ys[1:], 37, 1.0)  # misaligned: tried each time
+    assert len(calls) == 3 and launch.bound == {}
+    x, y = _xy()
+    launch(x, y, 37, 1.0)
+    assert len(calls) == 4 and len(launch.bound) == 1
+    launch = A.Launch(kernel, (1,), None, "axpy", BLOCK=64)
+    launch.run = lambda *args, **meta: None  # the interpreter's launch returns no compiled kernel
+    for _ in range(3):
+        launch(x, y, 37, 1.0)
+    assert len(calls) == 5 and launch.bound is None
 
 
 def test_same_bits_reads_bits_not_values():

@@ -133,11 +133,11 @@ class Launch:
     answer kept). While torch.compile traces (`traced`), the launch is recorded through
     wrap_triton instead, and neither route runs.
 
-    Runtime arguments are the kernel's leading parameters, tensors first, then ints and floats
-    (every profuse launcher's order); the compile-time ones and the launch options are `meta`.
+    Runtime arguments are the kernel's leading parameters, tensors and ints and floats (every
+    profuse launcher's); the compile-time ones and the launch options are `meta`.
     """
 
-    __slots__ = ("run", "kernel", "grid", "meta", "config", "kind", "bound", "n_tensors")
+    __slots__ = ("run", "kernel", "grid", "meta", "config", "kind", "bound", "layout")
 
     def __init__(self, kernel, grid: tuple[int, ...], config: KernelConfig | None, kind: str, **meta):
         self.run = kernel[grid]  # the JIT route: triton binds the grid once here, not per call
@@ -148,7 +148,7 @@ class Launch:
         self.kind = kind
         # (scalar arguments, tensor dtypes) -> fast_launch.Bound; None: this launch never binds
         self.bound: dict | None = {}
-        self.n_tensors = 0  # how many leading runtime arguments are tensors, once bound
+        self.layout = None  # where the tensors are among the runtime arguments, once bound
 
     def __call__(self, *args) -> None:
         if _TRACING:
@@ -156,9 +156,10 @@ class Launch:
             return
         bound = self.bound
         if _FAST and bound and fast_launch.hooks_idle():
-            n = self.n_tensors
-            b = bound.get((args[n:], tuple(map(_DTYPE, args[:n]))))
-            if b is not None and not functools.reduce(_OR, map(_DATA_PTR, args[:n])) & 15:
+            layout = self.layout
+            tensors = layout.tensors(args)
+            b = bound.get((layout.scalars(args), tuple(map(_DTYPE, tensors))))
+            if b is not None and not functools.reduce(_OR, map(_DATA_PTR, tensors)) & 15:
                 if b.checked:  # Bound.launch, inline: one Python frame fewer a launch
                     b.launcher(b.grid_0, b.grid_1, b.grid_2, b.stream(b.device), b.function, b.packed,
                                None, None, None, *args, *b.tail)  # fmt: skip
@@ -173,16 +174,18 @@ class Launch:
             self._bind(args, compiled)
 
     def _bind(self, args: tuple, compiled) -> None:
-        """Bind launches like this one (just made on the JIT route) to `compiled`'s launcher."""
-        b = fast_launch.bind(self.kernel, self.grid, self.meta, args, compiled)
-        if b is None:
+        """Bind launches like this one (just made on the JIT route) to `compiled`'s launcher;
+        where that can never hold for this launch, stop trying (only a misaligned tensor is
+        worth another try, on a later call)."""
+        b = fast_launch.bind(self.kernel, self.grid, self.meta, args, compiled, self.layout)
+        if isinstance(b, str):
+            if b != fast_launch.MISALIGNED:
+                self.bound = None
             return
-        if self.bound and b.n_tensors != self.n_tensors:
-            return  # another layout of the arguments than the first binding's: keep that one
         if len(self.bound) >= MAX_BINDINGS:
             self.bound.clear()
-        self.n_tensors = b.n_tensors
-        self.bound[(args[b.n_tensors :], b.dtypes)] = b
+        self.layout = b.layout
+        self.bound[(b.layout.scalars(args), b.dtypes)] = b
 
     def _first_fast_launch(self, b, args: tuple) -> bool:
         """The first launch through binding `b`, checked: the JIT route runs first and its
@@ -193,9 +196,9 @@ class Launch:
 
         A kernel that skips an output whose memory already held the JIT route's answer passes;
         one that writes wrong values, or in the wrong place, does not."""
-        if capturing(args[0].device):
+        tensors = list({id(t): t for t in b.layout.tensors(args)}.values())
+        if capturing(tensors[0].device):
             return False
-        tensors = list({id(t): t for t in args[: b.n_tensors]}.values())
         try:
             before = [t.clone() for t in tensors]
             self.run(*args, **self.meta)

@@ -52,6 +52,7 @@ JIT route's answer (`same_bits`) before trusting it.
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import re
 
@@ -112,6 +113,29 @@ def stream_getter():
     return driver.active.get_current_stream
 
 
+def picker(positions: tuple[int, ...]):
+    """args -> the tuple of args at `positions`, in C (operator.itemgetter) where it can."""
+    if not positions:
+        return lambda args: ()
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*positions)
+
+
+class Layout:
+    """Where a launch's runtime arguments hold tensors and where scalars: `tensors(args)` and
+    `scalars(args)` pick them (profuse's launchers pass tensors, then ints and floats, and a
+    team launch its scratch tensors last)."""
+
+    __slots__ = ("tensor_positions", "tensors", "scalars")
+
+    def __init__(self, tensor_positions: tuple[int, ...], n_args: int):
+        self.tensor_positions = tensor_positions
+        self.tensors = picker(tensor_positions)
+        self.scalars = picker(tuple(i for i in range(n_args) if i not in tensor_positions))
+
+
 class Bound:
     """One compiled kernel's launch, bound: its launcher, function handle and packed metadata,
     the grid, the compile-time arguments appended to each call's runtime ones, and the dtypes of
@@ -120,9 +144,9 @@ class Bound:
     the JIT route's (autotune.Launch does it)."""
 
     __slots__ = ("compiled", "launcher", "function", "packed", "grid_0", "grid_1", "grid_2", "stream",
-                 "device", "n_tensors", "dtypes", "tail", "checked")  # fmt: skip
+                 "device", "layout", "dtypes", "tail", "checked")  # fmt: skip
 
-    def __init__(self, compiled, grid, device: int, n_tensors: int, dtypes: tuple, tail: tuple):
+    def __init__(self, compiled, grid, device: int, layout: Layout, dtypes: tuple, tail: tuple):
         self.compiled = compiled
         self.launcher = compiled.run  # made on the first launch; read once (a getattr override in 3.2-3.4)
         self.function = compiled.function
@@ -130,7 +154,7 @@ class Bound:
         self.grid_0, self.grid_1, self.grid_2 = grid
         self.stream = stream_getter()  # device index -> its current stream's raw handle
         self.device = device
-        self.n_tensors = n_tensors  # the runtime arguments: n_tensors tensors, then scalars
+        self.layout = layout
         self.dtypes = dtypes
         self.tail = tail  # the parameters after the runtime arguments: values as bound
         self.checked = False
@@ -142,37 +166,44 @@ class Bound:
                       self.packed, None, None, None, *args, *self.tail)  # fmt: skip
 
 
-def bind(kernel, grid: tuple, meta: dict, args: tuple, compiled) -> Bound | None:
+# Why `bind` made no binding: only a misaligned tensor is worth binding again for (another call
+# of the same launch may be aligned); the rest hold for every call of the launch.
+MISALIGNED = "a tensor argument not 16-byte aligned"
+
+
+def bind(kernel, grid: tuple, meta: dict, args: tuple, compiled, layout: Layout | None = None) -> Bound | str:
     """A Bound for launches like this one, which JITFunction.run has just made (`compiled`: what
-    it returned), or None where the fast route cannot hold: a version not read, no
-    CompiledKernel (the interpreter; an asynchronous compile), pre-run hooks, runtime
-    arguments that are not tensors then ints and floats, a tensor not 16-byte aligned or not on
-    the current device, a keyword it cannot place."""
-    if not VERIFIED or compiled is None or hasattr(compiled, "result"):
-        return None
-    if not all(hasattr(compiled, a) for a in ("function", "packed_metadata")) or getattr(
-        kernel, "pre_run_hooks", None
-    ):
-        return None
-    n = 0
-    while n < len(args) and isinstance(args[n], torch.Tensor):
-        n += 1
-    tensors, scalars = args[:n], args[n:]
-    if not n or not all(type(s) is int or type(s) is float for s in scalars):
-        return None
+    it returned), or why the fast route cannot hold: a version not read, no CompiledKernel (the
+    interpreter; an asynchronous compile), pre-run hooks, a runtime argument neither a tensor
+    nor an int or float, a tensor not 16-byte aligned or not on the current device, a keyword it
+    cannot place, or (given `layout`, the launch's first binding's) tensors in other places."""
+    if not VERIFIED:
+        return "a triton version whose launch path was not read"
+    if compiled is None or hasattr(compiled, "result"):
+        return "no compiled kernel (the interpreter, or a compile still running)"
+    if not all(hasattr(compiled, a) for a in ("function", "packed_metadata")):
+        return "not a CompiledKernel"
+    if getattr(kernel, "pre_run_hooks", None):
+        return "pre-run hooks"
+    positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+    if not positions or not all(type(a) is int or type(a) is float for a in _others(args, positions)):
+        return "a runtime argument neither a tensor nor an int or float"
+    if layout is not None and positions != layout.tensor_positions:
+        return "tensors where the launch's first binding had none"
+    tensors = [args[i] for i in positions]
     device = tensors[0].device
     if device.type not in DEVICE_TYPES or any(t.device != device for t in tensors):
-        return None
+        return "tensors not on one CUDA device"
     if any(t.data_ptr() % 16 for t in tensors):
-        return None
+        return MISALIGNED
     index = current_device()
     if device.type == "cuda" and device.index != index:
-        return None
+        return "tensors not on the current device"
     params = kernel.params
     if len(args) > len(params):
-        return None
+        return "more arguments than parameters"
     if not KEEPS_CONSTEXPRS and any(p.is_constexpr for p in params[: len(args)]):
-        return None  # 3.2 drops constexprs wherever they are: only trailing ones are placed here
+        return "a constexpr passed by position (triton 3.2 drops them)"
     tail = []
     for p in params[len(args) :]:
         if p.name in meta:
@@ -180,11 +211,16 @@ def bind(kernel, grid: tuple, meta: dict, args: tuple, compiled) -> Bound | None
         elif p.has_default:
             value = p.default
         else:
-            return None
+            return f"no value for parameter {p.name}"
         if KEEPS_CONSTEXPRS or not p.is_constexpr:
             tail.append(value)
     g = (*grid, 1, 1)[:3]
-    return Bound(compiled, g, index, n, tuple(t.dtype for t in tensors), tuple(tail))
+    layout = layout or Layout(positions, len(args))
+    return Bound(compiled, g, index, layout, tuple(t.dtype for t in tensors), tuple(tail))
+
+
+def _others(args: tuple, positions: tuple[int, ...]) -> list:
+    return [a for i, a in enumerate(args) if i not in positions]
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
