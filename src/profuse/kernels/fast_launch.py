@@ -46,7 +46,10 @@ The JIT route stays for a launch's first call, under the interpreter (TRITON_INT
 CompiledKernel comes back), under torch.compile (autotune.Launch records the launch through
 wrap_triton instead), for triton versions not read above, where PROFUSE_FAST_LAUNCH=0, and for
 calls the guard above turns away. `autotune.Launch` verifies each bound launch once against the
-JIT route's answer (`same_bits`) before trusting it.
+JIT route's answer (`same_bits`) before trusting it. research/launch_route.py runs both routes
+through each of the eight versions' own code on a CPU (a stand-in driver; triton compiles for
+sm_90 offline): every launch of silu_mul, add_rms_norm and the tail hands the launcher the same
+arguments on both (2026-12-05).
 """
 
 from __future__ import annotations
