@@ -165,12 +165,30 @@ def test_a_call_the_binding_does_not_cover_takes_the_jit_route_and_binds_anew(fa
         _check(args[0], args[1], args[2], 2.0)
         assert len(kernel.jit) == before + 2
     assert len(launch.bound) == 4
-    # The first binding still launches fast, with the first compiled kernel.
+    # The first binding still launches fast, with the first compiled kernel, whatever the float
+    # (triton never specialises one: it is an fp32 argument of any value).
     fast_before, jit_before = len(kernel.fast), len(kernel.jit)
-    x, y = _xy(seed=9)
-    launch(x, y, 37, 2.0)
-    _check(x, y, 37, 2.0)
-    assert len(kernel.fast) == fast_before + 1 and len(kernel.jit) == jit_before
+    for alpha in (2.0, -0.75):
+        x, y = _xy(seed=9)
+        launch(x, y, 37, alpha)
+        _check(x, y, 37, alpha)
+    assert len(kernel.fast) == fast_before + 2 and len(kernel.jit) == jit_before
+
+
+def test_an_int_that_changes_every_call_ends_the_bindings(fast):
+    """Each new int value is a binding with a checked first launch; past MAX_BINDINGS the launch
+    keeps the JIT route rather than bind (and check) again on every call."""
+    kernel = FakeKernel()
+    launch = A.Launch(kernel, (1,), None, "axpy", BLOCK=64)
+    for n in range(2, 2 + A.MAX_BINDINGS + 3):
+        x, y = _xy(seed=n)
+        launch(x, y, n, 1.0)
+        launch(x, y, n, 1.0)
+        _check(x, y, n, 1.0)
+    assert launch.bound is None
+    jit = len(kernel.jit)
+    launch(x, y, 5, 1.0)
+    assert len(kernel.jit) == jit + 1
 
 
 def test_the_switches_keep_every_launch_on_the_jit_route(fast, monkeypatch):

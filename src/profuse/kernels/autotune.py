@@ -91,7 +91,9 @@ def log_launch(launch, compiled) -> None:
 # launch once disagreed with the JIT route (then it stays off for the process).
 _FAST = fast_launch.VERIFIED and fast_launch.enabled_by_environment()
 _FAST_FAILED = False
-# Bindings a Launch keeps (one per set of scalar arguments and dtypes); past it, it starts again.
+# Bindings a Launch keeps (one per set of int arguments and dtypes). A launch that needs more
+# (an int that changes every call) stops binding and keeps the JIT route: each new binding costs
+# a checked first launch.
 MAX_BINDINGS = 8
 
 
@@ -126,12 +128,12 @@ class Launch:
 
     A call goes through triton's JIT route (`run`: kernel[grid], JITFunction.run) the first
     time, and after that straight to the compiled kernel's launcher (kernels/fast_launch.py)
-    wherever the call looks as the bound one did: the same scalar arguments and tensor dtypes,
-    every pointer 16-byte aligned. The first launch through each binding is checked: run on the
-    JIT route too, from the same inputs, it must leave every tensor argument with the same bits
-    (else the fast route is turned off for the process, with one warning, and the JIT route's
-    answer kept). While torch.compile traces (`traced`), the launch is recorded through
-    wrap_triton instead, and neither route runs.
+    wherever the call looks as the bound one did: the same int arguments and tensor dtypes,
+    every pointer 16-byte aligned (floats may change). The first launch through each binding is
+    checked: run on the JIT route too, from the same inputs, it must leave every tensor argument
+    with the same bits (else the fast route is turned off for the process, with one warning, and
+    the JIT route's answer kept). While torch.compile traces (`traced`), the launch is recorded
+    through wrap_triton instead, and neither route runs.
 
     Runtime arguments are the kernel's leading parameters, tensors and ints and floats (every
     profuse launcher's); the compile-time ones and the launch options are `meta`.
@@ -146,7 +148,7 @@ class Launch:
         self.meta = meta
         self.config = config
         self.kind = kind
-        # (scalar arguments, tensor dtypes) -> fast_launch.Bound; None: this launch never binds
+        # (int arguments, tensor dtypes) -> fast_launch.Bound; None: this launch never binds
         self.bound: dict | None = {}
         self.layout = None  # where the tensors are among the runtime arguments, once bound
 
@@ -158,7 +160,7 @@ class Launch:
         if _FAST and bound and fast_launch.hooks_idle():
             layout = self.layout
             tensors = layout.tensors(args)
-            b = bound.get((layout.scalars(args), tuple(map(_DTYPE, tensors))))
+            b = bound.get((layout.ints(args), tuple(map(_DTYPE, tensors))))
             if b is not None and not functools.reduce(_OR, map(_DATA_PTR, tensors)) & 15:
                 if b.checked:  # Bound.launch, inline: one Python frame fewer a launch
                     b.launcher(b.grid_0, b.grid_1, b.grid_2, b.stream(b.device), b.function, b.packed,
@@ -183,9 +185,10 @@ class Launch:
                 self.bound = None
             return
         if len(self.bound) >= MAX_BINDINGS:
-            self.bound.clear()
+            self.bound = None
+            return
         self.layout = b.layout
-        self.bound[(b.layout.scalars(args), b.dtypes)] = b
+        self.bound[(b.layout.ints(args), b.dtypes)] = b
 
     def _first_fast_launch(self, b, args: tuple) -> bool:
         """The first launch through binding `b`, checked: the JIT route runs first and its

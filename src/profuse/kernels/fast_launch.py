@@ -33,14 +33,16 @@ JITFunction.run would have passed it, read in the wheels of triton 3.2.0, 3.3.1,
   for the device of the tensors, which is the current device at the bind.
 
 What a bound launch assumes of a call, checked per call (else the JIT route runs, and binds
-anew): the scalar arguments (ints, floats) equal those bound (that covers every int
-specialisation: == 1, % 16, i32/i64/u64), the tensors' dtypes equal those bound, every tensor's
-data_ptr 16-byte aligned (a launch is bound only where all were, so all were specialised as
-divisible by 16), the hooks idle. Assumed for the process, not checked per call: triton's
-compile options from the environment (TRITON_DEBUG, instrumentation) unchanged since the bind;
-the kernel's non-constexpr globals unchanged (profuse's kernels read constexpr globals only);
-no pre-run hooks on the kernel (checked at the bind); Python bools never passed at run time
-(profuse passes flags as constexprs; a bool compares equal to 0 or 1).
+anew): the int arguments equal those bound (that covers every int specialisation: == 1, % 16,
+i32/i64/u64), the tensors' dtypes equal those bound, every tensor's data_ptr 16-byte aligned (a
+launch is bound only where all were, so all were specialised as divisible by 16), the hooks
+idle. A float argument may take any value (triton passes every float as fp32, unspecialised);
+an int where a float was bound is converted by the launcher, as the value it is. Assumed for the
+process, not checked per call: triton's compile options from the environment (TRITON_DEBUG,
+instrumentation) unchanged since the bind; the kernel's non-constexpr globals unchanged
+(profuse's kernels read constexpr globals only); no pre-run hooks on the kernel (checked at the
+bind); Python bools never passed at run time (profuse passes flags as constexprs; a bool
+compares equal to 0 or 1).
 
 The JIT route stays for a launch's first call, under the interpreter (TRITON_INTERPRET=1: no
 CompiledKernel comes back), under torch.compile (autotune.Launch records the launch through
@@ -127,22 +129,24 @@ def picker(positions: tuple[int, ...]):
 
 
 class Layout:
-    """Where a launch's runtime arguments hold tensors and where scalars: `tensors(args)` and
-    `scalars(args)` pick them (profuse's launchers pass tensors, then ints and floats, and a
-    team launch its scratch tensors last)."""
+    """Where a launch's runtime arguments hold tensors and where ints: `tensors(args)` and
+    `ints(args)` pick them (profuse's launchers pass tensors, then ints and floats, and a team
+    launch its scratch tensors last). Floats are neither: triton never specialises a float (it
+    is an fp32 argument whatever its value), so a binding holds for any value of one."""
 
-    __slots__ = ("tensor_positions", "tensors", "scalars")
+    __slots__ = ("tensor_positions", "int_positions", "tensors", "ints")
 
-    def __init__(self, tensor_positions: tuple[int, ...], n_args: int):
+    def __init__(self, tensor_positions: tuple[int, ...], int_positions: tuple[int, ...]):
         self.tensor_positions = tensor_positions
+        self.int_positions = int_positions
         self.tensors = picker(tensor_positions)
-        self.scalars = picker(tuple(i for i in range(n_args) if i not in tensor_positions))
+        self.ints = picker(int_positions)
 
 
 class Bound:
     """One compiled kernel's launch, bound: its launcher, function handle and packed metadata,
     the grid, the compile-time arguments appended to each call's runtime ones, and the dtypes of
-    the tensors it was bound with (autotune.Launch finds a binding by the call's scalars and
+    the tensors it was bound with (autotune.Launch finds a binding by the call's ints and
     dtypes, then checks the alignment). `checked` once a launch through it was compared with
     the JIT route's (autotune.Launch does it)."""
 
@@ -189,10 +193,11 @@ def bind(kernel, grid: tuple, meta: dict, args: tuple, compiled, layout: Layout 
     if getattr(kernel, "pre_run_hooks", None):
         return "pre-run hooks"
     positions = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-    if not positions or not all(type(a) is int or type(a) is float for a in _others(args, positions)):
+    ints = tuple(i for i, a in enumerate(args) if type(a) is int)
+    if not positions or len(positions) + len(ints) + sum(type(a) is float for a in args) != len(args):
         return "a runtime argument neither a tensor nor an int or float"
-    if layout is not None and positions != layout.tensor_positions:
-        return "tensors where the launch's first binding had none"
+    if layout is not None and (positions, ints) != (layout.tensor_positions, layout.int_positions):
+        return "tensors or ints where the launch's first binding had other arguments"
     tensors = [args[i] for i in positions]
     device = tensors[0].device
     if device.type not in DEVICE_TYPES or any(t.device != device for t in tensors):
@@ -218,12 +223,8 @@ def bind(kernel, grid: tuple, meta: dict, args: tuple, compiled, layout: Layout 
         if KEEPS_CONSTEXPRS or not p.is_constexpr:
             tail.append(value)
     g = (*grid, 1, 1)[:3]
-    layout = layout or Layout(positions, len(args))
+    layout = layout or Layout(positions, ints)
     return Bound(compiled, g, index, layout, tuple(t.dtype for t in tensors), tuple(tail))
-
-
-def _others(args: tuple, positions: tuple[int, ...]) -> list:
-    return [a for i, a in enumerate(args) if i not in positions]
 
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
