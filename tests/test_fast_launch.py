@@ -383,3 +383,63 @@ def test_the_version_read_and_the_conventions():
     assert FL.VERSION >= (3, 2)
     assert FL.KEEPS_CONSTEXPRS == (FL.VERSION >= (3, 3))
     assert FL.VERIFIED == ((3, 2) <= FL.VERSION <= (3, 9))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled kernels' launchers need a GPU")
+@pytest.mark.parametrize("op", ["silu_mul", "add_rms_norm", "tail"])
+def test_on_a_gpu_real_ops_launch_directly_and_agree_with_the_jit_route(op, monkeypatch):
+    """The real launchers: after the first calls every launch of the op's plans is bound and
+    checked, a later call launches directly (the JIT route is not entered), and its outputs and
+    gradients are the JIT route's bits."""
+    from profuse import blockops as B
+    from profuse import tail as T
+    from profuse.kernels import add_rms_norm as ARN
+    from profuse.kernels import swiglu as S
+    from profuse.kernels.tail import plans as P
+
+    if not A.fast_launch_on():
+        pytest.skip("the direct launch is off in this process (PROFUSE_FAST_LAUNCH=0)")
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    gen = torch.Generator(device=dev).manual_seed(11)
+    rnd = lambda *s, dtype=bf: torch.randn(*s, device=dev, dtype=dtype, generator=gen).requires_grad_()
+    rows, n = 37, 1000
+    if op == "silu_mul":
+        fn, args, grads, module = B.silu_mul, (rnd(rows, 2 * n),), (rnd(rows, n).detach(),), S
+    elif op == "add_rms_norm":
+        fn = lambda *a: B.add_rms_norm(*a, 1e-6)
+        args = (rnd(rows, n), rnd(rows, n, dtype=torch.float32), rnd(n, dtype=torch.float32))
+        grads, module = (rnd(rows, n).detach(), rnd(rows, n, dtype=torch.float32).detach()), ARN
+    else:
+        fn = lambda *a: T.tail_triton(*a, 1e-6)
+        args, grads, module = tuple(rnd(rows, n) for _ in range(3)) + (rnd(n),), (rnd(rows, n).detach(),), P
+
+    for plans in ("_FWD_PLANS", "_BWD_PLANS"):  # this test's plans alone
+        monkeypatch.setattr(module, plans, A.PlanCache())
+
+    def run():
+        out = fn(*args)
+        out = out if isinstance(out, tuple) else (out,)
+        return [t.detach() for t in (*out, *torch.autograd.grad(out, args, grads))]
+
+    for _ in range(3):
+        run()
+    launches = []
+    for plans in (module._FWD_PLANS, module._BWD_PLANS):
+        for plan in plans.values():
+            for launch in (plan, getattr(plan, "main", None), getattr(plan, "col_sum", None)):
+                if isinstance(launch, A.Launch):
+                    launches.append(launch)
+    checked = [launch.bound and any(b.checked for b in launch.bound.values()) for launch in launches]
+    assert launches and all(checked)
+    entered = []
+    for launch in launches:
+        real = launch.run
+        launch.run = lambda *a, real=real, **k: entered.append(1) or real(*a, **k)
+    direct = run()
+    assert not entered, "a launch took the JIT route after its binding was checked"
+    A.set_fast_launch(False)
+    try:
+        jit = run()
+    finally:
+        A.set_fast_launch(True)
+    assert entered and all(FL.same_bits(a, b) for a, b in zip(direct, jit, strict=True))
