@@ -61,7 +61,27 @@ def silu_mul_reference(gate: torch.Tensor, up: torch.Tensor | None = None) -> to
 
 
 def check_silu_mul_args(gate, up) -> None:
-    """Raise ValueError naming the argument whose type, shape, dtype or device is off."""
+    """Raise ValueError naming the argument whose type, shape, dtype or device is off.
+
+    Every call of silu_mul pays this, so inputs that are right pass one chain of comparisons;
+    only wrong ones are looked at one by one, for the message."""
+    try:
+        shape = gate.shape
+        if up is None:
+            ok = shape[-1] > 0 and not shape[-1] % 2 and gate.dtype in SUPPORTED_DTYPES
+        else:
+            ok = (
+                shape[-1] > 0 and gate.dtype in SUPPORTED_DTYPES and up.shape == shape
+                and up.dtype == gate.dtype and up.device == gate.device and isinstance(up, torch.Tensor)
+            )  # fmt: skip
+        ok = ok and isinstance(gate, torch.Tensor)
+    except (AttributeError, IndexError, TypeError):
+        ok = False
+    if not ok:
+        _explain_silu_mul_args(gate, up)
+
+
+def _explain_silu_mul_args(gate, up) -> None:
     named = {"gate": gate} if up is None else {"gate": gate, "up": up}
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
@@ -75,13 +95,13 @@ def check_silu_mul_args(gate, up) -> None:
             raise ValueError(
                 f"a packed gate_up needs an even last dimension (gate and up halves), got {gate.shape[-1]}"
             )
-        return
-    if up.shape != gate.shape:
+    elif up.shape != gate.shape:
         raise ValueError(f"up has shape {tuple(up.shape)}, gate has {tuple(gate.shape)}")
-    if up.dtype != gate.dtype:
+    elif up.dtype != gate.dtype:
         raise ValueError(f"up has dtype {up.dtype}, gate has {gate.dtype}")
-    if up.device != gate.device:
+    elif up.device != gate.device:
         raise ValueError(f"up is on {up.device}, gate is on {gate.device}")
+    raise ValueError("gate and up do not fit together")  # a safety net
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
@@ -91,14 +111,27 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor
     gradients. `silu_mul(gate_up)`: the packed (..., 2F) matmul output; its gradient is one
     (..., 2F) tensor. Differentiable; compiled ops under torch.compile (no graph break).
     """
-    if not HAS_TRITON:
-        raise RuntimeError(TRITON_MISSING)
     check_silu_mul_args(gate, up)
-    from profuse.kernels import swiglu
-
+    swiglu = _SWIGLU or _load_kernels()[0]
     if up is None:
         return swiglu.silu_mul_packed(gate)
     return swiglu.silu_mul_pair(gate, up)
+
+
+# The kernel modules, imported on the first call: importing them builds their Triton wrappers
+# (and must follow TRITON_INTERPRET's setting), so `import profuse` stays light. Kept here, a
+# call pays no import statement.
+_SWIGLU = _ADD_RMS_NORM = None
+
+
+def _load_kernels():
+    global _SWIGLU, _ADD_RMS_NORM
+    if not HAS_TRITON:
+        raise RuntimeError(TRITON_MISSING)
+    from profuse.kernels import add_rms_norm, swiglu
+
+    _SWIGLU, _ADD_RMS_NORM = swiglu, add_rms_norm
+    return _SWIGLU, _ADD_RMS_NORM
 
 
 # --------------------------------------------------------------------------------------------
@@ -125,7 +158,25 @@ def add_rms_norm_reference(
 
 
 def check_add_rms_norm_args(x, residual, weight) -> None:
-    """Raise ValueError naming the argument whose type, shape, dtype or device is off."""
+    """Raise ValueError naming the argument whose type, shape, dtype or device is off.
+
+    One chain of comparisons where the inputs are right (as check_silu_mul_args)."""
+    try:
+        shape, device = x.shape, x.device
+        ok = (
+            shape[-1] > 0 and residual.shape == shape and weight.shape == shape[-1:]
+            and x.dtype in SUPPORTED_DTYPES and residual.dtype in SUPPORTED_DTYPES
+            and weight.dtype in SUPPORTED_DTYPES and residual.device == device and weight.device == device
+            and isinstance(x, torch.Tensor) and isinstance(residual, torch.Tensor)
+            and isinstance(weight, torch.Tensor)
+        )  # fmt: skip
+    except (AttributeError, IndexError, TypeError):
+        ok = False
+    if not ok:
+        _explain_add_rms_norm_args(x, residual, weight)
+
+
+def _explain_add_rms_norm_args(x, residual, weight) -> None:
     named = {"x": x, "residual": residual, "weight": weight}
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
@@ -141,6 +192,7 @@ def check_add_rms_norm_args(x, residual, weight) -> None:
     for name in ("residual", "weight"):
         if named[name].device != x.device:
             raise ValueError(f"{name} is on {named[name].device}, x is on {x.device}")
+    raise ValueError("x, residual and weight do not fit together")  # a safety net
 
 
 def add_rms_norm(
@@ -150,11 +202,8 @@ def add_rms_norm(
     backward, fp32 inside. Gradients flow through both outputs; dweight is bitwise repeatable.
     x and residual may differ in dtype (see the module's docstring). Custom ops under
     torch.compile (no graph break)."""
-    if not HAS_TRITON:
-        raise RuntimeError(TRITON_MISSING)
     check_add_rms_norm_args(x, residual, weight)
-    from profuse.kernels import add_rms_norm as kernel
-
+    kernel = _ADD_RMS_NORM or _load_kernels()[1]
     return kernel.add_rms_norm_fused(x, residual, weight, float(eps))
 
 

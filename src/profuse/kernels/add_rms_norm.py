@@ -39,7 +39,7 @@ import triton.language as tl
 
 from profuse.env import sm_count
 from profuse.kernels import configs as C
-from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing, compiled_op
+from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing, compiled_op, scratch_key
 from profuse.kernels.colsum import col_sum_launch
 from profuse.kernels.configs import KernelConfig
 from profuse.kernels.rows import as_rows, check_runnable, double_backward_error
@@ -193,12 +193,13 @@ def _forward_launch(cfg: KernelConfig, n_rows: int, n_cols: int, store_rstd: boo
 class _BackwardPlan:
     """The backward for one shape, set of dtypes and set of gradients: its launches, fixed.
 
-    Calling it allocates what the math needs (the input gradients asked for, one fp32 dw
-    partial row per program) and launches the gradient kernel, then the column sum of the dw
-    partials.
+    Calling it allocates the input gradients asked for and dw, and launches the gradient
+    kernel, then the column sum of the dw partials. The fp32 partials, one row per program, are
+    scratch: kept per stream (autotune.scratch_key), not allocated per call.
     """
 
-    __slots__ = ("config", "programs", "main", "col_sum", "d1_dtype", "d2_dtype", "need_x", "need_r")
+    __slots__ = ("config", "programs", "main", "col_sum", "d1_dtype", "d2_dtype", "need_x", "need_r",
+                 "partials")  # fmt: skip
 
     def __init__(
         self, cfg: KernelConfig, n_rows: int, n_cols: int, dtypes: tuple, has_dh: bool, needs: tuple
@@ -219,17 +220,24 @@ class _BackwardPlan:
             num_warps=cfg.num_warps,
         )  # fmt: skip
         self.col_sum = col_sum_launch(n_cols) if need_w else None
+        self.partials: dict = {}  # scratch_key -> the (programs, N) fp32 dw partials
 
-    def __call__(self, dy, dh, h, w, rstd, shape) -> tuple[torch.Tensor | None, ...]:
-        """(dx, dresidual, dweight): dx and dresidual shaped `shape` (one tensor where their
-        dtypes agree and both are asked for), None where not asked for."""
+    def __call__(self, dy, dh, h, w, rstd, like) -> tuple[torch.Tensor | None, ...]:
+        """(dx, dresidual, dweight) over 2-D row views: dx and dresidual shaped and strided as
+        `like` (the saved h itself), one tensor where their dtypes agree and both are asked
+        for; None where not asked for."""
         n_rows, n_cols = h.shape
-        dev = h.device
-        d1 = torch.empty(shape, dtype=self.d1_dtype, device=dev) if self.d1_dtype is not None else None
-        d2 = torch.empty(shape, dtype=self.d2_dtype, device=dev) if self.d2_dtype is not None else None
+        cf, d1_dtype, d2_dtype = torch.contiguous_format, self.d1_dtype, self.d2_dtype
+        d1 = torch.empty_like(like, dtype=d1_dtype, memory_format=cf) if d1_dtype is not None else None
+        d2 = torch.empty_like(like, dtype=d2_dtype, memory_format=cf) if d2_dtype is not None else None
         partial = None
         if self.col_sum is not None:
-            partial = torch.empty((self.programs, n_cols), dtype=torch.float32, device=dev)
+            key = scratch_key(h.device)
+            partial = self.partials.get(key) if key is not None else None
+            if partial is None:
+                partial = torch.empty((self.programs, n_cols), dtype=torch.float32, device=h.device)
+                if key is not None:
+                    self.partials[key] = partial
         # Pointers not used get any tensor: their flag is off, the kernel never touches them.
         self.main(dy, h if dh is None else dh, h, w, rstd, h if d1 is None else d1, h if d2 is None else d2,
                   h if partial is None else partial, dy.stride(0), 0 if dh is None else dh.stride(0),
@@ -237,7 +245,7 @@ class _BackwardPlan:
         dw = None
         if partial is not None:
             # One reduction over the programs' partials, in a fixed order: the same bits every run.
-            dw = torch.empty(n_cols, dtype=w.dtype, device=dev)
+            dw = torch.empty_like(w)
             self.col_sum(partial, dw, self.programs, n_cols)
         dx = d1 if self.need_x else None
         dr = (d1 if d2 is None else d2) if self.need_r else None
@@ -266,8 +274,11 @@ def add_rms_norm_forward(
     xr, rr = as_rows(x, n_cols), as_rows(residual, n_cols)
     n_rows = xr.shape[0]
     dev = x.device
-    y = torch.empty(x.shape, dtype=x.dtype, device=dev)
-    h = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=dev)
+    # empty_like parses its arguments in about half the time of torch.empty(shape, dtype=, device=)
+    # (research/HOST_WIRING.md: 9.0k against 20.1k instructions a call).
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    h_dtype = torch.promote_types(x.dtype, residual.dtype)
+    h = torch.empty_like(x, dtype=h_dtype, memory_format=torch.contiguous_format)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=dev) if store_rstd else None
     if n_rows == 0:
         return y, h, rstd
@@ -339,10 +350,10 @@ def add_rms_norm_backward(
         key = (n_rows, n_cols, dtypes, h.device, has_dh, needs)
         plan = _BWD_PLANS.get(key)
         if plan is None:
-            plan = _backward_plan(key, (dyr, dhr, hr, w, rstd, h.shape))
+            plan = _backward_plan(key, (dyr, dhr, hr, w, rstd, h))
             if not capturing(h.device):  # a plan made inside a graph capture is untuned: not kept
                 _BWD_PLANS.add(key, plan)
-    return plan(dyr, dhr, hr, w, rstd, h.shape)
+    return plan(dyr, dhr, hr, w, rstd, h)
 
 
 def _backward_plan(key: tuple, args: tuple) -> _BackwardPlan:
@@ -422,10 +433,11 @@ class AddRMSNormFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps):
-        ctx.set_materialize_grads(False)
         if torch.compiler.is_compiling():
+            ctx.set_materialize_grads(False)  # the call Dynamo knows
             y, h, rstd = _forward_compiled(x)(x, residual, weight, eps)
         else:
+            ctx.materialize_grads = False  # what set_materialize_grads(False) does, one frame fewer
             y, h, rstd = add_rms_norm_forward(x, residual, weight, eps)
         ctx.save_for_backward(h, weight, rstd)
         ctx.dtypes = (x.dtype, residual.dtype)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import os
 import statistics
 import warnings
@@ -41,6 +42,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from profuse.kernels import fast_launch
 from profuse.kernels.configs import KernelConfig
 from profuse.timers import CudaTimer
 
@@ -72,6 +74,10 @@ HAS_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "
 # True while `traced` runs a launcher: launches are recorded for torch.compile, not run.
 _TRACING = False
 
+_DATA_PTR = torch.Tensor.data_ptr
+_DTYPE = operator.attrgetter("dtype")
+_OR = operator.or_
+
 
 def log_launch(launch, compiled) -> None:
     """Record a launch's kind, config, registers and spills in LAUNCH_LOG, when it is on."""
@@ -80,25 +86,161 @@ def log_launch(launch, compiled) -> None:
         LAUNCH_LOG.append((launch.kind, launch.config, regs, spills))
 
 
+# The fast route (kernels/fast_launch.py) is on unless PROFUSE_FAST_LAUNCH=0, the triton version
+# is not one whose launch path was read, `set_fast_launch(False)` turned it off, or a bound
+# launch once disagreed with the JIT route (then it stays off for the process).
+_FAST = fast_launch.VERIFIED and fast_launch.enabled_by_environment()
+_FAST_FAILED = False
+# Bindings a Launch keeps (one per set of int arguments and dtypes). A launch that needs more
+# (an int that changes every call) stops binding and keeps the JIT route: each new binding costs
+# a checked first launch.
+MAX_BINDINGS = 8
+
+
+def fast_launch_on() -> bool:
+    return _FAST
+
+
+def set_fast_launch(on: bool) -> bool:
+    """Turn the fast route on or off for this process (benchmarks time both routes in one
+    process); returns whether it was on. It cannot come on where it was never verified (the
+    triton version) or after a bound launch disagreed with the JIT route."""
+    global _FAST
+    was = _FAST
+    _FAST = bool(on) and fast_launch.VERIFIED and not _FAST_FAILED
+    return was
+
+
+def _fast_launch_failed(launch, error: str) -> None:
+    global _FAST, _FAST_FAILED
+    _FAST, _FAST_FAILED = False, True
+    warnings.warn(
+        f"profuse: the direct launch of {launch.kind} ({getattr(launch.kernel, '__name__', launch.kernel)}) "
+        f"{error}; every launch takes triton's JIT route from now on (PROFUSE_FAST_LAUNCH=0 does so "
+        "from the start)",
+        stacklevel=3,
+    )
+
+
 class Launch:
     """One kernel bound to its grid and compile-time arguments: calling it with the runtime
-    arguments launches it. `config` and `kind` name what runs, for results and logs."""
+    arguments launches it. `config` and `kind` name what runs, for results and logs.
 
-    __slots__ = ("run", "kernel", "grid", "meta", "config", "kind")
+    A call goes through triton's JIT route (`run`: kernel[grid], JITFunction.run) the first
+    time, and after that straight to the compiled kernel's launcher (kernels/fast_launch.py)
+    wherever the call looks as the bound one did: the same int arguments and tensor dtypes,
+    every pointer 16-byte aligned (floats may change). The first launch through each binding is
+    checked: run on the JIT route too, from the same inputs, it must leave every tensor argument
+    with the same bits (else the fast route is turned off for the process, with one warning, and
+    the JIT route's answer kept). While torch.compile traces (`traced`), the launch is recorded
+    through wrap_triton instead, and neither route runs.
+
+    Runtime arguments are the kernel's leading parameters, tensors and ints and floats (every
+    profuse launcher's); the compile-time ones and the launch options are `meta`.
+    """
+
+    __slots__ = ("run", "kernel", "grid", "meta", "config", "kind", "bound", "layout")
 
     def __init__(self, kernel, grid: tuple[int, ...], config: KernelConfig | None, kind: str, **meta):
-        self.run = kernel[grid]  # triton binds the grid once here, not per call
+        self.run = kernel[grid]  # the JIT route: triton binds the grid once here, not per call
         self.kernel = kernel
         self.grid = grid
         self.meta = meta
         self.config = config
         self.kind = kind
+        # (int arguments, tensor dtypes) -> fast_launch.Bound; None: this launch never binds
+        self.bound: dict | None = {}
+        self.layout = None  # where the tensors are among the runtime arguments, once bound
 
     def __call__(self, *args) -> None:
         if _TRACING:
             torch.library.wrap_triton(self.kernel)[self.grid](*args, **self.meta)
             return
-        log_launch(self, self.run(*args, **self.meta))
+        bound = self.bound
+        if _FAST and bound and fast_launch.hooks_idle():
+            layout = self.layout
+            tensors = layout.tensors(args)
+            b = bound.get((layout.ints(args), tuple(map(_DTYPE, tensors))))
+            if b is not None and not functools.reduce(_OR, map(_DATA_PTR, tensors)) & 15:
+                if b.checked:  # Bound.launch, inline: one Python frame fewer a launch
+                    b.launcher(b.grid_0, b.grid_1, b.grid_2, b.stream(b.device), b.function, b.packed,
+                               None, None, None, *args, *b.tail)  # fmt: skip
+                    if LAUNCH_LOG is not None:
+                        log_launch(self, b.compiled)
+                    return
+                if self._first_fast_launch(b, args):
+                    return
+        compiled = self.run(*args, **self.meta)
+        log_launch(self, compiled)
+        if _FAST and bound is not None:
+            self._bind(args, compiled)
+
+    def _bind(self, args: tuple, compiled) -> None:
+        """Bind launches like this one (just made on the JIT route) to `compiled`'s launcher;
+        where that can never hold for this launch, stop trying (only a misaligned tensor is
+        worth another try, on a later call)."""
+        b = fast_launch.bind(self.kernel, self.grid, self.meta, args, compiled, self.layout)
+        if isinstance(b, str):
+            if b != fast_launch.MISALIGNED:
+                self.bound = None
+            return
+        if len(self.bound) >= MAX_BINDINGS:
+            self.bound = None
+            return
+        self.layout = b.layout
+        self.bound[(b.layout.ints(args), b.dtypes)] = b
+
+    def _first_fast_launch(self, b, args: tuple) -> bool:
+        """The first launch through binding `b`, checked: the JIT route runs first and its
+        answer is kept aside; every tensor argument it changed is put back; then the fast route
+        runs, and every tensor argument must hold the same bits as after the JIT route. False
+        (the caller takes the JIT route, unchecked) inside a CUDA-graph capture, where nothing
+        can be compared; where the copies do not fit in memory, this launch stops binding.
+
+        A kernel that skips an output whose memory already held the JIT route's answer passes;
+        one that writes wrong values, or in the wrong place, does not."""
+        tensors = list({id(t): t for t in b.layout.tensors(args)}.values())
+        if capturing(tensors[0].device):
+            return False
+        try:
+            before = [t.clone() for t in tensors]
+            self.run(*args, **self.meta)
+            jit = [t.clone() for t in tensors]
+        except torch.cuda.OutOfMemoryError:
+            self.bound = None
+            return False
+        for t, old, new in zip(tensors, before, jit, strict=True):
+            if not fast_launch.same_bits(old, new):
+                t.copy_(old)
+        try:
+            b.launch(args)
+            agree = all(fast_launch.same_bits(t, new) for t, new in zip(tensors, jit, strict=True))
+            error = "disagreed with triton's JIT route on its first call"
+        except Exception as e:  # a launcher that refuses the arguments: the JIT route is right
+            agree, error = False, f"failed on its first call ({type(e).__name__}: {e})"
+        if agree:
+            b.checked = True
+        else:
+            for t, new in zip(tensors, jit, strict=True):
+                if not fast_launch.same_bits(t, new):
+                    t.copy_(new)
+            _fast_launch_failed(self, error)
+        log_launch(self, b.compiled)
+        return True
+
+
+def scratch_key(device: torch.device) -> int | None:
+    """Where a plan may keep scratch (dw partials, counters) between calls: the raw handle of
+    `device`'s current stream, as triton launches on it. Calls on one stream run in order, so a
+    buffer a call wrote and read is free again for the next call on that stream; calls on two
+    streams get a buffer each. None (allocate afresh) off CUDA and while torch.compile traces,
+    where a kept buffer would become a constant of the graph.
+
+    A buffer first used inside a CUDA-graph capture is baked into that graph; graphs captured on
+    one stream share it, so their replays must not overlap (replays on one stream do not)."""
+    if _TRACING or device.type != "cuda":
+        return None
+    return fast_launch.stream_getter()(device.index)
 
 
 def _real_like(a):

@@ -178,7 +178,7 @@ def silu_mul_forward(
     """silu(gate) * up for two (..., F) tensors (strided rows read in place): contiguous, shaped
     like gate. `config` runs that launch shape; without it the shape's plan runs."""
     n_cols = gate.shape[-1]
-    a = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    a = torch.empty_like(gate, memory_format=torch.contiguous_format)
     _forward(as_rows(gate, n_cols), as_rows(up, n_cols), 0, a, n_cols, config)
     return a
 
@@ -222,9 +222,8 @@ def silu_mul_backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(dgate, dup), each (..., F) and contiguous; None (and no work) where `needs` says no."""
     n_cols = gate.shape[-1]
-    shape, dtype, dev = gate.shape, gate.dtype, gate.device
-    dg = torch.empty(shape, dtype=dtype, device=dev) if needs[0] else None
-    du = torch.empty(shape, dtype=dtype, device=dev) if needs[1] else None
+    dg = torch.empty_like(gate, memory_format=torch.contiguous_format) if needs[0] else None
+    du = torch.empty_like(gate, memory_format=torch.contiguous_format) if needs[1] else None
     if dg is not None or du is not None:
         _backward(as_rows(grad, n_cols), as_rows(gate, n_cols), as_rows(up, n_cols), 0, dg, du,
                   n_cols, 0, n_cols, needs, config)  # fmt: skip
@@ -237,7 +236,7 @@ def silu_mul_packed_backward(
     """The gradient of the packed (..., 2F) input as one tensor: dgate | dup along the last dim."""
     n_cols = gate_up.shape[-1] // 2
     gu = as_rows(gate_up, 2 * n_cols)
-    dgu = torch.empty(gate_up.shape, dtype=gate_up.dtype, device=gate_up.device)
+    dgu = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
     _backward(
         as_rows(grad, n_cols), gu, gu, n_cols, dgu, dgu, 2 * n_cols, n_cols, n_cols, (True, True), config
     )

@@ -214,7 +214,9 @@ class TeamLaunch:
         sized = self.sized.get(key)
         if sized is None:
             grid = (balanced(self._teams(args), self.n_rows) * self.members,)
-            sized = self.sized[key] = [grid, self.kernel[grid], {}]
+            # A Launch: after its first call, a call goes straight to the compiled kernel's launcher.
+            sized = self.sized[key] = [grid, autotune.Launch(self.kernel, grid, self.config, self.kind,
+                                                             **self.constants), {}]  # fmt: skip
         return sized
 
     def _teams(self, args) -> int:
@@ -257,7 +259,7 @@ class TeamLaunch:
         the sized grid, one of the stream's scratch, the launch."""
         device = args[0].device  # read once: a tensor builds its device object on every read
         sized = self._sized(args, device)
-        autotune.log_launch(self, sized[1](*args, *self._scratch(sized, device), **self.constants))
+        sized[1](*args, *self._scratch(sized, device))
 
     __call__ = run
 

@@ -213,7 +213,7 @@ def _row_chunk_grads(
     s = tl.sigmoid(g)
     silu = g * s
     x_hat = (silu * u + r) * rstd
-    if COMPUTE_DG or COMPUTE_DU or COMPUTE_DR:
+    if (COMPUTE_DG or COMPUTE_DU) or COMPUTE_DR:
         dh = (w * dy - x_hat * c) * rstd
         store_input_grads(DG_ptr, DU_ptr, DR_ptr, out_row + cols, mask, dh, g, u, s, silu,
                            COMPUTE_DG, COMPUTE_DU, COMPUTE_DR, EVICT)  # fmt: skip
@@ -269,7 +269,7 @@ def tail_bwd_chunked_kernel(
     n_programs = tl.num_programs(0)
     n_chunks = tl.cdiv(n_cols, BLOCK_N)
     dw_row = DW_ptr + pid.to(tl.int64) * n_cols
-    NEED_DH: tl.constexpr = COMPUTE_DG or COMPUTE_DU or COMPUTE_DR
+    NEED_DH: tl.constexpr = (COMPUTE_DG or COMPUTE_DU) or COMPUTE_DR
     for tile in range(pid, tl.cdiv(n_rows, ROWS), n_programs):
         row = tl.cast(tile, tl.int64) * ROWS
         # Rows a and b (ROWS = 2: the next row, absent in a last odd tile).
@@ -360,7 +360,7 @@ def tail_bwd_pipelined_kernel(
     n_programs = tl.num_programs(0)
     n_chunks = tl.cdiv(n_cols, BLOCK_N)
     dw_row = DW_ptr + pid.to(tl.int64) * n_cols
-    NEED_DH: tl.constexpr = COMPUTE_DG or COMPUTE_DU or COMPUTE_DR
+    NEED_DH: tl.constexpr = (COMPUTE_DG or COMPUTE_DU) or COMPUTE_DR
     row = tl.cast(pid, tl.int64)  # the launcher gives every program a row
     dy_r, g_r, u_r, r_r = _row_starts(DY_ptr, G_ptr, U_ptr, R_ptr, row, dy_row_stride, g_row_stride,
                                       u_row_stride, r_row_stride)  # fmt: skip
@@ -476,7 +476,7 @@ def tail_bwd_slab_kernel(
     w = tl.load(W_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     parts = tl.arange(0, SPLITS)
-    NEED_DH: tl.constexpr = COMPUTE_DG or COMPUTE_DU or COMPUTE_DR
+    NEED_DH: tl.constexpr = (COMPUTE_DG or COMPUTE_DU) or COMPUTE_DR
     for row in tl.range(pid, n_rows, n_programs, num_stages=NUM_STAGES):
         row64 = tl.cast(row, tl.int64)
         c = 0.0

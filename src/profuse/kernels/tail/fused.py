@@ -200,7 +200,7 @@ def tail_bwd_kernel(
             dw_acc += dy * x_hat
             if BLOCK_N2 > 0:
                 dw_acc2 += dy2 * x_hat2
-        if COMPUTE_DG or COMPUTE_DU or COMPUTE_DR:
+        if (COMPUTE_DG or COMPUTE_DU) or COMPUTE_DR:
             wdy = w[None, :] * dy
             dot = tl.sum(x_hat * wdy, axis=1)
             if BLOCK_N2 > 0:

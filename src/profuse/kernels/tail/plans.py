@@ -16,7 +16,7 @@ import triton
 
 from profuse.env import interpreting, sm_count
 from profuse.kernels import configs as C
-from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing
+from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing, scratch_key
 from profuse.kernels.colsum import col_sum_launch
 from profuse.kernels.configs import KernelConfig
 from profuse.kernels.rows import check_runnable
@@ -212,13 +212,13 @@ def _backward_launch(
 class _BackwardPlan:
     """The backward for one shape and set of gradients: its launches and buffer sizes, fixed.
 
-    Calling it allocates what the math needs (the gradients asked for, one fp32 dw partial row
-    per program, and for the split path each row's dot parts) and launches: the gradient kernel
-    (the split path: its row-dot pass first), then the column sum of the dw partials (the team
-    kernels sum theirs themselves).
+    Calling it allocates the gradients asked for and launches: the gradient kernel (the split
+    path: its row-dot pass first), then the column sum of the dw partials (the team kernels sum
+    theirs themselves). The fp32 dw partials, one row per program, and the split path's row dot
+    parts are scratch: kept per stream (autotune.scratch_key), not allocated per call.
     """
 
-    __slots__ = ("config", "needs", "programs", "main", "rowdot", "span", "n_splits", "col_sum")
+    __slots__ = ("config", "needs", "programs", "main", "rowdot", "span", "n_splits", "col_sum", "scratch")
 
     def __init__(self, cfg: KernelConfig, n_rows: int, n_cols: int, needs: tuple[bool, ...]):
         need_g, need_u, need_r, need_w = needs
@@ -241,6 +241,17 @@ class _BackwardPlan:
         if cfg.kernel == "team":
             self.programs = 0  # the teams: one dw partial row each, known once the grid is sized
         self.col_sum = col_sum_launch(n_cols) if need_w and cfg.kernel != "team" else None
+        self.scratch: dict = {}  # (scratch_key, what) -> buffer
+
+    def _scratch(self, what: str, shape: tuple, device: torch.device) -> torch.Tensor:
+        """An fp32 scratch buffer of `shape`, kept per stream where it may be (see scratch_key)."""
+        key = scratch_key(device)
+        buf = self.scratch.get((key, what)) if key is not None else None
+        if buf is None:
+            buf = torch.empty(shape, dtype=torch.float32, device=device)
+            if key is not None:
+                self.scratch[(key, what)] = buf
+        return buf
 
     def __call__(self, rows, w, rstd, gate) -> tuple[torch.Tensor | None, ...]:
         """Gradients (dgate, dup, dresidual shaped like `gate`, dweight); None where not asked
@@ -248,9 +259,10 @@ class _BackwardPlan:
         need_g, need_u, need_r, need_w = self.needs
         (dy, dy_stride), (g, g_stride), (u, u_stride), (r, r_stride) = rows
         n_rows, n_cols = g.shape
-        dg = _contiguous_like(gate) if need_g else None
-        du = _contiguous_like(gate) if need_u else None
-        dr = _contiguous_like(gate) if need_r else None
+        cf = torch.contiguous_format  # empty_like: see _contiguous_like (inline: a frame fewer each)
+        dg = torch.empty_like(gate, memory_format=cf) if need_g else None
+        du = torch.empty_like(gate, memory_format=cf) if need_u else None
+        dr = torch.empty_like(gate, memory_format=cf) if need_r else None
         strides = (dy_stride, g_stride, u_stride, r_stride)
         # Outputs not asked for get any tensor: their COMPUTE_ flag is off, the kernel never touches it.
         dgur = (g if dg is None else dg, g if du is None else du, g if dr is None else dr)
@@ -261,11 +273,11 @@ class _BackwardPlan:
             self.programs = self.main.prepare(args)
         partial = dw = None
         if need_w:
-            partial = torch.empty((self.programs, n_cols), dtype=torch.float32, device=g.device)
+            partial = self._scratch("dw partials", (self.programs, n_cols), g.device)
             dw = torch.empty_like(w)
         outs = (*dgur, g if partial is None else partial)
         if self.n_splits:
-            c = torch.empty((n_rows, self.n_splits), dtype=torch.float32, device=g.device)
+            c = self._scratch("row dots", (n_rows, self.n_splits), g.device)
             if self.rowdot is not None:
                 self.rowdot(dy, g, u, r, w, rstd, c, *strides, n_cols, self.span)
             self.main(dy, g, u, r, w, rstd, c, *outs, *strides, n_rows, n_cols, self.n_splits)
@@ -307,7 +319,7 @@ def tail_forward(
     )
     n_rows = g.shape[0]
     device = gate.device
-    y = _contiguous_like(gate)
+    y = torch.empty_like(gate, memory_format=torch.contiguous_format)  # _contiguous_like, inline
     if keep_rstd:
         rstd = out_rstd = torch.empty(gate.shape[:-1], dtype=torch.float32, device=device)
     else:  # ~3-4 us less host time a call than the allocation
@@ -325,7 +337,7 @@ def tail_forward(
         launch = _forward_plan(n_rows, n_cols, gate.dtype, device, args)
         if not capturing(device):  # a plan made inside a graph capture is untuned: not kept
             _FWD_PLANS.add(key, launch)
-    launch.run(*args, **launch.meta)  # the bound launch itself: no wrapper frame on the hot path
+    launch(*args)
     return y, out_rstd
 
 

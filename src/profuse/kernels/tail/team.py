@@ -353,7 +353,7 @@ def tail_bwd_team_kernel(
     col_mask = cols < n_cols
     w = tl.load(W_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    NEED_DH: tl.constexpr = COMPUTE_DG or COMPUTE_DU or COMPUTE_DR
+    NEED_DH: tl.constexpr = (COMPUTE_DG or COMPUTE_DU) or COMPUTE_DR
     slots = SLOT_ptr + team.to(tl.int64) * (BUFFERS * SLOTS)
     seq = tl.load(SEQ_ptr + pid)
     row = tl.cast(team, tl.int64)  # every team has a row: the launch makes at most n_rows teams
@@ -440,7 +440,7 @@ def tail_bwd_team_staged_kernel(
     col_mask = cols < n_cols
     w = tl.load(W_ptr + cols, mask=col_mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
     dw_acc = tl.zeros([BLOCK_N], dtype=tl.float32)
-    NEED_DH: tl.constexpr = COMPUTE_DG or COMPUTE_DU or COMPUTE_DR
+    NEED_DH: tl.constexpr = (COMPUTE_DG or COMPUTE_DU) or COMPUTE_DR
     slots = SLOT_ptr + team.to(tl.int64) * (BUFFERS * SLOTS)
     seq = tl.load(SEQ_ptr + pid)
     if LAG and NEED_DH:
