@@ -150,6 +150,7 @@ def _rebase(cls: type, old: type, new: type) -> type | None:
         namespace = {k: v for k, v in cls.__dict__.items() if k not in skip}
         bases = tuple(new if b is old else b for b in cls.__bases__)
         made = _REBASED[key] = type(cls.__name__, bases, namespace)
+        _REBASED[(made, new, old)] = cls  # undone, it is the very class it was
     return made
 
 
