@@ -518,6 +518,19 @@ def test_double_fuse_is_refused_and_unfuse_needs_a_fused_model():
     }
 
 
+def test_a_fused_model_refuses_double_backward_in_one_line():
+    """A gradient penalty through the fused model: the Triton ops' gradients have no second term,
+    so create_graph=True is refused ("profuse: ..."), never answered without it."""
+    model = tiny("llama", seed=73, layers=2)
+    ids = tokens(74)
+    fuse(model)
+    loss = model(ids, labels=ids).loss
+    with pytest.raises(RuntimeError, match="^profuse: .*double backward") as info:
+        grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True, allow_unused=True)
+        sum(g.pow(2).sum() for g in grads if g is not None).backward()
+    assert "\n" not in str(info.value).strip()
+
+
 def test_the_public_api_names_them():
     import profuse
 
