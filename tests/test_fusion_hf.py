@@ -1,14 +1,16 @@
 """profuse.fuse / profuse.unfuse on tiny random Hugging Face models (Llama, Mistral, Qwen2, Qwen3).
 
-The fused Triton ops run through the interpreter on the CPU (tests/conftest.py); blockops' eager
-ops (fusion.EAGER) stand in where a test is about the plumbing. Every model is built from its
-Config class with random weights (the norms' weights too: at their init, ones, a norm that
-ignored its weight would pass), hidden sizes that are not powers of two, 3 layers, vocab 97.
+The fused Triton ops run through the interpreter on the CPU (tests/conftest.py); the ops' eager
+versions (fusion.EAGER) stand in where a test is about the plumbing, and where a Triton kernel is
+not in this build (FUSED then leaves its op unfused, and says so). The models and helpers are in
+tests/fusion_cases.py. The new ops one by one: tests/test_fusion_hf_ops.py; real training code
+(swapped parameters, FSDP2, PEFT, hooks, offload, float64): tests/test_fusion_hf_robust.py.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 from collections import Counter
 
@@ -19,58 +21,26 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
-from profuse import blockops, fusion  # noqa: E402
+from fusion_cases import (  # noqa: E402
+    ARCHS,
+    FP32,
+    LAYERS,
+    assert_untouched,
+    counting_ops,
+    expected_counts,
+    fused_modules,
+    has_kernel,
+    labels_for,
+    loss_and_grads,
+    snapshot,
+    tiny,
+    tokens,
+)
+
+from profuse import fusion  # noqa: E402
 from profuse.errors import UnsupportedModel, UsageError  # noqa: E402
-from profuse.fusion.hf import FusedFinalNorm, fuse, unfuse  # noqa: E402
+from profuse.fusion.hf import fuse, unfuse  # noqa: E402
 from profuse.tail import BACKWARD_TOL, FORWARD_TOL, relative_error  # noqa: E402
-
-FP32 = torch.float32
-ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
-LAYERS = 3
-VOCAB = 97
-
-
-def tiny(arch: str, *, tie: bool = False, seed: int = 0, layers: int = LAYERS, **overrides) -> nn.Module:
-    """A tiny {arch}ForCausalLM with random weights, norms included; odd widths (hidden 56,
-    intermediate 92, 4 query heads over 2 key/value heads of 14)."""
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-        "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),
-        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),
-    }[arch]
-    config = config_cls(
-        vocab_size=VOCAB,
-        hidden_size=56,
-        intermediate_size=92,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=14,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-        **overrides,
-    )
-    torch.manual_seed(seed)
-    model = model_cls(config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-    return model
-
-
-def tokens(seed: int, batch: int = 2, seq: int = 11) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
-
-
-def loss_and_grads(model: nn.Module, ids: torch.Tensor):
-    """Hugging Face's loss on (ids, ids) and every parameter's gradient, by name."""
-    model.zero_grad(set_to_none=True)
-    loss = model(ids, labels=ids).loss
-    loss.backward()
-    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
 
 def own_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -79,33 +49,9 @@ def own_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
-def counting_ops(calls: Counter) -> fusion.BlockOps:
-    """blockops' eager ops, counting their calls."""
-
-    def silu_mul(*args):
-        calls[fusion.SILU_MUL] += 1
-        return blockops.silu_mul_eager(*args)
-
-    def add_rms_norm(*args):
-        calls[fusion.ADD_RMS_NORM] += 1
-        return blockops.add_rms_norm_eager(*args)
-
-    return fusion.BlockOps(silu_mul, add_rms_norm, "counting")
-
-
-def snapshot(model: nn.Module):
-    """Everything fuse could change: each module's class, object and instance attributes, the
-    parameters' values."""
-    modules = [(name, type(m), id(m), sorted(m.__dict__)) for name, m in model.named_modules()]
-    return modules, {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def assert_untouched(model: nn.Module, before) -> None:
-    modules, state = snapshot(model)
-    assert modules == before[0]
-    assert state.keys() == before[1].keys()
-    for k in state:
-        assert torch.equal(state[k], before[1][k]), k
+def fused_counts(arch: str) -> dict[str, int]:
+    """What FUSED fuses in this build: every op whose Triton kernel is here."""
+    return {op: n for op, n in expected_counts(arch).items() if has_kernel(op)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,47 +65,55 @@ def test_fused_model_gives_the_same_loss_and_gradients_and_unfuse_restores_it(ar
     seed = ARCHS.index(arch) * 2 + tie
     model = tiny(arch, tie=tie, seed=seed)
     ids = tokens(seed)
-    want_loss, want = loss_and_grads(model, ids)
+    labels = labels_for(ids, seed)
+    want_loss, want = loss_and_grads(model, ids, labels)
     state = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    classes = {name: type(m) for name, m in model.named_modules()}
 
     summary = fuse(model)  # profuse's Triton kernels, through the interpreter
-    assert summary.counts == {"silu_mul": LAYERS, "add_rms_norm": 2 * LAYERS}
+    assert summary.counts == fused_counts(arch)
     assert summary.ops == fusion.FUSED.name and summary.layers == LAYERS
-    # The same tensors under the same names: optimizers, state_dict and save_pretrained see no change.
+    # The same tensors under the same names: optimizers, state_dict and save_pretrained see no change;
+    # the classes keep their names (config.architectures, _no_split_modules).
     assert {k: v.data_ptr() for k, v in model.state_dict().items()} == state
-    got_loss, got = loss_and_grads(model, ids)
+    assert {name: type(m).__name__ for name, m in model.named_modules()} == {
+        n: c.__name__ for n, c in classes.items()
+    }
+    got_loss, got = loss_and_grads(model, ids, labels)
     assert relative_error(got_loss, want_loss) <= FORWARD_TOL[FP32]
     assert got.keys() == want.keys()
     for name in want:
         assert relative_error(got[name], want[name]) <= BACKWARD_TOL[FP32], name
 
     unfuse(model)
-    again_loss, again = loss_and_grads(model, ids)
+    again_loss, again = loss_and_grads(model, ids, labels)
     assert torch.equal(again_loss, want_loss)
     for name in want:
         assert torch.equal(again[name], want[name]), name
-    assert type(model.model.norm) is not FusedFinalNorm
-    assert all(type(layer).__name__ == layer.__class__.__name__ for layer in model.model.layers)
-    assert not any(type(m).__name__.startswith("Fused") for m in model.modules())
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    assert fused_modules(model) == [] and not model.model._forward_pre_hooks
 
 
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
 @pytest.mark.parametrize(
     "dtype, autocast",
     [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)],
     ids=["fp32", "bf16", "fp32-autocast-bf16"],
 )
-def test_fused_with_the_models_own_math_is_bitwise_the_unfused_model(dtype, autocast):
-    """HF_EAGER is the model's own eager math in the fused structure: equal bits, loss and every
-    gradient, in each dtype and under autocast (bf16 branches added into an fp32 stream)."""
-    model = tiny("mistral", tie=True, seed=71).to(dtype)
+def test_fused_with_the_models_own_math_is_bitwise_the_unfused_model(dtype, autocast, arch):
+    """HF_EAGER is the model's own eager math in the fused structure, every op (rope or
+    qk_norm_rope, and linear_cross_entropy with labels): equal bits, loss and every gradient, in
+    each dtype and under autocast (bf16 branches added into an fp32 stream)."""
+    model = tiny(arch, tie=True, seed=71).to(dtype)
     ids = tokens(72)
+    labels = labels_for(ids, 73)
 
     def run(m):
         with torch.autocast("cpu", torch.bfloat16, enabled=autocast):
-            return loss_and_grads(m, ids)
+            return loss_and_grads(m, ids, labels)
 
     want_loss, want = run(model)
-    fuse(model, fusion.HF_EAGER)
+    assert fuse(model, fusion.HF_EAGER).counts == expected_counts(arch)
     got_loss, got = run(model)
     assert torch.equal(got_loss, want_loss)
     for name in want:
@@ -215,7 +169,7 @@ def test_base_model_fuses_too():
     model = transformers.LlamaModel(config)
     ids = tokens(32)
     want = model(ids).last_hidden_state
-    assert fuse(model, fusion.EAGER).counts == {"silu_mul": LAYERS, "add_rms_norm": 2 * LAYERS}
+    assert fuse(model, fusion.EAGER).counts == expected_counts("llama", head=False)
     assert relative_error(model(ids).last_hidden_state, want) <= FORWARD_TOL[FP32]
 
 
@@ -224,26 +178,35 @@ def test_base_model_fuses_too():
 # --------------------------------------------------------------------------------------------
 
 
-def test_each_forward_calls_the_ops_as_many_times_as_the_summary_counts():
-    model = tiny("mistral", seed=41)
+@pytest.mark.parametrize("arch", ["mistral", "qwen3"])
+def test_each_forward_calls_the_ops_as_many_times_as_the_summary_counts(arch):
+    """Llama-like: silu_mul L, add_rms_norm 2L, rope L, rms_norm 1, linear_cross_entropy 1 (with
+    labels, in training); Qwen3 the same with qk_norm_rope L in place of rope."""
+    model = tiny(arch, seed=41)
     calls = Counter()
     summary = fuse(model, counting_ops(calls))
-    model(tokens(42))
-    assert dict(calls) == summary.counts == {"silu_mul": LAYERS, "add_rms_norm": 2 * LAYERS}
+    ids = tokens(42)
+    model(ids, labels=ids)
+    assert dict(calls) == summary.counts == expected_counts(arch)
+    calls.clear()
+    with torch.no_grad():  # no gradient wanted: the head is the model's own
+        model(ids, labels=ids)
+    assert dict(calls) == {op: n for op, n in summary.counts.items() if op != "linear_cross_entropy"}
 
 
 def test_label_puts_each_op_call_in_its_profiler_range():
     model = tiny("qwen2", seed=43)
     ids = tokens(44)
-    want = model(ids).logits
+    want = model(ids, labels=ids).loss
     summary = fuse(model, fusion.HF_EAGER, label=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        got = model(ids).logits
+        got = model(ids, labels=ids).loss
     names = Counter(e.name for e in prof.events())
+    assert summary.counts == expected_counts("qwen2")
     for op, places in summary.counts.items():
         assert names[fusion.BLOCK_OP_RANGES[op]] == places, (op, names)
     assert torch.equal(got, want)  # the ranges label; they change nothing
-    assert summary.labelled and fusion.BLOCK_OP_RANGES["silu_mul"] in str(summary)
+    assert summary.labelled and fusion.BLOCK_OP_RANGES["rope"] in str(summary)
 
 
 def test_dry_run_says_what_fuse_would_do_and_changes_nothing():
@@ -259,12 +222,20 @@ def test_dry_run_says_what_fuse_would_do_and_changes_nothing():
 def test_summary_says_what_was_left_unfused_and_why():
     llama = fuse(tiny("llama", seed=45), fusion.EAGER)
     text = str(llama)
-    assert f"x{LAYERS} " in text and f"x{2 * LAYERS} " in text
-    assert len(llama.left_unfused) == 1 and "layer 0's input_layernorm" in llama.left_unfused[0]
-    assert "no add in front" in llama.left_unfused[0] and "left unfused" in text
-    qwen3 = fuse(tiny("qwen3", seed=46), fusion.EAGER)
-    assert any("k_norm/q_norm" in item and f"({2 * LAYERS} in all)" in item for item in qwen3.left_unfused)
-    assert "k_norm/q_norm" in str(qwen3) and "LlamaForCausalLM" in text
+    assert llama.left_unfused == () and "left unfused" not in text and "LlamaForCausalLM" in text
+    for op, n in expected_counts("llama").items():
+        assert f"{op} " in text and f"x{n} " in text
+    assert "logits=None" in text  # what linear_cross_entropy changes, said
+    # An implementation without an op: that op is left unfused, with the reason; the rest fuse.
+    pair = fusion.BlockOps(fusion.EAGER.silu_mul, fusion.EAGER.add_rms_norm, "the pair")
+    qwen3 = fuse(tiny("qwen3", seed=46), pair)
+    assert qwen3.counts == {"silu_mul": LAYERS, "add_rms_norm": 2 * LAYERS}
+    assert "rms_norm: 'the pair' has no rms_norm" in qwen3.left_unfused
+    assert "qk_norm_rope: 'the pair' has no qk_norm_rope" in qwen3.left_unfused
+    # Qwen3's rope place is qk_norm_rope's: an implementation without rope leaves nothing unfused there
+    without_rope = fuse(tiny("qwen3", seed=46), dataclasses.replace(fusion.EAGER, rope=None))
+    assert without_rope.left_unfused == () and without_rope.counts == expected_counts("qwen3")
+    assert "left unfused: linear_cross_entropy: 'the pair' has no linear_cross_entropy" in str(qwen3)
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,12 +286,12 @@ def test_fusion_survives_train_eval_switches_and_hub_kernels():
         assert model.use_kernels
     want = own_loss(model, ids).detach()
     calls = Counter()
-    fuse(model, counting_ops(calls))
+    summary = fuse(model, counting_ops(calls))
     for switch in (model.eval, model.train, model.eval, model.train):
         switch()
         calls.clear()
         got = own_loss(model, ids)
-        assert dict(calls) == {"silu_mul": LAYERS, "add_rms_norm": 2 * LAYERS}
+        assert dict(calls) == {op: n for op, n in summary.counts.items() if op != "linear_cross_entropy"}
         assert relative_error(got, want) <= FORWARD_TOL[FP32]
     unfuse(model)
     model.eval()
@@ -375,11 +346,36 @@ def test_compile_fullgraph_without_a_break_calls_the_fused_ops():
         assert any(f"profuse.{op}" in t for t in seen["backward"]), (op, seen["backward"])
 
 
-def test_greedy_generate_with_the_cache_gives_the_same_tokens():
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_compile_fullgraph_without_a_break_with_every_op(arch):
+    """The rebuilt attention and head forwards, the rotary carrier and the call-time checks all
+    trace into one graph: with labels (linear_cross_entropy) and without (the model's own head)."""
+    model = tiny(arch, seed=57, layers=2)
+    ids = tokens(58)
+    labels = labels_for(ids, 59)
+    calls = Counter()
+    fuse(model, counting_ops(calls))
+    want_loss, want = loss_and_grads(model, ids, labels)
+    want_logits = model(ids).logits
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    calls.clear()
+    got_loss, got = loss_and_grads(compiled, ids, labels)
+    assert dict(calls) == expected_counts(arch, layers=2)  # traced through every op once
+    got = {name.removeprefix("_orig_mod."): grad for name, grad in got.items()}
+    assert torch.equal(compiled(ids).logits, want_logits)
+    torch._dynamo.reset()
+    assert relative_error(got_loss, want_loss) <= FORWARD_TOL[FP32]
+    for name in want:
+        assert relative_error(got[name], want[name]) <= BACKWARD_TOL[FP32], name
+
+
+@pytest.mark.parametrize("ops", ["fused", "eager"])
+def test_greedy_generate_with_the_cache_gives_the_same_tokens(ops):
     model = tiny("qwen3", seed=59).eval()
     prompt = tokens(60, batch=2, seq=7)
     want = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=True)
-    fuse(model)
+    fuse(model, fusion.FUSED if ops == "fused" else fusion.EAGER)
     got = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=True)
     assert got.shape == (2, 7 + 8)
     assert torch.equal(got, want)
@@ -419,23 +415,89 @@ def _with_instance_forward(model):
     return model
 
 
+_LAYER_OPS = ("silu_mul", "add_rms_norm", "rms_norm")
+# case -> (model, the ops left unfused, the reason)
+PARTLY = {
+    "gemma-offset-norm": (
+        lambda: tiny("gemma", seed=61, hidden_act="silu"),
+        ("add_rms_norm", "rms_norm"),
+        r"\(1 \+ weight\)",
+    ),
+    "gelu-mlp": (lambda: tiny("llama", seed=62, hidden_act="gelu"), ("silu_mul",), "only a SiLU MLP"),
+    "parallel-block": (
+        lambda: _with_parallel_layers(tiny("llama", seed=63)),
+        _LAYER_OPS,
+        "not the pre-norm layer",
+    ),
+    "extra-module": (lambda: _with_extra_module(tiny("llama", seed=64)), _LAYER_OPS, "unknown layout"),
+    "instance-forward": (
+        lambda: _with_instance_forward(tiny("llama", seed=67)),
+        _LAYER_OPS,
+        "forward of its own",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(PARTLY))
+def test_a_place_it_cannot_fuse_exactly_is_left_unfused_with_its_reason(case):
+    """The other ops still fuse, and the model computes what it did; asked for by name, the op is
+    refused in one line and the model left untouched."""
+    make, left, reason = PARTLY[case]
+    model = make()
+    ids = tokens(68)
+    before = snapshot(model)
+    for op in left:
+        with pytest.raises(UnsupportedModel, match=reason) as info:
+            fuse(model, [op], impl=fusion.EAGER)
+        assert isinstance(info.value, ValueError) and "\n" not in str(info.value) and op in str(info.value)
+        assert_untouched(model, before)
+    want_loss, want = loss_and_grads(model, ids)
+    calls = Counter()
+    summary = fuse(model, counting_ops(calls))
+    assert sorted(item.split(":")[0] for item in summary.left_unfused) == sorted(left)
+    assert all(re_search(reason, item) for item in summary.left_unfused)
+    assert set(summary.counts).isdisjoint(left) and summary.counts
+    got_loss, got = loss_and_grads(model, ids)
+    assert dict(calls) == summary.counts
+    assert relative_error(got_loss, want_loss) <= FORWARD_TOL[FP32]
+    assert got.keys() == want.keys()
+    for name in want:
+        assert relative_error(got[name], want[name]) <= BACKWARD_TOL[FP32], name
+
+
+def re_search(pattern: str, text: str) -> bool:
+    import re
+
+    return re.search(pattern, text) is not None
+
+
 REFUSED = {
-    "gemma-offset-norm": (lambda: tiny("gemma", seed=61, hidden_act="silu"), r"\(1 \+ weight\)"),
-    "gelu-mlp": (lambda: tiny("llama", seed=62, hidden_act="gelu"), "only a SiLU MLP"),
-    "parallel-block": (lambda: _with_parallel_layers(tiny("llama", seed=63)), "not the pre-norm layer"),
-    "extra-module": (lambda: _with_extra_module(tiny("llama", seed=64)), "unknown layout"),
-    "instance-forward": (lambda: _with_instance_forward(tiny("llama", seed=67)), "forward of its own"),
-    "no-decoder-stack": (lambda: nn.Sequential(nn.Linear(5, 7), nn.SiLU()), "no decoder stack"),
+    "no-decoder-stack": (lambda: nn.Sequential(nn.Linear(5, 7), nn.SiLU()), None, "no decoder stack"),
+    "nothing-to-fuse": (
+        lambda: _with_parallel_layers(tiny("llama", seed=63)),
+        fusion.BlockOps(fusion.EAGER.silu_mul, fusion.EAGER.add_rms_norm, "the pair"),
+        "nothing to fuse .*not the pre-norm layer",
+    ),
+    "named-op-without-a-place": (
+        lambda: tiny("llama", seed=69),
+        ["qk_norm_rope"],
+        "no per-head q_norm and k_norm",
+    ),
+    "head-on-a-base-model": (
+        lambda: transformers.LlamaModel(tiny("llama").config),
+        ["linear_cross_entropy"],
+        "no causal-LM head",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(REFUSED))
-def test_a_model_it_cannot_fuse_exactly_is_refused_and_left_untouched(case):
-    make, reason = REFUSED[case]
+def test_a_model_it_cannot_fuse_is_refused_and_left_untouched(case):
+    make, ops, reason = REFUSED[case]
     model = make()
     before = snapshot(model)
     with pytest.raises(UnsupportedModel, match=reason) as info:
-        fuse(model)
+        fuse(model, ops, impl=None if isinstance(ops, fusion.BlockOps) else fusion.EAGER)
     assert isinstance(info.value, ValueError) and "\n" not in str(info.value)
     assert_untouched(model, before)
 
@@ -451,7 +513,22 @@ def test_double_fuse_is_refused_and_unfuse_needs_a_fused_model():
         fuse(model)
     assert_untouched(model, before)
     model(tokens(66))  # fused once, not twice
-    assert dict(calls) == {"silu_mul": LAYERS, "add_rms_norm": 2 * LAYERS}
+    assert dict(calls) == {
+        op: n for op, n in expected_counts("llama").items() if op != "linear_cross_entropy"
+    }
+
+
+def test_a_fused_model_refuses_double_backward_in_one_line():
+    """A gradient penalty through the fused model: the Triton ops' gradients have no second term,
+    so create_graph=True is refused ("profuse: ..."), never answered without it."""
+    model = tiny("llama", seed=73, layers=2)
+    ids = tokens(74)
+    fuse(model)
+    loss = model(ids, labels=ids).loss
+    with pytest.raises(RuntimeError, match="^profuse: .*double backward") as info:
+        grads = torch.autograd.grad(loss, list(model.parameters()), create_graph=True, allow_unused=True)
+        sum(g.pow(2).sum() for g in grads if g is not None).backward()
+    assert "\n" not in str(info.value).strip()
 
 
 def test_the_public_api_names_them():

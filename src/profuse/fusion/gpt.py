@@ -29,29 +29,55 @@ from dataclasses import dataclass
 from torch import nn
 from torch.profiler import record_function
 
-from profuse import blockops
+from profuse import blockops, crossentropy, rotary
 from profuse.model import AddRMSNorm, SwiGLU
 
 SILU_MUL, ADD_RMS_NORM = "silu_mul", "add_rms_norm"
+# The ops of the rest of the step, which Hugging Face models fuse (profuse.fusion.hf)
+RMS_NORM, ROPE, QK_NORM_ROPE = "rms_norm", "rope", "qk_norm_rope"
+LINEAR_CROSS_ENTROPY = "linear_cross_entropy"
+OP_NAMES = (SILU_MUL, ADD_RMS_NORM, RMS_NORM, ROPE, QK_NORM_ROPE, LINEAR_CROSS_ENTROPY)
 
-# Profiler ranges around each block op, by op: what Part C looks for in the eager trace.
-BLOCK_OP_RANGES = {SILU_MUL: "profuse.block_op: silu_mul", ADD_RMS_NORM: "profuse.block_op: add_rms_norm"}
+# Profiler ranges around each op, by op: what Part C looks for in the eager trace.
+BLOCK_OP_RANGES = {op: f"profuse.block_op: {op}" for op in OP_NAMES}
 
 
 @dataclass(frozen=True)
 class BlockOps:
-    """A pair of implementations of the block ops, and a name for them in reports."""
+    """Implementations of the block ops, and a name for them in reports. The first two are the
+    GPT's (and every Hugging Face layer's); an op left None is one this set does not implement,
+    which profuse.fuse then leaves unfused."""
 
-    silu_mul: Callable  # (gate_up) -> silu(gate) * up
+    silu_mul: Callable  # (gate, up) or (gate_up) -> silu(gate) * up
     add_rms_norm: Callable  # (x, residual, weight, eps) -> (y, h)
     name: str = "custom"
+    rms_norm: Callable | None = None  # (x, weight, eps) -> y
+    rope: Callable | None = None  # (q, k, cos, sin) -> (q, k), (B, H, T, D)
+    qk_norm_rope: Callable | None = None  # (q, k, q_weight, k_weight, cos, sin, eps), q, k (B, T, H, D)
+    linear_cross_entropy: Callable | None = None  # (hidden, weight, labels, **HF loss kwargs) -> loss
 
 
-# profuse's Triton kernels (profuse.kernels.swiglu, profuse.kernels.add_rms_norm).
-FUSED = BlockOps(blockops.silu_mul, blockops.add_rms_norm, "profuse Triton kernels")
-# The same math one op at a time, through blockops' own eager versions: a stand-in for the fused
+# profuse's Triton kernels (profuse.kernels: swiglu, add_rms_norm, rms_norm, rope, cross_entropy).
+FUSED = BlockOps(
+    blockops.silu_mul,
+    blockops.add_rms_norm,
+    "profuse Triton kernels",
+    rms_norm=blockops.rms_norm,
+    rope=rotary.rope,
+    qk_norm_rope=rotary.qk_norm_rope,
+    linear_cross_entropy=crossentropy.linear_cross_entropy,
+)
+# The same math one op at a time, through the ops' own eager versions: a stand-in for the fused
 # ops that runs anywhere (it tests the plumbing; it fuses nothing).
-EAGER = BlockOps(blockops.silu_mul_eager, blockops.add_rms_norm_eager, "blockops eager")
+EAGER = BlockOps(
+    blockops.silu_mul_eager,
+    blockops.add_rms_norm_eager,
+    "blockops eager",
+    rms_norm=blockops.rms_norm_eager,
+    rope=rotary.rope_eager,
+    qk_norm_rope=rotary.qk_norm_rope_eager,
+    linear_cross_entropy=crossentropy.linear_cross_entropy_eager,
+)
 
 
 def _block_modules(model: nn.Module) -> tuple[list[SwiGLU], list[AddRMSNorm]]:
@@ -83,7 +109,7 @@ def use_block_ops(
 
 
 def apply_block_ops(model: nn.Module, ops: BlockOps) -> nn.Module:
-    """use_block_ops with a BlockOps pair."""
+    """use_block_ops with a BlockOps' silu_mul and add_rms_norm (the GPT's two block ops)."""
     return use_block_ops(model, ops.silu_mul, ops.add_rms_norm)
 
 

@@ -1,111 +1,113 @@
 """Fusion applied to a Hugging Face Llama-family model, in place: `fuse(model)` and `unfuse(model)`.
 
-A decoder layer of LlamaForCausalLM (Mistral, Qwen2 and Qwen3 have the same layer) computes
+Llama, Mistral, Qwen2 and Qwen3 (and any model with their decoder layer) get the memory-bound ops
+of a training step fused, each in its place:
 
-    h  = x + attn(input_layernorm(x))
-    x' = h + mlp(post_attention_layernorm(h)),    mlp(y) = down(silu(gate(y)) * up(y))
+    silu_mul               each MLP's silu(gate) * up                                  L places
+    add_rms_norm           each residual add with the norm after it, the last one
+                           with the final norm (profuse.fusion.hf_layer)               2L places
+    rms_norm               layer 0's input norm, which has no add in front             1 place
+    rope                   attention's rotary embedding, q and k in one launch         L places
+    qk_norm_rope           Qwen3: q_norm and k_norm with the rotary embedding,         L places
+                           in place of rope (profuse.fusion.hf_attention)
+    linear_cross_entropy   the causal-LM head and its loss, in training with labels    1 place
+                           (the model then returns logits=None: profuse.fusion.hf_head)
 
-and the model ends with norm(x_L). `fuse` moves every residual add into the norm after it, and
-the MLP's activation into one op (profuse.blockops' signatures):
+Which implementation runs is a BlockOps: FUSED (the default), profuse's Triton kernels; EAGER,
+the ops' eager versions, anywhere; HF_EAGER, the model's own eager math, so the fused model
+computes bitwise what the unfused one did (what a labelled trace should time). A dtype the
+kernels do not take (float64) runs HF_EAGER's math in the same structure. `ops=[names]` fuses a
+subset: without add_rms_norm, rms_norm takes every norm (2L + 1 places).
 
-    silu_mul(gate(y), up(y))                       the MLP's silu(gate) * up          L places
-    add_rms_norm(attn_out, x, w_post, eps)         post_attention_layernorm + the attention add
-    add_rms_norm(mlp_out, h, w_in, eps)            layer i's input_layernorm + layer i-1's MLP add
-    add_rms_norm(mlp_out, h, w_final, eps)         the final norm + the last layer's MLP add
-                                                   (add_rms_norm: 2L places in all)
-
-Layer 0's input_layernorm has no add in front (the embeddings enter the stream there): it stays
-the model's own norm module. A fused plain rms_norm would save at most one pass over the (B, T, C)
-activations per step, which is not measured here, so it is left as it is. Qwen3's per-head q_norm
-and k_norm inside attention have no add in front either and are left too.
-
-Which implementation runs is the `ops` pair: FUSED (the default), profuse's Triton kernels;
-EAGER, blockops' eager ops (F.rms_norm), anywhere; HF_EAGER, the model's own eager norm math, so
-the fused model computes bitwise what the unfused one did (what a labelled trace should time).
+How (profuse.fusion.hf_modules): classes are swapped, never modules, so parameters, state_dict
+keys, hooks and save_pretrained stay as they were; the fused classes carry their originals'
+names. Each fused module checks at every call that the modules it stands in for are still as the
+probes saw them (same class, no forward of their own, no hooks that would see them): where not
+(PEFT wrapped a norm, a hook was registered, accelerate offloaded a module after fusing), that
+place calls them, unfused. Nothing is cached from the model but classes: parameters and eps are
+read at each call, so load_state_dict(assign=True), FSDP2 and to_empty are seen.
 
 What changes, beyond which kernels run:
 - A layer hands on the pair (mlp_out, h) whose sum is its hidden state; the next norm does the
-  add. The intermediate hidden states are therefore never formed as tensors of their own, so a
-  fused model refuses `output_hidden_states` (a one-line UsageError at the forward) rather than
-  return something else under that name. `last_hidden_state`, the logits and the loss are
-  unchanged (up to rounding: in bf16 the fused norm rounds once, fp32 inside, where Hugging Face's
-  rounds the normalised value to bf16 before the weight multiply: about one bf16 ulp apart;
-  bitwise with HF_EAGER).
-- The norm and MLP modules stay where they were with their parameters (optimizers, state_dict and
-  save_pretrained see the same tensors under the same names), but their forwards are no longer
-  called, except layer 0's input norm: hooks on them do not fire. The final norm is replaced by a
-  module that holds the same weight Parameter (same state_dict key).
-- Each decoder layer's class becomes a subclass made here (`Fused<Layer>`): isinstance checks
-  still hold; the model does not pickle while fused (its state_dict does).
+  add. The intermediate hidden states are never formed, so a fused model refuses
+  `output_hidden_states` (a one-line UsageError at the forward). A layer with a hook on it, or
+  whose next layer has one, hands on the hidden state itself: hooks on fused layers see what they
+  saw unfused. `last_hidden_state`, the logits and the loss are unchanged (up to rounding: in bf16
+  the fused norm rounds once, fp32 inside, where Hugging Face's rounds the normalised value to
+  bf16 before the weight multiply: about one bf16 ulp apart; bitwise with HF_EAGER).
+- Hooks on the norm and MLP modules: a place whose module has hooks calls it (they fire). On the
+  q/k norms and lm_head likewise.
+- With labels and gradients on, logits=None (linear_cross_entropy never makes them).
+- The model does not pickle while fused (its state_dict does).
 
-What stays exact:
-- Gradient checkpointing: a fused layer checkpoints itself with the model's own checkpoint
-  function (set by activation_checkpointing_enable, before or after fusing), with the pair as two
-  tensor arguments, so use_reentrant=True carries gradients too; caches are dropped under
-  checkpointing as transformers does.
-- Hub kernels (`set_use_kernels`, and the re-kernelize on every train/eval switch): kernelize
-  rebinds the forwards of `use_kernel_forward_from_hub` modules, the norms among them. The fused
-  path calls the norms' weights, not their forwards (except layer 0's input norm, which runs
-  whatever the unfused model runs), and the fused layers and final norm are no kernel layers, so
-  kernelize cannot undo or bypass the fusion.
-- torch.compile(fullgraph=True) and `generate` (the cache passes through to attention as before).
+What stays exact: gradient checkpointing (a fused layer checkpoints itself, with the pair as two
+tensor arguments), hub kernels and their re-kernelize on train/eval switches (kernelize rebinds
+the norms' forwards; the fused places read the norms' weights, not their forwards),
+torch.compile(fullgraph=True), generate, FSDP2 (fully_shard before or after fusing; unfuse keeps
+its classes), PEFT (LoRA, LN tuning, modules_to_save, before or after fusing), unfuse.
 
 The model is recognised by structure and behaviour, not by class name: one decoder stack (a
 module with `layers` and a final `norm`); layers with exactly self_attn, mlp, input_layernorm and
-post_attention_layernorm, whose class forwards run (not an instance's own, as accelerate's
-device_map hooks set); and three probes on small float64 stand-ins (on the CPU, whatever device
-the model is on): each norm class's own forward must compute rms_norm(x) * weight with the eps it
-holds (Gemma's (1 + w) fails this), the MLP class's forward down(silu(gate(x)) * up(x)) with its
-own act_fn (a GELU fails), and the layer class's forward must equal the fused one and hand
-attention the same arguments. Anything else raises profuse.errors.UnsupportedModel with the
-reason, before the model is changed.
+post_attention_layernorm; and probes on small float64 stand-ins (on the CPU, whatever device the
+model is on): each norm class's forward must compute rms_norm(x) * weight with the eps it holds
+(Gemma's (1 + w) fails this), the MLP class's down(silu(gate(x)) * up(x)) (a GELU fails), the
+layer class's forward must equal the fused one, the attention's and the head's rebuilt forwards
+their own. An op whose place fails is left unfused with the reason (FuseSummary.left_unfused);
+the others still fuse, unless the op was asked for by name: then, as when nothing can be fused, a
+model already fused, or one with accelerate hooks, fuse raises profuse.errors.UnsupportedModel in
+one line before the model is changed.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-import functools
 import importlib.util
-import inspect
-from collections.abc import Callable
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-import torch
-import torch.nn.functional as F
 from torch import nn
 
 from profuse import blockops
 from profuse.errors import UnsupportedModel, UsageError
-from profuse.fusion.gpt import ADD_RMS_NORM, BLOCK_OP_RANGES, EAGER, FUSED, SILU_MUL, BlockOps, labelled
+from profuse.fusion.gpt import (
+    ADD_RMS_NORM,
+    BLOCK_OP_RANGES,
+    FUSED,
+    LINEAR_CROSS_ENTROPY,
+    OP_NAMES,
+    QK_NORM_ROPE,
+    RMS_NORM,
+    ROPE,
+    SILU_MUL,
+    BlockOps,
+)
+from profuse.fusion.hf_attention import plan_attention
+from profuse.fusion.hf_head import plan_head
+from profuse.fusion.hf_layer import (
+    MIN_TRANSFORMERS,
+    FinalNormState,
+    LayerState,
+    attn_defaults,
+    final_norm_forward,
+    layer_forward,
+    probe_layer,
+    probe_mlp,
+    probe_norm,
+)
+from profuse.fusion.hf_modules import STATE, forward_owner, fused_class, fused_target, is_fused, unfused_class
+from profuse.fusion.hf_ops import HF_EAGER, add_rms_norm_hf, bound_op, unavailable
 
-# transformers 4.54 is the first whose decoder layers return the hidden state alone and whose models
-# hand it straight to the next layer (before, layer_outputs[0]); the layer probe checks it too.
-MIN_TRANSFORMERS = "4.54"
 TRANSFORMERS_MISSING = "transformers is not installed: pip install 'profuse[hf]'"
 
 _LAYER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
-_MLP_CHILDREN = frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})
-_CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")  # one thing, by version
-_STATE = "_profuse_fusion"  # a fused layer's _LayerOps; the decoder stack's _Installed
-_PROBE_TOL = 1e-5  # the probes run float64 but Hugging Face's norms compute in fp32 (eps 1.2e-7)
-
-
-def add_rms_norm_hf(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y, h): h = x + residual, then Hugging Face's Llama RMSNorm on h op for op (fp32 inside,
-    the normalised value cast back to h's dtype, then times the weight), in its dtypes."""
-    h = x + residual
-    h32 = h.to(torch.float32)
-    y = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * y.to(h.dtype), h
-
-
-# The fused structure with the model's own eager math: a model fused with these computes exactly
-# what it did unfused (bitwise, in every dtype), so with label=True its trace times precisely the
-# ops that FUSED replaces (blockops' EAGER uses F.rms_norm, which rounds once in bf16).
-HF_EAGER = BlockOps(blockops.silu_mul_eager, add_rms_norm_hf, "Hugging Face's eager math")
+_LAYER_OPS = (SILU_MUL, ADD_RMS_NORM, RMS_NORM)
+_WHAT = {
+    SILU_MUL: "the MLP's silu(gate) * up",
+    ADD_RMS_NORM: "each residual add with the norm after it",
+    RMS_NORM: "each norm with no add in front",
+    ROPE: "the rotary embedding of q and k, one launch",
+    QK_NORM_ROPE: "q_norm and k_norm with the rotary embedding, one launch",
+    LINEAR_CROSS_ENTROPY: "lm_head and the loss, never the logits: with labels in training, logits=None",
+}
 
 
 @dataclass(frozen=True)
@@ -115,16 +117,13 @@ class FuseSummary:
     model: str  # the class of the model fused, e.g. "LlamaForCausalLM"
     layers: int  # decoder layers
     ops: str  # the BlockOps' name: which implementation runs
-    counts: dict[str, int]  # op -> places it runs per forward
-    left_unfused: tuple[str, ...]  # "what: why", one entry per kind of place
+    counts: dict[str, int]  # op -> places it runs per forward (ops that run nowhere are left out)
+    left_unfused: tuple[str, ...]  # "op: why", one entry per op with a place it cannot fuse
     labelled: bool  # each op call inside its profiler range (profuse.fusion.BLOCK_OP_RANGES)
 
     def __str__(self) -> str:
-        lines = [
-            f"fused {self.model} ({self.layers} decoder layers) with {self.ops}:",
-            f"  {SILU_MUL:<13} x{self.counts[SILU_MUL]:<4} the MLP's silu(gate) * up",
-            f"  {ADD_RMS_NORM:<13} x{self.counts[ADD_RMS_NORM]:<4} each residual add with the norm after it",
-        ]
+        lines = [f"fused {self.model} ({self.layers} decoder layers) with {self.ops}:"]
+        lines += [f"  {op:<20} x{n:<4} {_WHAT[op]}" for op, n in self.counts.items()]
         lines += [f"  left unfused: {item}" for item in self.left_unfused]
         if self.labelled:
             lines.append(
@@ -134,108 +133,10 @@ class FuseSummary:
 
 
 @dataclass(frozen=True)
-class _LayerOps:
-    """What a fused layer calls: the ops (labelled or not), its norms' eps, and the arguments its
-    own forward hands attention when the caller leaves them out."""
-
-    silu_mul: Callable
-    add_rms_norm: Callable
-    input_eps: float
-    post_eps: float
-    attn_defaults: dict
-
-
-@dataclass
 class _Installed:
-    """What unfuse puts back: each layer's class, the final norm, the forward pre-hook."""
+    """The decoder stack's record of a fuse: its summary."""
 
-    layer_classes: list[type]
-    norm: nn.Module
-    hook: torch.utils.hooks.RemovableHandle
     summary: FuseSummary
-
-
-# --------------------------------------------------------------------------------------------
-# The fused forwards
-# --------------------------------------------------------------------------------------------
-
-
-def _fused_layer_forward(self, hidden_states, **kwargs):
-    """The fused decoder layer. It takes the stream as one tensor (layer 0) or as the pair
-    (x, residual) whose sum it is, and hands on the pair (mlp_out, h)."""
-    x, residual = hidden_states if isinstance(hidden_states, tuple) else (hidden_states, None)
-    if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
-        # As transformers' GradientCheckpointingLayer does, but with x and residual as two tensor
-        # arguments: through a tuple argument, use_reentrant=True would carry no gradient.
-        kwargs = _without_cache(self, kwargs)
-        body = functools.partial(_fused_layer_body, self, **kwargs)
-        return self._gradient_checkpointing_func(body, x, residual)
-    return _fused_layer_body(self, x, residual, **kwargs)
-
-
-def _fused_layer_body(self, x, residual, **kwargs):
-    ops: _LayerOps = getattr(self, _STATE)
-    if residual is None:  # layer 0: no add in front of its norm
-        residual, y = x, self.input_layernorm(x)
-    else:  # the previous layer's MLP add, fused with this layer's input norm
-        y, residual = ops.add_rms_norm(x, residual, self.input_layernorm.weight, ops.input_eps)
-    attn_out, _ = self.self_attn(hidden_states=y, **{**ops.attn_defaults, **kwargs})
-    y, residual = ops.add_rms_norm(attn_out, residual, self.post_attention_layernorm.weight, ops.post_eps)
-    mlp = self.mlp
-    return mlp.down_proj(ops.silu_mul(mlp.gate_proj(y), mlp.up_proj(y))), residual
-
-
-def _without_cache(layer: nn.Module, kwargs: dict) -> dict:
-    """kwargs with the cache dropped, as transformers drops it under checkpointing (a recompute
-    would write the cache twice)."""
-    kwargs = dict(kwargs)
-    if kwargs.get("use_cache"):
-        kwargs["use_cache"] = False
-    if not getattr(layer, "_can_checkpoint_with_cache", False):
-        for name in _CACHE_KWARGS:
-            if kwargs.get(name) is not None:
-                kwargs[name] = None
-    return kwargs
-
-
-class FusedFinalNorm(nn.Module):
-    """The model's final norm with the last layer's MLP add in front: add_rms_norm(mlp_out, h).
-
-    Holds the original norm's weight Parameter itself (the same tensor, the same state_dict key).
-    Given a plain tensor, it runs the original norm."""
-
-    def __init__(self, norm: nn.Module, add_rms_norm: Callable, eps: float):
-        super().__init__()
-        self.weight = norm.weight
-        self.eps = eps
-        self.add_rms_norm = add_rms_norm
-        self.__dict__["original"] = norm  # not a submodule: its one parameter is registered here
-
-    def forward(self, hidden_states):
-        if not isinstance(hidden_states, tuple):
-            return self.original(hidden_states)
-        x, residual = hidden_states
-        return self.add_rms_norm(x, residual, self.weight, self.eps)[0]
-
-    def extra_repr(self) -> str:
-        return f"{tuple(self.weight.shape)}, eps={self.eps}, with the last layer's MLP add in front"
-
-
-_FUSED_CLASSES: dict[type, type] = {}
-
-
-def _fused_class(cls: type) -> type:
-    """Fused<cls>: cls with the fused forward. Made once per class. The forward is set after the
-    class is made, so transformers' __init_subclass__ does not wrap it in a second checkpoint, and
-    __call__ is nn.Module's (transformers before 5.x checkpointed in GradientCheckpointingLayer's
-    __call__, with the tuple as its argument)."""
-    fused = _FUSED_CLASSES.get(cls)
-    if fused is None:
-        fused = type(f"Fused{cls.__name__}", (cls,), {"__module__": __name__, "_profuse_fused": True})
-        fused.forward = _fused_layer_forward
-        fused.__call__ = nn.Module.__call__
-        _FUSED_CLASSES[cls] = fused
-    return fused
 
 
 def _refuse_hidden_states(module: nn.Module, args, kwargs):
@@ -283,255 +184,232 @@ def _decoder_stack(model: nn.Module, what: str) -> nn.Module:
     return stacks[0]
 
 
-def _eps(norm: nn.Module) -> float | None:
-    for name in ("variance_epsilon", "eps"):
-        value = getattr(norm, name, None)
-        if isinstance(value, float):
-            return value
-    return None
+def _selected(ops, impl: BlockOps | None) -> tuple[BlockOps, tuple[str, ...], bool]:
+    """(implementation, op names, named): `ops` is a BlockOps (the implementation, every op), a
+    list of names (a subset, asked for by name), or None (every op)."""
+    if isinstance(ops, BlockOps):
+        if impl is not None:
+            raise UsageError("fuse: pass the BlockOps as ops or as impl, not both")
+        return ops, OP_NAMES, False
+    impl = FUSED if impl is None else impl
+    if not isinstance(impl, BlockOps):
+        raise UsageError(f"fuse: impl takes a profuse.fusion.BlockOps, got {type(impl).__name__}")
+    if ops is None:
+        return impl, OP_NAMES, False
+    names = (ops,) if isinstance(ops, str) else tuple(ops) if isinstance(ops, Iterable) else None
+    if not names or any(not isinstance(n, str) or n not in OP_NAMES for n in names):
+        raise UsageError(f"fuse: ops takes a BlockOps or op names from {', '.join(OP_NAMES)}; got {ops!r}")
+    return impl, tuple(op for op in OP_NAMES if op in names), True
 
 
-def _probe_norm(norm: nn.Module, where: str) -> float:
-    """The eps `norm` uses, once its class's forward is seen to compute rms_norm(x) * weight."""
-    eps, w = _eps(norm), getattr(norm, "weight", None)
-    params = {name for name, _ in norm.named_parameters()}
-    if eps is None or not isinstance(w, torch.Tensor) or w.dim() != 1 or params != {"weight"}:
-        raise UnsupportedModel(f"{where} ({type(norm).__name__}) is not an RMSNorm with a weight and an eps")
-    gen = torch.Generator().manual_seed(0)
-    n = w.shape[0]
-    stand_in = copy.copy(norm)  # shares everything but the parameters, replaced below
-    stand_in.__dict__["_parameters"] = {
-        "weight": nn.Parameter(torch.randn(n, generator=gen, dtype=torch.float64))
-    }
-    # rows of mean square 1, about eps (where eps matters) and 1e6
-    x = (
-        torch.randn(3, n, generator=gen, dtype=torch.float64)
-        * torch.tensor([[1.0], [eps**0.5], [1e3]]).double()
-    )
-    want = F.rms_norm(x, (n,), stand_in.weight, eps)
-    try:
-        with torch.no_grad():
-            got = type(norm).forward(stand_in, x)
-        ok = got.shape == want.shape and bool(
-            ((got - want).abs() <= _PROBE_TOL * want.abs().amax(-1, True)).all()
+@dataclass
+class _Plan:
+    stack: nn.Module
+    installs: list[tuple[nn.Module, type, object]]  # (module, its fused class, its state)
+    refuse_hidden_states: bool
+    summary: FuseSummary
+
+
+def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str):
+    """The fused layers and final norm: (installs, counts); reasons filled for ops that fail."""
+    wanted = [op for op in _LAYER_OPS if op in bound]
+    if not wanted:
+        return [], {}
+    layers = list(stack.layers)
+
+    def fail(ops, reason):
+        for op in ops:
+            if op in wanted:
+                reasons.setdefault(op, reason)
+
+    classes = {type(layer) for layer in layers}
+    cls = classes.pop() if len(classes) == 1 else None
+    owner = forward_owner(cls) if cls is not None else None
+    if cls is None:
+        fail(_LAYER_OPS, f"{what} mixes decoder layer classes")
+    elif not issubclass(owner, _checkpointing_layer_class()):
+        fail(
+            _LAYER_OPS,
+            f"{owner.__name__} is not a GradientCheckpointingLayer: "
+            f"pip install 'transformers>={MIN_TRANSFORMERS}'",
         )
-    except Exception as e:  # any failure of the stand-in is a layout profuse does not know
-        raise UnsupportedModel(f"{where} ({type(norm).__name__}) could not be checked: {e}") from None
-    if not ok:
-        raise UnsupportedModel(
-            f"{where} ({type(norm).__name__}) does not compute rms_norm(x) * weight with eps={eps} "
-            "(an offset norm such as Gemma's (1 + weight)?): fusing it would change the model"
-        )
-    return eps
-
-
-def _probe_mlp(mlp: nn.Module, where: str) -> None:
-    """Raise unless the MLP class's forward computes down(silu(gate(x)) * up(x))."""
-    children = {name for name, _ in mlp.named_children()}
-    act = getattr(mlp, "act_fn", None)
-    if not {"gate_proj", "up_proj", "down_proj"} <= children or act is None or not children <= _MLP_CHILDREN:
-        raise UnsupportedModel(
-            f"{where} ({type(mlp).__name__}) is not gate_proj/up_proj/down_proj with an act_fn "
-            f"(has {sorted(children)})"
-        )
-    gen = torch.Generator().manual_seed(1)
-    n, f = 8, 11
-    lin = lambda i, o: nn.Linear(i, o, dtype=torch.float64)
-    with torch.random.fork_rng():
-        torch.manual_seed(1)
-        gate, up, down = lin(n, f), lin(n, f), lin(f, n)
-    stand_in = copy.copy(mlp)
-    stand_in.__dict__["_modules"] = {"gate_proj": gate, "up_proj": up, "down_proj": down}
-    if "act_fn" in children:
-        stand_in.__dict__["_modules"]["act_fn"] = act
-    x = 2 * torch.randn(5, n, generator=gen, dtype=torch.float64)
-    with torch.no_grad():
-        want = down(F.silu(gate(x)) * up(x))
-        try:
-            got = type(mlp).forward(stand_in, x)
-            ok = got.shape == want.shape and bool(((got - want).abs() <= _PROBE_TOL * want.abs().max()).all())
-        except Exception as e:
-            raise UnsupportedModel(f"{where} ({type(mlp).__name__}) could not be checked: {e}") from None
-    if not ok:
-        raise UnsupportedModel(
-            f"{where} ({type(mlp).__name__}) does not compute down(silu(gate(x)) * up(x)) "
-            f"(its act_fn is {type(act).__name__}): only a SiLU MLP fuses into silu_mul"
-        )
-
-
-class _Sentinel:
-    """A stand-in argument: the probe checks that attention receives it, untouched."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def __repr__(self) -> str:
-        return f"<{self.name}>"
-
-
-def _attn_defaults(cls: type) -> dict:
-    """The arguments the layer class's forward names after hidden_states, with their defaults."""
-    params = list(inspect.signature(cls.forward).parameters.values())[2:]  # self, hidden_states
-    return {
-        p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD
-    }
-
-
-def _probe_layer(layer: nn.Module, ops: _LayerOps, where: str) -> None:
-    """Run the layer class's own forward and the fused one on stand-in submodules (float64, CPU):
-    raise unless they give the same output and hand attention the same arguments."""
-    n, f = 8, 11
-    calls: list[dict] = []
-
-    class Attention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.randn(n, n, dtype=torch.float64) / n**0.5)
-
-        def forward(self, hidden_states, **kwargs):
-            calls.append(kwargs)
-            return torch.tanh(hidden_states @ self.w), None
-
-    class Mlp(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate_proj, self.up_proj = (
-                nn.Linear(n, f, dtype=torch.float64),
-                nn.Linear(n, f, dtype=torch.float64),
+    elif hasattr(owner, "kernel_layer_name"):
+        fail(_LAYER_OPS, f"{owner.__name__} is a hub-kernel layer: kernelize would replace its forward")
+    for i, layer in enumerate(layers):
+        children = {name for name, _ in layer.named_children()}
+        if children != _LAYER_CHILDREN:
+            fail(
+                _LAYER_OPS,
+                f"layer {i} holds {sorted(children)}, not {sorted(_LAYER_CHILDREN)}: an unknown layout",
             )
-            self.down_proj = nn.Linear(f, n, dtype=torch.float64)
-            self.act_fn = nn.SiLU()
-
-        def forward(self, x):
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-    class Norm(nn.Module):
-        def __init__(self, eps):
-            super().__init__()
-            self.weight, self.eps = nn.Parameter(1 + torch.randn(n, dtype=torch.float64) / 4), eps
-
-        def forward(self, x):
-            return F.rms_norm(x, (n,), self.weight, self.eps)
-
-    with torch.random.fork_rng():
-        torch.manual_seed(2)
-        stand_in = copy.copy(layer)
-        stand_in.__dict__["_modules"] = {
-            "self_attn": Attention(),
-            "mlp": Mlp(),
-            "input_layernorm": Norm(ops.input_eps),
-            "post_attention_layernorm": Norm(ops.post_eps),
-        }
-        # float64 needs the eager ops (the Triton ones take bf16, fp16 and fp32): the same math
-        stand_in.__dict__[_STATE] = dataclasses.replace(
-            ops, silu_mul=EAGER.silu_mul, add_rms_norm=EAGER.add_rms_norm
+        if "forward" in layer.__dict__:
+            fail(_LAYER_OPS, f"layer {i} has a forward of its own: profuse fuses class forwards only")
+    if all(op in reasons for op in wanted):
+        return [], {}
+    fused = fused_class(owner, "layer", layer_forward)
+    targets = [fused_target(layer, owner, fused) for layer in layers]
+    if any(t is None for t in targets):
+        fail(
+            _LAYER_OPS,
+            f"{cls.__name__} is derived from {owner.__name__} by a class with a forward of its own",
         )
-        x, r = torch.randn(2, 2, 5, n, dtype=torch.float64)
-    named = {name: _Sentinel(name) for name in ops.attn_defaults}
-    named["probe_extra"] = _Sentinel("probe_extra")  # **kwargs pass through to attention too
-    original = type(layer).forward
-    try:
-        with torch.no_grad():
-            for kwargs in (named, {}):
-                calls.clear()
-                want = original(stand_in, x + r, **kwargs)
-                if not isinstance(want, torch.Tensor):
-                    raise UnsupportedModel(
-                        f"{where} ({type(layer).__name__}) returns a {type(want).__name__}, not the "
-                        f"hidden state alone: pip install 'transformers>={MIN_TRANSFORMERS}'"
-                    )
-                first = _fused_layer_body(stand_in, x + r, None, **kwargs)  # layer 0's form
-                later = _fused_layer_body(stand_in, x, r, **kwargs)  # the others' form
-                same_args = len(calls) == 3 and calls[0] == calls[1] == calls[2]
-                for got in (first, later):
-                    err = (got[0] + got[1] - want).abs().max()
-                    if not same_args or not err <= _PROBE_TOL * want.abs().max():
-                        raise UnsupportedModel(
-                            f"{where} ({type(layer).__name__}) is not the pre-norm layer "
-                            "x + attn(norm(x)), then h + mlp(norm(h)): profuse cannot fuse it exactly"
-                        )
-    except UnsupportedModel:
-        raise
-    except Exception as e:
-        raise UnsupportedModel(f"{where} ({type(layer).__name__}) could not be checked: {e}") from None
+        return [], {}
+
+    mlp = act = None
+    if SILU_MUL in wanted:
+        try:
+            found = {probe_mlp(layer.mlp, f"layer {i}'s mlp") for i, layer in enumerate(layers)}
+            if len(found) != 1:
+                raise UnsupportedModel(f"{what}'s MLPs differ from layer to layer")
+            mlp, act = found.pop()
+        except UnsupportedModel as e:
+            fail([SILU_MUL], str(e))
+    norm_specs = None
+    if ADD_RMS_NORM in wanted or RMS_NORM in wanted:
+        try:
+            specs = []
+            for key in ("input_layernorm", "post_attention_layernorm"):
+                found = {
+                    probe_norm(getattr(layer, key), f"layer {i}'s {key}") for i, layer in enumerate(layers)
+                }
+                if len(found) != 1:
+                    raise UnsupportedModel(f"{what}'s {key} classes differ from layer to layer")
+                specs.append(found.pop())
+            norm_specs = tuple(specs)
+        except UnsupportedModel as e:
+            fail([ADD_RMS_NORM, RMS_NORM], str(e))
+    ops = {op: bound[op] if op in wanted and op not in reasons else None for op in _LAYER_OPS}
+    if not any(ops.values()):
+        return [], {}
+    try:  # the layer's wiring, with eager float64 math for each op
+        probe_layer(
+            layers[0],
+            {
+                SILU_MUL: blockops.silu_mul_eager,
+                ADD_RMS_NORM: blockops.add_rms_norm_eager,
+                RMS_NORM: blockops.rms_norm_eager,
+            },
+            f"{what}'s {cls.__name__}",
+        )
+    except UnsupportedModel as e:
+        fail(_LAYER_OPS, str(e))
+        return [], {}
+
+    defaults = attn_defaults(owner)
+    installs = []
+    for i, (layer, target) in enumerate(zip(layers, targets)):
+        state = LayerState(
+            ops[SILU_MUL],
+            ops[ADD_RMS_NORM],
+            ops[RMS_NORM],
+            *(norm_specs or (None, None)),
+            mlp,
+            act,
+            defaults,
+            stack,
+            i,
+        )
+        installs.append((layer, target, state))
+
+    final = False
+    add, rms = ops[ADD_RMS_NORM], ops[RMS_NORM]
+    if add is not None or rms is not None:
+        try:
+            spec = probe_norm(stack.norm, "the final norm")
+            norm_target = fused_target(
+                stack.norm, spec.cls, fused_class(spec.cls, "final_norm", final_norm_forward)
+            )
+            if norm_target is None:
+                raise UnsupportedModel(
+                    f"the final norm's class {type(stack.norm).__name__} has a forward of its own"
+                )
+            installs.append((stack.norm, norm_target, FinalNormState(add, rms, spec)))
+            final = True
+        except UnsupportedModel as e:  # the layers still fuse: the last hands the final norm its hidden state
+            fail(
+                [op for op in (ADD_RMS_NORM, RMS_NORM) if ops[op] is not None],
+                f"the final norm stays as it is: {e}",
+            )
+    L = len(layers)
+    counts = {}
+    if ops[SILU_MUL] is not None:
+        counts[SILU_MUL] = L
+    if add is not None:
+        counts[ADD_RMS_NORM] = 2 * L - 1 + final
+    if rms is not None:
+        counts[RMS_NORM] = 1 if add is not None else 2 * L + final
+    return installs, counts
 
 
-def _plan(
-    model: nn.Module, ops: BlockOps, label: bool
-) -> tuple[nn.Module, list[_LayerOps], float, FuseSummary]:
+def _has_place(op: str, model: nn.Module, stack: nn.Module) -> bool:
+    """Whether the model has a place for `op` at all (a decoder stack has one for the others)."""
+    if op == QK_NORM_ROPE:
+        return all(isinstance(getattr(layer.self_attn, "q_norm", None), nn.Module) for layer in stack.layers)
+    if op == LINEAR_CROSS_ENTROPY:
+        return plan_head(model, stack, lambda *args, **kwargs: None, probe=False).absent is None
+    return True
+
+
+def _plan(model: nn.Module, impl: BlockOps, names: tuple[str, ...], named: bool, label: bool) -> _Plan:
     """Check everything fuse needs and say what it will install; change nothing."""
     what = type(model).__name__
-    checkpointing_layer = _checkpointing_layer_class()
+    _checkpointing_layer_class()
     stack = _decoder_stack(model, what)
-    if hasattr(stack, _STATE) or any(getattr(m, "_profuse_fused", False) for m in stack.layers):
+    if STATE in stack.__dict__ or any(is_fused(m) for m in model.modules()):
         raise UnsupportedModel(f"{what} is already fused by profuse: profuse.unfuse(model) first")
+    hooked = sum("_hf_hook" in m.__dict__ for m in model.modules())
+    if hooked:
+        raise UnsupportedModel(
+            f"{what} has accelerate hooks on {hooked} modules (a device_map or cpu_offload, moving weights "
+            "in at each forward): profuse fuses a model whose weights stay in place"
+        )
     layers = list(stack.layers)
     n_config = getattr(getattr(stack, "config", None), "num_hidden_layers", len(layers))
     if not layers or n_config != len(layers):
         raise UnsupportedModel(
             f"{what} runs {n_config} of its {len(layers)} decoder layers: profuse fuses all"
         )
-    classes = {type(layer) for layer in layers}
-    if len(classes) != 1:
-        raise UnsupportedModel(f"{what} mixes decoder layer classes {sorted(c.__name__ for c in classes)}")
-    cls = classes.pop()
-    if not issubclass(cls, checkpointing_layer):
-        raise UnsupportedModel(
-            f"{what}'s {cls.__name__} is not a GradientCheckpointingLayer: "
-            f"pip install 'transformers>={MIN_TRANSFORMERS}'"
-        )
-    if hasattr(cls, "kernel_layer_name"):
-        raise UnsupportedModel(
-            f"{what}'s {cls.__name__} is a hub-kernel layer: kernelize would replace its forward"
-        )
 
-    silu_mul, add_rms_norm = ops.silu_mul, ops.add_rms_norm
-    if label:
-        silu_mul = labelled(silu_mul, BLOCK_OP_RANGES[SILU_MUL])
-        add_rms_norm = labelled(add_rms_norm, BLOCK_OP_RANGES[ADD_RMS_NORM])
-    attn_defaults = _attn_defaults(cls)
-    plans, attn_norms = [], 0
-    for i, layer in enumerate(layers):
-        children = {name for name, _ in layer.named_children()}
-        if children != _LAYER_CHILDREN:
-            raise UnsupportedModel(
-                f"{what}'s layer {i} holds {sorted(children)}, not {sorted(_LAYER_CHILDREN)}: "
-                "an unknown layout"
-            )
-        for name, module in (("layer", layer), ("mlp", layer.mlp)):
-            # an instance-level forward (accelerate's device_map hooks set one) would run instead of
-            # the fused class's, or be bypassed by it; the norms' (kernelize's) are not called
-            if "forward" in module.__dict__:
-                raise UnsupportedModel(
-                    f"{what}'s layer {i} {'' if name == 'layer' else 'mlp '}has a forward of its own "
-                    "(accelerate hooks from a device_map?): profuse fuses class forwards only"
-                )
-        _probe_mlp(layer.mlp, f"layer {i}'s mlp")
-        plans.append(
-            _LayerOps(
-                silu_mul,
-                add_rms_norm,
-                _probe_norm(layer.input_layernorm, f"layer {i}'s input_layernorm"),
-                _probe_norm(layer.post_attention_layernorm, f"layer {i}'s post_attention_layernorm"),
-                attn_defaults,
-            )
-        )
-        attn_norms += sum(1 for name, _ in layer.self_attn.named_children() if "norm" in name)
-    _probe_layer(layers[0], plans[0], f"{what}'s {cls.__name__}")
-    final_eps = _probe_norm(stack.norm, "the final norm")
+    reasons: dict[str, str] = {}
+    bound = {}
+    for op in names:
+        why = unavailable(impl, op)
+        if why is None:
+            bound[op] = bound_op(impl, op, label)
+        elif _has_place(op, model, stack):
+            reasons[op] = why
+    installs, counts = _plan_layers(stack, bound, reasons, what)
+    attention = plan_attention(
+        [layer.self_attn for layer in layers], bound.get(ROPE), bound.get(QK_NORM_ROPE), what
+    )
+    reasons.update(attention.reasons)
+    if attention.targets is not None:
+        installs += [(layer.self_attn, t, attention.state) for layer, t in zip(layers, attention.targets)]
+        counts.update(attention.counts)
+    head = plan_head(model, stack, bound.get(LINEAR_CROSS_ENTROPY))
+    absent = dict(attention.absent)
+    if head.reason:
+        reasons[LINEAR_CROSS_ENTROPY] = head.reason
+    if head.absent:
+        absent[LINEAR_CROSS_ENTROPY] = head.absent
+    if head.target is not None:
+        installs.append((head.head, head.target, head.state))
+        counts[LINEAR_CROSS_ENTROPY] = 1
+    if QK_NORM_ROPE in counts:  # rope's place is qk_norm_rope's: rope stands by for its fallback
+        reasons.pop(ROPE, None)
 
-    left = [
-        "layer 0's input_layernorm: no add in front (the embeddings enter the stream there); it stays the "
-        "model's own norm (a fused rms_norm alone would save one pass over (B, T, C) at most, not measured)"
-    ]
-    if attn_norms:
-        names = sorted({name for name, _ in layers[0].self_attn.named_children() if "norm" in name})
-        left.append(
-            f"{'/'.join(names)} in attention ({attn_norms} in all): per-head norms with no add in front"
-        )
-    L = len(layers)
-    summary = FuseSummary(what, L, ops.name, {SILU_MUL: L, ADD_RMS_NORM: 2 * L}, tuple(left), label)
-    return stack, plans, final_eps, summary
+    if named:
+        for op in names:
+            why = reasons.get(op) or absent.get(op)
+            if why is not None:
+                raise UnsupportedModel(f"{what}: {op} cannot be fused: {why}")
+    if not counts:
+        why = "; ".join(f"{op}: {r}" for op, r in reasons.items()) or "no op has a place in it"
+        raise UnsupportedModel(f"{what}: nothing to fuse ({why})")
+    counts = {op: counts[op] for op in OP_NAMES if op in counts}
+    left = tuple(f"{op}: {why}" for op, why in reasons.items())
+    summary = FuseSummary(what, len(layers), impl.name, counts, left, label)
+    return _Plan(stack, installs, ADD_RMS_NORM in counts, summary)
 
 
 # --------------------------------------------------------------------------------------------
@@ -540,51 +418,72 @@ def _plan(
 
 
 def fuse(
-    model: nn.Module, ops: BlockOps | None = None, *, label: bool = False, dry_run: bool = False
+    model: nn.Module,
+    ops: BlockOps | Iterable[str] | str | None = None,
+    *,
+    impl: BlockOps | None = None,
+    label: bool = False,
+    dry_run: bool = False,
 ) -> FuseSummary:
     """Fuse a Hugging Face Llama-family model in place (see this module's docstring) and say how.
 
-    `ops`: the BlockOps pair to run (default profuse.fusion.FUSED, the Triton kernels;
+    `ops`: which ops, as names from profuse.fusion.OP_NAMES (silu_mul, add_rms_norm, rms_norm,
+    rope, qk_norm_rope, linear_cross_entropy): default all of them that have a place in the model.
+    A BlockOps given as `ops` is the implementation instead, every op (as before names were
+    taken). `impl`: the implementation (default profuse.fusion.FUSED, the Triton kernels;
     profuse.fusion.EAGER runs the same structure in plain torch anywhere, and HF_EAGER in the
     model's own eager math, bitwise the unfused model). `label=True` wraps each op call in its
     profiler range (profuse.fusion.BLOCK_OP_RANGES): fused with HF_EAGER and labelled, an
     unfused model's trace shows exactly the ops (and their time) that FUSED replaces.
-    Raises profuse.errors.UnsupportedModel (a ValueError), with the model left untouched, for a
-    model it cannot fuse exactly: an unknown layout, an offset norm, a non-SiLU MLP, a model
-    already fused. `dry_run=True` checks and summarises, changing nothing (a caller can refuse
-    a model before long work starts). Undo with `unfuse(model)`.
+
+    An op whose place cannot be fused exactly is left unfused, its reason in the summary's
+    left_unfused. Raises profuse.errors.UnsupportedModel (a ValueError) in one line, with the
+    model left untouched, for an op asked for by name that cannot be fused, a model with nothing
+    to fuse, one already fused or one with accelerate hooks; UsageError for bad arguments.
+    `dry_run=True` checks and summarises, changing nothing. Undo with `unfuse(model)`.
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModel(f"fuse takes an nn.Module, got {type(model).__name__}")
-    if ops is None:
-        ops = FUSED
-    stack, plans, final_eps, summary = _plan(model, ops, label)
+    impl, names, named = _selected(ops, impl)
+    plan = _plan(model, impl, names, named, label)
     if dry_run:
-        return summary
-    classes = [type(layer) for layer in stack.layers]
-    for layer, plan in zip(stack.layers, plans):
-        setattr(layer, _STATE, plan)
-        layer.__class__ = _fused_class(type(layer))
-    original_norm = stack.norm
-    stack.norm = FusedFinalNorm(original_norm, plans[-1].add_rms_norm, final_eps)
-    hook = stack.register_forward_pre_hook(_refuse_hidden_states, with_kwargs=True)
-    setattr(stack, _STATE, _Installed(classes, original_norm, hook, summary))
-    return summary
+        return plan.summary
+    for module, cls, state in plan.installs:
+        module.__dict__[STATE] = state
+        module.__class__ = cls
+    if plan.refuse_hidden_states:
+        plan.stack.register_forward_pre_hook(_refuse_hidden_states, with_kwargs=True)
+    plan.stack.__dict__[STATE] = _Installed(plan.summary)
+    return plan.summary
 
 
 def unfuse(model: nn.Module) -> None:
-    """Undo `fuse` in place: the layers' own classes, the final norm and its forward come back, and
-    the model computes exactly what it did before (the same parameters throughout)."""
-    stack = _decoder_stack(model, type(model).__name__)
-    installed = getattr(stack, _STATE, None)
-    if installed is None:
-        raise UnsupportedModel(f"{type(model).__name__} is not fused by profuse")
-    for layer, cls in zip(stack.layers, installed.layer_classes):
-        layer.__class__ = cls
-        delattr(layer, _STATE)
-    stack.norm = installed.norm
-    installed.hook.remove()
-    delattr(stack, _STATE)
+    """Undo `fuse` in place: every fused module takes its class back (a class made from a fused
+    one, such as FSDP2's, is rebuilt on the original), with the parameters, hooks and wrappers
+    it has now. Raises UnsupportedModel, changing nothing, when a module's class cannot be
+    rebuilt (one derived from a fused class with a forward of its own)."""
+    what = type(model).__name__
+    stack = _decoder_stack(model, what)
+    fused = [m for m in model.modules() if is_fused(m)]
+    if not fused and STATE not in stack.__dict__:
+        raise UnsupportedModel(f"{what} is not fused by profuse")
+    restored = []
+    for m in fused:
+        cls = unfused_class(type(m))
+        if cls is None:
+            raise UnsupportedModel(
+                f"{what}: {type(m).__name__} is derived from profuse's fused class with a forward of its "
+                "own: profuse cannot rebuild it unfused (the model stays fused, and works)"
+            )
+        restored.append((m, cls))
+    for m, cls in restored:
+        m.__class__ = cls
+        m.__dict__.pop(STATE, None)
+    for key, hook in list(stack._forward_pre_hooks.items()):
+        if hook is _refuse_hidden_states:
+            del stack._forward_pre_hooks[key]
+            stack._forward_pre_hooks_with_kwargs.pop(key, None)
+    stack.__dict__.pop(STATE, None)
 
 
-__all__ = ["HF_EAGER", "FuseSummary", "FusedFinalNorm", "add_rms_norm_hf", "fuse", "unfuse"]
+__all__ = ["HF_EAGER", "TRANSFORMERS_MISSING", "FuseSummary", "add_rms_norm_hf", "fuse", "unfuse"]

@@ -1,0 +1,331 @@
+"""Rotary embedding inside a Hugging Face attention, fused: rope, and Qwen3's qk_norm_rope.
+
+The attention forward is the model's own, rebuilt once per class (hf_modules.rebuilt): the same
+code and decorators, with a copy of its module's globals in which `apply_rotary_pos_emb` is
+profuse's call site. Nothing of the forward is written again here, so its kwarg names, cache
+handling and attention backends stay whatever the installed transformers has.
+
+    rope(q, k, cos, sin)                                  q and k in one launch
+    qk_norm_rope(q, k, w_q, w_k, cos, sin, eps)           Qwen3: q_norm and k_norm, then rope
+
+For Qwen3 the forward is rebuilt a second time with `self.q_norm` and `self.k_norm` renamed in
+its code to a pass-through, so the per-head norms run inside qk_norm_rope instead (reading the
+norm modules' weights and eps at the call).
+
+The call site learns which attention calls it, and which op to run, from the cos it is handed:
+the fused forward wraps position_embeddings' cos in a RotaryCarrier (the tensor, the module,
+whether the norms are the site's to run), which the forward hands to apply_rotary_pos_emb
+untouched. A carrier is made per call, so threads and torch.compile see no state. Where the
+norms are not as the probe checked (replaced, wrapped, hooked), the forward rebuilt without the
+rename runs (rope alone, the norms as modules); where the call is one the ops do not cover
+(position_embeddings not given, extra arguments to apply_rotary_pos_emb), the model's own.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from profuse.errors import UnsupportedModel
+from profuse.fusion.gpt import QK_NORM_ROPE, ROPE
+from profuse.fusion.hf_layer import PROBE_TOL, NormSpec, probe_norm
+from profuse.fusion.hf_modules import (
+    ORIGINAL,
+    STATE,
+    forward_owner,
+    fused_class,
+    fused_target,
+    innermost,
+    parameter_names,
+    rebuilt,
+    runs_as,
+    stand_in,
+)
+
+ROPE_NAME = "apply_rotary_pos_emb"  # the module-level function every Llama-family attention calls
+_PASS = "_profuse_pass"  # what q_norm and k_norm are renamed to in the qk_norm_rope forward
+_ROPE_FORWARD, _QK_FORWARD = "_profuse_rope_forward", "_profuse_qk_forward"
+
+
+class RotaryCarrier:
+    """cos, on its way through an attention forward to profuse's apply_rotary_pos_emb, with the
+    attention module and whether the site runs its q/k norms."""
+
+    __slots__ = ("cos", "attention", "norms")
+
+    def __init__(self, cos: torch.Tensor, attention: nn.Module, norms: bool):
+        self.cos, self.attention, self.norms = cos, attention, norms
+
+
+@dataclass(frozen=True)
+class AttentionState:
+    """What a fused attention calls: rope and qk_norm_rope (None where not fused), the q/k norm
+    classes the probe checked, and where position_embeddings comes among the forward's arguments."""
+
+    rope: Callable | None
+    qk_norm_rope: Callable | None
+    q_norm: NormSpec | None
+    k_norm: NormSpec | None
+    pe_index: int
+
+
+def _site(module_globals: dict) -> Callable:
+    """profuse's apply_rotary_pos_emb for the attention classes of one modeling module."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        if not isinstance(cos, RotaryCarrier):
+            return module_globals[ROPE_NAME](q, k, cos, sin, *args, **kwargs)
+        attention, norms, cos = cos.attention, cos.norms, cos.cos
+        st: AttentionState = attention.__dict__[STATE]
+        if norms:  # q and k come un-normalised, (B, H, T, D) views of (B, T, H, D)
+            qn, kn = attention._modules["q_norm"], attention._modules["k_norm"]
+            if not args and not kwargs:
+                qt, kt = q.transpose(1, 2), k.transpose(1, 2)
+                return st.qk_norm_rope(qt, kt, qn.weight, kn.weight, cos, sin, st.q_norm.eps(qn))
+            q, k = qn(q.transpose(1, 2)).transpose(1, 2), kn(k.transpose(1, 2)).transpose(1, 2)
+        elif not args and not kwargs:
+            return st.rope(q, k, cos, sin)
+        return module_globals[ROPE_NAME](q, k, cos, sin, *args, **kwargs)
+
+    return apply_rotary_pos_emb
+
+
+def _norms_run_as(attention: nn.Module, st: AttentionState) -> bool:
+    qn, kn = attention._modules.get("q_norm"), attention._modules.get("k_norm")
+    return (
+        runs_as(qn, st.q_norm.cls) and runs_as(kn, st.k_norm.cls) and st.q_norm.eps(qn) == st.k_norm.eps(kn)
+    )
+
+
+def attention_forward(self, *args, **kwargs):
+    """The fused attention: its own forward, rebuilt with profuse's rotary call site."""
+    cls = type(self)
+    st: AttentionState = self.__dict__[STATE]
+    norms = st.qk_norm_rope is not None and _norms_run_as(self, st)
+    forward = (
+        getattr(cls, _QK_FORWARD) if norms else getattr(cls, _ROPE_FORWARD) if st.rope is not None else None
+    )
+    if forward is not None:
+        if "position_embeddings" in kwargs:
+            kwargs = {**kwargs, "position_embeddings": _carried(kwargs["position_embeddings"], self, norms)}
+            return forward(self, *args, **kwargs)
+        i = st.pe_index
+        if len(args) > i:
+            return forward(self, *args[:i], _carried(args[i], self, norms), *args[i + 1 :], **kwargs)
+    return getattr(cls, ORIGINAL).forward(self, *args, **kwargs)
+
+
+def _carried(position_embeddings, attention: nn.Module, norms: bool):
+    cos, sin = position_embeddings
+    return RotaryCarrier(cos, attention, norms), sin
+
+
+def attention_class(owner: type) -> type:
+    """Fused<owner>, with its forward rebuilt around profuse's call site (and, where it normalises
+    q and k, rebuilt a second time without the norms). Raises ValueError with the reason when the
+    forward cannot be rebuilt."""
+    inner = innermost(owner.forward)
+    site = _site(inner.__globals__)
+    rope_forward = rebuilt(owner.forward, {}, {ROPE_NAME: site})
+    try:
+        qk_forward = rebuilt(owner.forward, {"q_norm": _PASS, "k_norm": _PASS}, {ROPE_NAME: site})
+    except ValueError:
+        qk_forward = None  # no q_norm / k_norm in this forward: rope alone
+    attrs = {_ROPE_FORWARD: rope_forward, _QK_FORWARD: qk_forward, _PASS: staticmethod(lambda x: x)}
+    return fused_class(owner, "attention", attention_forward, attrs)
+
+
+# --------------------------------------------------------------------------------------------
+# Planning and probing (nothing is changed here)
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class AttentionPlan:
+    """What fusing the attentions would install, and what it could not: `reasons` for ops with a
+    place that cannot be fused exactly, `absent` for ops with no place in this model."""
+
+    targets: list[type] | None  # each attention's fused class; None: nothing to fuse
+    state: AttentionState | None
+    counts: dict[str, int]
+    reasons: dict[str, str]
+    absent: dict[str, str]
+
+
+def _out_features(m: nn.Module) -> int | None:
+    n = getattr(m, "out_features", None)
+    if isinstance(n, int):
+        return n
+    w = getattr(m, "weight", None)
+    return w.shape[0] if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+
+
+def plan_attention(
+    attentions: list[nn.Module], rope: Callable | None, qk: Callable | None, what: str
+) -> AttentionPlan:
+    """Check what fusing rope (and qk_norm_rope) into `attentions` needs; change nothing.
+    `rope`, `qk`: the ops to install, or None where not asked for."""
+    plan = AttentionPlan(None, None, {}, {}, {})
+    wanted = [op for op, fn in ((ROPE, rope), (QK_NORM_ROPE, qk)) if fn is not None]
+    if not wanted:
+        return plan
+    classes = {type(a) for a in attentions}
+    name = "/".join(sorted(c.__name__ for c in classes))
+
+    def refuse_all(reason: str) -> AttentionPlan:
+        plan.reasons.update({op: reason for op in wanted})
+        return plan
+
+    if len(classes) != 1:
+        return refuse_all(f"{what} mixes attention classes {name}")
+    owner = forward_owner(classes.pop())
+    params = parameter_names(owner.forward)
+    if "position_embeddings" not in params:
+        return refuse_all(f"{name}.forward takes no position_embeddings: not a Llama-family attention")
+    try:
+        fused = attention_class(owner)
+    except ValueError as e:
+        return refuse_all(f"{name}.forward cannot be rebuilt with profuse's {ROPE_NAME}: {e}")
+    targets = [fused_target(a, owner, fused) for a in attentions]
+    if any(t is None for t in targets):
+        return refuse_all(f"{name} is derived from {owner.__name__} by a class with a forward of its own")
+    plan.targets = targets
+    specs: tuple[NormSpec | None, NormSpec | None] = (None, None)
+    if qk is not None:
+        if getattr(fused, _QK_FORWARD) is None or not all(
+            hasattr(a, "q_norm") and hasattr(a, "k_norm") for a in attentions
+        ):
+            plan.absent[QK_NORM_ROPE] = f"{name} has no per-head q_norm and k_norm"
+            qk = None
+        else:
+            try:
+                specs = _probe_qk_norms(attentions, name)
+                _probe(
+                    attentions[0],
+                    fused,
+                    params,
+                    AttentionState(None, qk, *specs, params.index("position_embeddings")),
+                    name,
+                )
+            except UnsupportedModel as e:
+                plan.reasons[QK_NORM_ROPE] = str(e)
+                qk, specs = None, (None, None)
+    if rope is not None:
+        try:
+            _probe(
+                attentions[0],
+                fused,
+                params,
+                AttentionState(rope, None, None, None, params.index("position_embeddings")),
+                name,
+            )
+        except UnsupportedModel as e:
+            plan.reasons[ROPE] = str(e)
+            rope = None
+    if rope is None and qk is None:
+        plan.targets = None
+        return plan
+    plan.state = AttentionState(rope, qk, *specs, params.index("position_embeddings"))
+    plan.counts = {QK_NORM_ROPE if qk is not None else ROPE: len(attentions)}
+    return plan
+
+
+def _probe_qk_norms(attentions: list[nn.Module], name: str) -> tuple[NormSpec, NormSpec]:
+    specs = set()
+    for i, a in enumerate(attentions):
+        q = probe_norm(a.q_norm, f"layer {i}'s q_norm")
+        k = probe_norm(a.k_norm, f"layer {i}'s k_norm")
+        if q.eps(a.q_norm) != k.eps(a.k_norm):
+            raise UnsupportedModel(f"{name}'s q_norm and k_norm use different eps: qk_norm_rope takes one")
+        specs.add((q, k))
+    if len(specs) != 1:
+        raise UnsupportedModel(f"{name}'s q_norm and k_norm differ from layer to layer")
+    return specs.pop()
+
+
+def _probe(attention: nn.Module, fused: type, params: list[str], st: AttentionState, name: str) -> None:
+    """Run the attention class's own forward and the fused one on a float64 stand-in (small
+    hidden size, the real heads and head_dim, eager attention): raise unless the outputs agree
+    and the fused op ran once a call."""
+    owner = getattr(fused, ORIGINAL)
+    norms = st.qk_norm_rope is not None
+    op = "qk_norm_rope" if norms else "rope"
+    calls = []
+
+    def counted(fn):
+        def call(*args):
+            calls.append(1)
+            return fn(*args)
+
+        return call
+
+    try:
+        c, f64 = 8, torch.float64
+        oq, ok = _out_features(attention.q_proj), _out_features(attention.k_proj)
+        ov = _out_features(attention.v_proj)
+        d = attention.head_dim
+        with torch.random.fork_rng():
+            torch.manual_seed(3)
+            children = dict(attention.named_children())
+            children.update(
+                q_proj=nn.Linear(c, oq, dtype=f64),
+                k_proj=nn.Linear(c, ok, dtype=f64),
+                v_proj=nn.Linear(c, ov, dtype=f64),
+                o_proj=nn.Linear(oq, c, dtype=f64),
+            )
+            for key in ("q_norm", "k_norm"):  # float64 stand-ins, norms or not, wherever the model is
+                if key in children:
+                    real = children[key]
+                    weight = nn.Parameter(1 + torch.randn(d, dtype=f64) / 4)
+                    children[key] = stand_in(real, forward_owner(type(real)), {}, weight=weight)
+            x = torch.randn(2, 5, c, dtype=f64)
+            angle = 3 * torch.randn(2, 5, d, dtype=f64)
+        attrs = {}
+        config = getattr(attention, "config", None)
+        if config is not None:
+            config = copy.copy(config)
+            config._attn_implementation = "eager"  # CPU and float64, whatever the model runs
+            attrs["config"] = config
+        model = stand_in(attention, fused, children, **attrs)
+        probe_state = AttentionState(
+            counted(st.rope) if st.rope else None,
+            counted(st.qk_norm_rope) if norms else None,
+            st.q_norm,
+            st.k_norm,
+            st.pe_index,
+        )
+        model.__dict__[STATE] = probe_state
+        kwargs = {"hidden_states": x, "position_embeddings": (angle.cos(), angle.sin())}
+        if "attention_mask" in params:
+            kwargs["attention_mask"] = None
+        with torch.no_grad():
+            want = owner.forward(model, **kwargs)[0]
+            got = [attention_forward(model, **kwargs)[0]]
+            if params[:2] == ["hidden_states", "position_embeddings"]:  # by position too
+                rest = {k: v for k, v in kwargs.items() if k not in params[:2]}
+                got.append(attention_forward(model, x, kwargs["position_embeddings"], **rest)[0])
+        ok = len(calls) == len(got) and all(
+            g.shape == want.shape and (g - want).abs().max() <= PROBE_TOL * want.abs().max() for g in got
+        )
+    except Exception as e:  # a layout the stand-in does not fit
+        raise UnsupportedModel(f"{name} could not be checked with {op} fused: {e}") from None
+    if not ok:
+        reached = "never called it" if not calls else "computed something else"
+        raise UnsupportedModel(
+            f"{name}'s forward rebuilt with {op} {reached}: profuse cannot fuse it exactly"
+        )
+
+
+__all__ = [
+    "ROPE_NAME",
+    "AttentionPlan",
+    "AttentionState",
+    "RotaryCarrier",
+    "attention_class",
+    "attention_forward",
+    "plan_attention",
+]

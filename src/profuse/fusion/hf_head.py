@@ -1,0 +1,283 @@
+"""The causal-LM head of a Hugging Face model, fused with its loss: linear_cross_entropy.
+
+    loss = linear_cross_entropy(h, W_lm_head, labels, ignore_index, num_items_in_batch, shift_labels)
+
+with Hugging Face's ForCausalLMLoss semantics (profuse.crossentropy): the whole (tokens, vocab)
+logits are never made. The CausalLM's forward is its own, rebuilt once per class
+(hf_modules.rebuilt) with `self.lm_head` renamed to a pass-through (the "logits" it makes are the
+hidden states) and `self.loss_function` renamed to profuse's loss, which takes them with the
+lm_head's weight. The output then drops the logits: in training with labels the fused model
+returns logits=None (with return_dict=False, the tuple without them, as transformers makes it
+when logits are None).
+
+The fused path runs only when labels are given and a gradient is wanted (torch.is_grad_enabled),
+the lm_head is a plain bias-free nn.Linear (not replaced, wrapped by PEFT or hooked) and the
+model's loss_function is transformers' ForCausalLMLoss. Otherwise the class's own forward runs:
+no labels, evaluation under no_grad, generate, logits_to_keep, exactly as before.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from profuse.errors import UnsupportedModel
+from profuse.fusion.hf_layer import PROBE_TOL
+from profuse.fusion.hf_modules import (
+    ORIGINAL,
+    STATE,
+    forward_owner,
+    fused_class,
+    fused_target,
+    parameter_names,
+    rebuilt,
+    runs_as,
+    stand_in,
+)
+
+_HEAD, _LOSS, _FORWARD = "_profuse_head", "_profuse_loss", "_profuse_lce_forward"
+
+
+@dataclass(frozen=True)
+class HeadState:
+    """What a fused causal-LM head calls, the loss it stands for, and where labels come among the
+    forward's arguments."""
+
+    linear_cross_entropy: Callable
+    loss_function: Callable  # transformers' ForCausalLMLoss
+    labels_index: int
+
+
+def _head(self, hidden_states):
+    """lm_head, renamed in the rebuilt forward: the hidden states go on to the loss as they are."""
+    return hidden_states
+
+
+def _loss(
+    self,
+    logits,
+    labels,
+    vocab_size=None,
+    num_items_in_batch=None,
+    ignore_index=-100,
+    shift_labels=None,
+    **kwargs,
+):
+    """loss_function, renamed in the rebuilt forward: `logits` are the hidden states."""
+    st: HeadState = self.__dict__[STATE]
+    weight = self._modules["lm_head"].weight
+    return st.linear_cross_entropy(
+        logits,
+        weight,
+        labels,
+        ignore_index=ignore_index,
+        num_items_in_batch=num_items_in_batch,
+        shift_labels=shift_labels,
+    )
+
+
+def head_runs_as(model: nn.Module, st: HeadState) -> bool:
+    """True when the head computes what linear_cross_entropy does: a plain bias-free Linear and
+    transformers' own causal-LM loss."""
+    lm_head = model._modules.get("lm_head")
+    return runs_as(lm_head, nn.Linear) and lm_head.bias is None and model.loss_function is st.loss_function
+
+
+def without_logits(out):
+    """The model's output without its logits (the hidden states, in the rebuilt forward)."""
+    if isinstance(out, tuple):  # (loss, logits, ...): the probe checks this order
+        return out[:1] + out[2:]
+    return type(out)(**{k: v for k, v in out.items() if k != "logits"})
+
+
+def head_forward(self, *args, **kwargs):
+    """The fused causal LM: linear_cross_entropy with labels and gradients on; else its own."""
+    cls = type(self)
+    st: HeadState = self.__dict__[STATE]
+    labels = kwargs.get("labels")
+    if labels is None and len(args) > st.labels_index:
+        labels = args[st.labels_index]
+    if labels is not None and torch.is_grad_enabled() and head_runs_as(self, st):
+        return without_logits(getattr(cls, _FORWARD)(self, *args, **kwargs))
+    return getattr(cls, ORIGINAL).forward(self, *args, **kwargs)
+
+
+def head_class(owner: type) -> type:
+    """Fused<owner>, its forward rebuilt with lm_head and loss_function renamed. Raises
+    ValueError with the reason when the forward cannot be rebuilt."""
+    forward = rebuilt(owner.forward, {"lm_head": _HEAD, "loss_function": _LOSS}, {})
+    return fused_class(owner, "head", head_forward, {_FORWARD: forward, _HEAD: _head, _LOSS: _loss})
+
+
+# --------------------------------------------------------------------------------------------
+# Planning and probing (nothing is changed here)
+# --------------------------------------------------------------------------------------------
+
+
+def causal_lm_loss() -> Callable | None:
+    """transformers' ForCausalLMLoss, where this transformers has it."""
+    try:
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:
+        return None
+    return ForCausalLMLoss
+
+
+@dataclass
+class HeadPlan:
+    """What fusing the head would install (the module and its fused class), or why not."""
+
+    head: nn.Module | None
+    target: type | None
+    state: HeadState | None
+    reason: str | None  # a head that cannot be fused exactly
+    absent: str | None  # no causal-LM head in this model
+
+
+def plan_head(model: nn.Module, stack: nn.Module, op: Callable | None, probe: bool = True) -> HeadPlan:
+    """Find the module that holds lm_head above the decoder stack and check that its forward,
+    rebuilt, computes the loss it computes; change nothing. `probe=False` only finds it."""
+    plan = HeadPlan(None, None, None, None, None)
+    if op is None:
+        return plan
+    heads = [
+        m for m in model.modules() if isinstance(m._modules.get("lm_head"), nn.Module) and _holds(m, stack)
+    ]
+    if len(heads) != 1:
+        plan.absent = f"{type(model).__name__} has no causal-LM head (an lm_head above the decoder stack)"
+        return plan
+    head = heads[0]
+    if not probe:
+        plan.head = head
+        return plan
+    name = type(head).__name__
+    loss = causal_lm_loss()
+    lm_head = head._modules["lm_head"]
+    if loss is None or getattr(head, "loss_function", None) is not loss:
+        plan.reason = f"{name}'s loss_function is not transformers' ForCausalLMLoss"
+    elif not runs_as(lm_head, nn.Linear) or lm_head.bias is not None:
+        plan.reason = f"{name}'s lm_head is a {type(lm_head).__name__}, not a plain bias-free nn.Linear"
+    if plan.reason:
+        return plan
+    owner = forward_owner(type(head))
+    params = parameter_names(owner.forward)
+    if "labels" not in params:
+        plan.reason = f"{name}.forward takes no labels"
+        return plan
+    try:
+        fused = head_class(owner)
+    except ValueError as e:
+        plan.reason = f"{name}.forward cannot be rebuilt with linear_cross_entropy: {e}"
+        return plan
+    target = fused_target(head, owner, fused)
+    if target is None:
+        plan.reason = f"{name} is derived from {owner.__name__} by a class with a forward of its own"
+        return plan
+    state = HeadState(op, loss, params.index("labels"))
+    try:
+        _probe(head, fused, stack, state, name)
+    except UnsupportedModel as e:
+        plan.reason = str(e)
+        return plan
+    plan.head, plan.target, plan.state = head, target, state
+    return plan
+
+
+def _holds(module: nn.Module, target: nn.Module) -> bool:
+    return any(m is target for m in module.modules())
+
+
+class _Base(nn.Module):
+    """The decoder stack's stand-in: its output is a fixed last hidden state."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, *args, **kwargs):
+        from transformers.modeling_outputs import BaseModelOutputWithPast
+
+        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+
+
+def _probe(head: nn.Module, fused: type, stack: nn.Module, st: HeadState, name: str) -> None:
+    """Run the head class's own forward and the rebuilt one on a float64 stand-in (hidden 8,
+    vocab 13): labels with ignored tokens, num_items_in_batch, shift_labels, return_dict=False.
+    Raise unless the losses agree, the op ran once a call, and the rest of the output is the
+    same objects, logits apart."""
+    owner = getattr(fused, ORIGINAL)
+    c, v, f64 = 8, 13, torch.float64
+    calls = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return st.linear_cross_entropy(*args, **kwargs)
+
+    try:
+        base = next(n for n, m in head.named_children() if _holds(m, stack))
+        with torch.random.fork_rng():
+            torch.manual_seed(4)
+            hidden = torch.randn(2, 5, c, dtype=f64)
+            lm_head = nn.Linear(c, v, bias=False, dtype=f64)
+            labels = torch.randint(0, v, (2, 5))
+        labels[0, 1] = labels[1, 3] = -100
+        config = copy.copy(head.config)
+        config.vocab_size = v
+        attrs = {"config": config, **({"vocab_size": v} if "vocab_size" in head.__dict__ else {})}
+        model = stand_in(head, fused, {base: _Base(hidden), "lm_head": lm_head}, **attrs)
+        model.__dict__[STATE] = HeadState(counted, st.loss_function, st.labels_index)
+        shifted = torch.cat((labels[:, 1:], torch.full((2, 1), -100)), dim=1)
+        cases = [
+            {"labels": labels},
+            {"labels": labels, "num_items_in_batch": torch.tensor(7)},
+            {"labels": labels, "shift_labels": shifted.roll(1, dims=1)},
+            {"labels": labels, "return_dict": False},
+        ]
+        ok = True
+        with torch.no_grad():
+            for kwargs in cases:
+                want = owner.forward(model, **kwargs)
+                got = without_logits(getattr(fused, _FORWARD)(model, **kwargs))
+                ok = ok and _same(got, want)
+        ok = ok and len(calls) == len(cases)
+    except Exception as e:
+        raise UnsupportedModel(f"{name} could not be checked with linear_cross_entropy fused: {e}") from None
+    if not ok:
+        raise UnsupportedModel(
+            f"{name}'s forward rebuilt with linear_cross_entropy does not compute its own loss: "
+            "profuse cannot fuse it exactly"
+        )
+
+
+def _same(got, want) -> bool:
+    """got (logits dropped) against want: the loss within PROBE_TOL, the rest the same objects."""
+    if isinstance(want, tuple):
+        pairs, loss_got, loss_want = list(zip(got[1:], want[2:])), got[0], want[0]
+        if len(got) != len(want) - 1:
+            return False
+    else:
+        keys = [k for k in want.keys() if k != "logits"]
+        if list(got.keys()) != keys:
+            return False
+        pairs = [(got[k], want[k]) for k in keys if k != "loss"]
+        loss_got, loss_want = got.loss, want.loss
+    if any(a is not b for a, b in pairs):
+        return False
+    return loss_got.shape == loss_want.shape and bool(
+        (loss_got - loss_want).abs() <= PROBE_TOL * loss_want.abs()
+    )
+
+
+__all__ = [
+    "HeadPlan",
+    "HeadState",
+    "causal_lm_loss",
+    "head_class",
+    "head_forward",
+    "head_runs_as",
+    "plan_head",
+]

@@ -1,0 +1,410 @@
+"""The fused decoder layer and final norm of a Hugging Face Llama-family model, and their probes.
+
+A decoder layer computes
+
+    h  = x + attn(input_layernorm(x))
+    x' = h + mlp(post_attention_layernorm(h)),    mlp(y) = down(silu(gate(y)) * up(y))
+
+and the model ends with norm(x_L). Fused, a layer takes the stream as one tensor (layer 0, where
+the embeddings enter) or as the pair (x, residual) whose sum it is, and hands on the pair
+(mlp_out, h): the next layer's input norm, or the final norm, does the add.
+
+    rms_norm(x, w_in, eps)                  layer 0's input norm (no add in front)
+    add_rms_norm(x, residual, w_in, eps)    layer i's input norm and layer i-1's MLP add
+    add_rms_norm(attn_out, h, w_post, eps)  post_attention_layernorm and the attention add
+    silu_mul(gate(y), up(y))                the MLP's activation
+    add_rms_norm(mlp_out, h, w_final, eps)  the final norm and the last layer's MLP add
+
+Each place runs its op only when the modules it stands for would compute it (hf_modules.runs_as);
+otherwise it calls them. A layer hands on the pair only when nothing outside would see it: no
+hook observes the layer, and the module that takes its output (the next layer, or the final norm)
+is a fused one that takes pairs and that no hook observes either. Otherwise it hands on the
+hidden state itself, so a hook on a fused layer sees what it saw unfused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from profuse.errors import UnsupportedModel
+from profuse.fusion.hf_modules import STATE, forward_owner, is_fused, observed, runs_as, stand_in
+
+_MLP_CHILDREN = frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})
+_CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")  # one thing, by version
+PROBE_TOL = 1e-5  # the probes run float64 but Hugging Face's norms compute in fp32 (eps 1.2e-7)
+# transformers 4.54 is the first whose decoder layers return the hidden state alone and whose models
+# hand it straight to the next layer (before, layer_outputs[0]); the layer probe checks it.
+MIN_TRANSFORMERS = "4.54"
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """A norm class the probe checked, and the attribute that holds its eps (read at each call)."""
+
+    cls: type
+    eps_name: str
+
+    def eps(self, norm: nn.Module) -> float:
+        return getattr(norm, self.eps_name)
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """What a fused layer calls. An op is None where it is not fused; the norm and MLP classes are
+    those the probes checked; `stack` and `index` find the module that takes the layer's output."""
+
+    silu_mul: Callable | None
+    add_rms_norm: Callable | None
+    rms_norm: Callable | None
+    input_norm: NormSpec | None
+    post_norm: NormSpec | None
+    mlp_cls: type | None
+    act_cls: type | None
+    attn_defaults: dict  # the arguments the layer's own forward hands attention by default
+    stack: nn.Module | None  # None: always hand on the pair (the probe's stand-in)
+    index: int
+
+    def __deepcopy__(self, memo):
+        """A deep copy of the model copies the stack once, and the copy's layers find the copy's
+        stack; a layer copied alone keeps the stack it belongs to."""
+        return dataclasses.replace(self, stack=memo.get(id(self.stack), self.stack))
+
+
+@dataclass(frozen=True)
+class FinalNormState:
+    """What the fused final norm calls: add_rms_norm on a pair, rms_norm on a tensor (or None)."""
+
+    add_rms_norm: Callable | None
+    rms_norm: Callable | None
+    norm: NormSpec
+
+
+# --------------------------------------------------------------------------------------------
+# The fused forwards
+# --------------------------------------------------------------------------------------------
+
+
+def takes_pair(module: nn.Module) -> bool:
+    """True when `module` is a fused layer or final norm that takes the (x, residual) pair, runs
+    its class's forward, and no hook sees its input."""
+    st = module.__dict__.get(STATE)
+    return (
+        isinstance(st, (LayerState, FinalNormState))
+        and st.add_rms_norm is not None
+        and is_fused(module)
+        and "forward" not in module.__dict__
+        and not observed(module)
+    )
+
+
+def _hands_pair(layer: nn.Module, st: LayerState) -> bool:
+    if st.add_rms_norm is None:
+        return False
+    if st.stack is None:
+        return True
+    if observed(layer):
+        return False
+    layers = st.stack.layers
+    return takes_pair(layers[st.index + 1] if st.index + 1 < len(layers) else st.stack.norm)
+
+
+def norm_alone(op, spec: NormSpec | None, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """rms_norm(x) through the op where `norm` is as probed, else the module itself."""
+    if op is not None and spec is not None and runs_as(norm, spec.cls):
+        return op(x, norm.weight, spec.eps(norm))
+    return norm(x)
+
+
+def norm_after_add(add_op, op, spec: NormSpec | None, norm: nn.Module, x, residual):
+    """(norm(h), h), h = residual + x: add_rms_norm where `norm` is as probed, else the add and
+    then norm_alone."""
+    if add_op is not None and spec is not None and runs_as(norm, spec.cls):
+        return add_op(x, residual, norm.weight, spec.eps(norm))
+    h = residual + x
+    return norm_alone(op, spec, norm, h), h
+
+
+def _mlp_runs_as(mlp: nn.Module, st: LayerState) -> bool:
+    if not runs_as(mlp, st.mlp_cls):
+        return False
+    act = getattr(mlp, "act_fn", None)
+    if type(act) is not st.act_cls:
+        return False
+    return not isinstance(act, nn.Module) or runs_as(act, st.act_cls)
+
+
+def layer_forward(self, hidden_states, *args, **kwargs):
+    """The fused decoder layer: the stream as one tensor or the (x, residual) pair in; the pair
+    (mlp_out, h) out, or the hidden state where something would see the pair."""
+    st: LayerState = self.__dict__[STATE]
+    if args:  # arguments given by position, in the order of the layer's own forward
+        kwargs = {**dict(zip(st.attn_defaults, args)), **kwargs}
+    x, residual = hidden_states if isinstance(hidden_states, tuple) else (hidden_states, None)
+    pair = _hands_pair(self, st)
+    if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+        # As transformers' GradientCheckpointingLayer does, but with x and residual as two tensor
+        # arguments: through a tuple argument, use_reentrant=True would carry no gradient.
+        kwargs = _without_cache(self, kwargs)
+        body = functools.partial(layer_body, self, pair=pair, **kwargs)
+        return self._gradient_checkpointing_func(body, x, residual)
+    return layer_body(self, x, residual, pair=pair, **kwargs)
+
+
+def layer_body(self, x, residual, *, pair: bool, **kwargs):
+    st: LayerState = self.__dict__[STATE]
+    if residual is None:  # layer 0, or a layer handed the hidden state
+        residual = x
+        y = norm_alone(st.rms_norm, st.input_norm, self.input_layernorm, x)
+    else:  # the previous layer's MLP add, with this layer's input norm
+        y, residual = norm_after_add(
+            st.add_rms_norm, st.rms_norm, st.input_norm, self.input_layernorm, x, residual
+        )
+    attn_out = self.self_attn(hidden_states=y, **{**st.attn_defaults, **kwargs})[0]
+    y, residual = norm_after_add(
+        st.add_rms_norm, st.rms_norm, st.post_norm, self.post_attention_layernorm, attn_out, residual
+    )
+    mlp = self.mlp
+    if st.silu_mul is not None and _mlp_runs_as(mlp, st):
+        out = mlp.down_proj(st.silu_mul(mlp.gate_proj(y), mlp.up_proj(y)))
+    else:
+        out = mlp(y)
+    return (out, residual) if pair else residual + out
+
+
+def _without_cache(layer: nn.Module, kwargs: dict) -> dict:
+    """kwargs with the cache dropped, as transformers drops it under checkpointing (a recompute
+    would write the cache twice)."""
+    kwargs = dict(kwargs)
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    if not getattr(layer, "_can_checkpoint_with_cache", False):
+        for name in _CACHE_KWARGS:
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
+    return kwargs
+
+
+def final_norm_forward(self, hidden_states):
+    """The fused final norm: add_rms_norm on the pair, rms_norm (or its own forward) on a tensor."""
+    st: FinalNormState = self.__dict__[STATE]
+    if isinstance(hidden_states, tuple):
+        x, residual = hidden_states
+        if st.add_rms_norm is not None:
+            return st.add_rms_norm(x, residual, self.weight, st.norm.eps(self))[0]
+        hidden_states = residual + x
+    if st.rms_norm is not None:
+        return st.rms_norm(hidden_states, self.weight, st.norm.eps(self))
+    return st.norm.cls.forward(self, hidden_states)
+
+
+# --------------------------------------------------------------------------------------------
+# Probes (nothing is changed here): each raises UnsupportedModel with the reason
+# --------------------------------------------------------------------------------------------
+
+_EPS_NAMES = ("variance_epsilon", "eps")
+
+
+def probe_norm(norm: nn.Module, where: str) -> NormSpec:
+    """The norm's class and eps attribute, once its class's forward is seen to compute
+    rms_norm(x) * weight with that eps."""
+    cls = forward_owner(type(norm))
+    eps_name = next((n for n in _EPS_NAMES if isinstance(getattr(norm, n, None), float)), None)
+    w = getattr(norm, "weight", None)
+    params = {name for name, _ in norm.named_parameters()}
+    if eps_name is None or not isinstance(w, torch.Tensor) or w.dim() != 1 or params != {"weight"}:
+        raise UnsupportedModel(f"{where} ({type(norm).__name__}) is not an RMSNorm with a weight and an eps")
+    if type(norm) is not cls:
+        raise UnsupportedModel(
+            f"{where} is a {type(norm).__name__}, a {cls.__name__} wrapped by a class of its own"
+        )
+    eps = getattr(norm, eps_name)
+    gen = torch.Generator().manual_seed(0)
+    n = w.shape[0]
+    weight = nn.Parameter(torch.randn(n, generator=gen, dtype=torch.float64))
+    # rows of mean square 1, about eps (where eps matters) and 1e6
+    x = (
+        torch.randn(3, n, generator=gen, dtype=torch.float64)
+        * torch.tensor([[1.0], [eps**0.5], [1e3]]).double()
+    )
+    want = F.rms_norm(x, (n,), weight, eps)
+    try:
+        with torch.no_grad():
+            got = cls.forward(stand_in(norm, cls, {}, weight=weight), x)
+        ok = got.shape == want.shape and bool(
+            ((got - want).abs() <= PROBE_TOL * want.abs().amax(-1, True)).all()
+        )
+    except Exception as e:  # any failure of the stand-in is a layout profuse does not know
+        raise UnsupportedModel(f"{where} ({type(norm).__name__}) could not be checked: {e}") from None
+    if not ok:
+        raise UnsupportedModel(
+            f"{where} ({type(norm).__name__}) does not compute rms_norm(x) * weight with eps={eps} "
+            "(an offset norm such as Gemma's (1 + weight)?): fusing it would change the model"
+        )
+    return NormSpec(cls, eps_name)
+
+
+def probe_mlp(mlp: nn.Module, where: str) -> tuple[type, type]:
+    """The MLP's class and its act_fn's, once the class's forward is seen to compute
+    down(silu(gate(x)) * up(x))."""
+    cls = forward_owner(type(mlp))
+    children = {name for name, _ in mlp.named_children()}
+    act = getattr(mlp, "act_fn", None)
+    if not {"gate_proj", "up_proj", "down_proj"} <= children or act is None or not children <= _MLP_CHILDREN:
+        raise UnsupportedModel(
+            f"{where} ({type(mlp).__name__}) is not gate_proj/up_proj/down_proj with an act_fn "
+            f"(has {sorted(children)})"
+        )
+    if type(mlp) is not cls or "forward" in mlp.__dict__:
+        raise UnsupportedModel(f"{where} ({type(mlp).__name__}) runs a forward other than its class's")
+    gen = torch.Generator().manual_seed(1)
+    n, f = 8, 11
+    lin = lambda i, o: nn.Linear(i, o, dtype=torch.float64)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        gate, up, down = lin(n, f), lin(n, f), lin(f, n)
+    modules = {"gate_proj": gate, "up_proj": up, "down_proj": down}
+    if "act_fn" in children:
+        modules["act_fn"] = act
+    x = 2 * torch.randn(5, n, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        want = down(F.silu(gate(x)) * up(x))
+        try:
+            got = cls.forward(stand_in(mlp, cls, modules), x)
+            ok = got.shape == want.shape and bool(((got - want).abs() <= PROBE_TOL * want.abs().max()).all())
+        except Exception as e:
+            raise UnsupportedModel(f"{where} ({type(mlp).__name__}) could not be checked: {e}") from None
+    if not ok:
+        raise UnsupportedModel(
+            f"{where} ({type(mlp).__name__}) does not compute down(silu(gate(x)) * up(x)) "
+            f"(its act_fn is {type(act).__name__}): only a SiLU MLP fuses into silu_mul"
+        )
+    return cls, type(act)
+
+
+class _Sentinel:
+    """A stand-in argument: the probe checks that attention receives it, untouched."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name}>"
+
+
+def attn_defaults(cls: type) -> dict:
+    """The arguments the layer class's forward names after hidden_states, with their defaults."""
+    params = list(inspect.signature(cls.forward).parameters.values())[2:]  # self, hidden_states
+    return {
+        p.name: p.default for p in params if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD
+    }
+
+
+def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> None:
+    """Run the layer class's own forward and the fused one on stand-in submodules (float64, CPU),
+    with the ops fused and with none: raise unless they give the same output and hand attention
+    the same arguments. `ops`: silu_mul, add_rms_norm and rms_norm, as eager float64 math."""
+    cls = forward_owner(type(layer))
+    n, f = 8, 11
+    calls: list[dict] = []
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(n, n, dtype=torch.float64) / n**0.5)
+
+        def forward(self, hidden_states, **kwargs):
+            calls.append(kwargs)
+            return torch.tanh(hidden_states @ self.w), None
+
+    class Mlp(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_proj, self.up_proj = (
+                nn.Linear(n, f, dtype=torch.float64),
+                nn.Linear(n, f, dtype=torch.float64),
+            )
+            self.down_proj = nn.Linear(f, n, dtype=torch.float64)
+            self.act_fn = nn.SiLU()
+
+        def forward(self, x):
+            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+    class Norm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(1 + torch.randn(n, dtype=torch.float64) / 4), 1e-6
+
+        def forward(self, x):
+            return F.rms_norm(x, (n,), self.weight, self.eps)
+
+    defaults = attn_defaults(cls)
+    spec = NormSpec(Norm, "eps")
+    with torch.random.fork_rng():
+        torch.manual_seed(2)
+        children = {
+            "self_attn": Attention(),
+            "mlp": Mlp(),
+            "input_layernorm": Norm(),
+            "post_attention_layernorm": Norm(),
+        }
+        model = stand_in(layer, cls, children)
+        x, r = torch.randn(2, 2, 5, n, dtype=torch.float64)
+    fused = LayerState(
+        ops["silu_mul"], ops["add_rms_norm"], ops["rms_norm"], spec, spec, Mlp, nn.SiLU, defaults, None, 0
+    )
+    unfused = dataclasses.replace(fused, silu_mul=None, add_rms_norm=None, rms_norm=None)
+    named = {name: _Sentinel(name) for name in defaults}
+    named["probe_extra"] = _Sentinel("probe_extra")  # **kwargs pass through to attention too
+    try:
+        with torch.no_grad():
+            for kwargs in (named, {}):
+                calls.clear()
+                want = cls.forward(model, x + r, **kwargs)
+                if not isinstance(want, torch.Tensor):
+                    raise UnsupportedModel(
+                        f"{where} ({type(layer).__name__}) returns a {type(want).__name__}, not the "
+                        f"hidden state alone: pip install 'transformers>={MIN_TRANSFORMERS}'"
+                    )
+                got = []
+                for state, pair in ((fused, True), (fused, False), (unfused, False)):
+                    model.__dict__[STATE] = state
+                    for first, rest in ((x + r, None), (x, r)):  # layer 0's form, the others'
+                        out = layer_body(model, first, rest, pair=pair, **kwargs)
+                        got.append(out[0] + out[1] if pair else out)
+                same_args = len(calls) == 1 + len(got) and all(c == calls[0] for c in calls)
+                for out in got:
+                    if not same_args or not (out - want).abs().max() <= PROBE_TOL * want.abs().max():
+                        raise UnsupportedModel(
+                            f"{where} ({type(layer).__name__}) is not the pre-norm layer "
+                            "x + attn(norm(x)), then h + mlp(norm(h)): profuse cannot fuse it exactly"
+                        )
+    except UnsupportedModel:
+        raise
+    except Exception as e:
+        raise UnsupportedModel(f"{where} ({type(layer).__name__}) could not be checked: {e}") from None
+
+
+__all__ = [
+    "MIN_TRANSFORMERS",
+    "FinalNormState",
+    "LayerState",
+    "NormSpec",
+    "attn_defaults",
+    "final_norm_forward",
+    "layer_body",
+    "layer_forward",
+    "norm_after_add",
+    "norm_alone",
+    "probe_layer",
+    "probe_mlp",
+    "probe_norm",
+    "takes_pair",
+]

@@ -1,0 +1,109 @@
+"""The ops a fused Hugging Face model calls, as it calls them.
+
+Three sets of implementations (profuse.fusion.BlockOps): FUSED, profuse's Triton kernels; EAGER,
+the ops' own eager versions; HF_EAGER, Hugging Face's own eager math op for op, so that a model
+fused with it computes bitwise what it computed unfused (what a labelled trace should time).
+
+`bound_op` turns one op of a set into what a fused module calls: the kernels take bf16, fp16
+and fp32, so a call with any other dtype (a model moved to float64) runs HF_EAGER's op instead,
+the model's own math in the same structure; with `label=True` each call runs inside the op's
+profiler range (BLOCK_OP_RANGES). `unavailable` says why an implementation cannot run here (no
+triton, or a kernel module missing from this build).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+import torch
+
+from profuse import blockops, crossentropy, rotary
+from profuse.fusion.gpt import (
+    ADD_RMS_NORM,
+    BLOCK_OP_RANGES,
+    LINEAR_CROSS_ENTROPY,
+    QK_NORM_ROPE,
+    RMS_NORM,
+    ROPE,
+    SILU_MUL,
+    BlockOps,
+    labelled,
+)
+from profuse.kernels import HAS_TRITON, TRITON_MISSING
+from profuse.tail import SUPPORTED_DTYPES
+
+
+def add_rms_norm_hf(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, h): h = x + residual, then Hugging Face's Llama RMSNorm on h op for op (fp32 inside,
+    the normalised value cast back to h's dtype, then times the weight), in its dtypes."""
+    h = x + residual
+    h32 = h.to(torch.float32)
+    y = h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * y.to(h.dtype), h
+
+
+# The fused structure with the model's own eager math: a model fused with these computes exactly
+# what it did unfused (bitwise, in every dtype), so with label=True its trace times precisely the
+# ops that FUSED replaces (EAGER's add_rms_norm uses F.rms_norm, which rounds once in bf16).
+# rope_eager, qk_norm_rope_eager and head_rms_norm_hf are Hugging Face's apply_rotary_pos_emb and
+# RMSNorm op for op; linear_cross_entropy_eager is its lm_head matmul and ForCausalLMLoss.
+HF_EAGER = BlockOps(
+    blockops.silu_mul_eager,
+    add_rms_norm_hf,
+    "Hugging Face's eager math",
+    rms_norm=rotary.head_rms_norm_hf,
+    rope=rotary.rope_eager,
+    qk_norm_rope=rotary.qk_norm_rope_eager,
+    linear_cross_entropy=crossentropy.linear_cross_entropy_eager,
+)
+
+# How many leading arguments of each op are tensors whose dtype the kernels must take.
+_TENSOR_ARGS = {SILU_MUL: 2, ADD_RMS_NORM: 3, RMS_NORM: 2, ROPE: 4, QK_NORM_ROPE: 6, LINEAR_CROSS_ENTROPY: 2}
+
+# profuse's Triton ops and the kernel module each needs: an op whose module is not in this build
+# (a kernel not merged yet, or triton missing) is left unfused with that reason.
+_KERNEL_MODULES = {
+    blockops.silu_mul: "profuse.kernels.swiglu",
+    blockops.add_rms_norm: "profuse.kernels.add_rms_norm",
+    blockops.rms_norm: "profuse.kernels.rms_norm",
+    rotary.rope: "profuse.kernels.rope",
+    rotary.qk_norm_rope: "profuse.kernels.rope",
+    crossentropy.linear_cross_entropy: "profuse.kernels.cross_entropy",
+}
+
+
+def unavailable(ops: BlockOps, op: str) -> str | None:
+    """Why `ops` cannot run `op` here, or None when it can."""
+    fn = getattr(ops, op)
+    if fn is None:
+        return f"{ops.name!r} has no {op}"
+    module = _KERNEL_MODULES.get(fn)
+    if module is None:
+        return None
+    if not HAS_TRITON:
+        return TRITON_MISSING
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not in this build of profuse"
+    return None
+
+
+def bound_op(ops: BlockOps, op: str, label: bool) -> Callable:
+    """`ops`' `op` as a fused module calls it: HF_EAGER's for dtypes the kernels do not take, and
+    inside the op's profiler range when `label`."""
+    impl, fallback, n = getattr(ops, op), getattr(HF_EAGER, op), _TENSOR_ARGS[op]
+    if impl is fallback:
+        call = impl
+    else:
+
+        def call(*args, **kwargs):
+            if all(t.dtype in SUPPORTED_DTYPES for t in args[:n]):
+                return impl(*args, **kwargs)
+            return fallback(*args, **kwargs)  # float64: the model's own math
+
+    return labelled(call, BLOCK_OP_RANGES[op]) if label else call
+
+
+__all__ = ["HF_EAGER", "add_rms_norm_hf", "bound_op", "unavailable"]
