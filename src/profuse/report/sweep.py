@@ -22,7 +22,7 @@ from profuse.report.units import fmt_bandwidth, fmt_time, speedup_terms
 
 CSV_FIELDS = (
     "rows", "cols", "dtype", "backward", "variant", "median_s", "speedup", "ci_low", "ci_high",
-    "verdict", "achieved_GBps", "fraction_of_copy", "passed", "host_s", "host_bound", "timing",
+    "verdict", "achieved_GBps", "fraction_of_copy", "passed", "host_s", "host_bound", "timing", "unsteady",
 )  # fmt: skip
 
 BASELINE_VERDICT = "baseline"
@@ -65,6 +65,11 @@ class VariantRow:
     @property
     def size(self) -> tuple[int, int]:
         return self.rows, self.cols
+
+    @property
+    def unsteady(self) -> bool:
+        """Its trials were unsteady (bench.stats.steadiness): its median is not to be trusted."""
+        return bool(self.times_s) and steadiness(self.times_s).unsteady
 
     @property
     def verdict(self) -> str:
@@ -528,6 +533,7 @@ def csv_rows(data: dict) -> list[dict]:
                 "host_s": "" if r.host_s is None else r.host_s,
                 "host_bound": r.host_bound,
                 "timing": timing,
+                "unsteady": r.unsteady,
             }
         )
     return out
