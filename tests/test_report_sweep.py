@@ -190,3 +190,13 @@ def test_diff_names_the_versions_and_what_changed_between_the_runs(saved):
     assert "torch 9.9.9, triton not installed" in lines[2]
     assert f"from A to B: torch {a['env']['torch']}, triton {a['env']['triton']} -> torch 9.9.9" in text
     assert "from A to B" not in R.format_diff(a, a)
+
+
+def test_a_host_time_that_is_a_lower_bound_reads_at_least(saved):
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    run = data["runs"][0]
+    run["results"]["eager"]["host_s"] = 2e-3
+    run["comparison"]["timings"]["eager"]["host_is_lower_bound"] = True
+    run["results"]["rms_norm"]["host_s"] = 1e-3
+    rows = {r.variant: r for r in R.parse(data).variant_rows if r.rows == 64}
+    assert R.host_cell(rows["eager"]) == "at least 2.000 ms" and R.host_cell(rows["rms_norm"]) == "1.000 ms"
