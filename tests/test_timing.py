@@ -13,6 +13,7 @@ import json
 import random
 import time
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -579,6 +580,11 @@ def test_block_warm_up_waits_out_a_drift_then_stops_at_one_percent():
     a, b = res.timings["a"], res.timings["b"]
     assert a.warmup_steady and b.warmup_steady
     assert a.warmup_calls == STEADY_BLOCKS * 5  # steady from the start: the window, blocks of 1 + 4
+    steady = lambda: setattr(clock, "now", clock.now + 2e-3)
+    small = compare({"a": variants["a"], "c": steady}, "a", trials=2,
+                    device="cpu", warmup=0, n_resamples=100, timer=CpuTimer(clock),
+                    design=replace(design, warmup_block=2))  # fmt: skip
+    assert small.timings["a"].warmup_calls == STEADY_BLOCKS * 3  # warm-up blocks of 1 + 2
     assert b.warmup_calls > 200 * 0.9  # on until the drift has (nearly) stopped
     assert max(b.times_s) <= 1e-3 * 1.01
     assert res.warnings == []

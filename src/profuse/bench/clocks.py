@@ -218,8 +218,17 @@ def _delta_s(before: int | None, after: int | None) -> float | None:
     return (after - before) / 1e9 if before is not None and after is not None else None
 
 
+_LOADED: dict[str, Nvml | None] = {}  # by device: NVML is loaded and initialised once a process
+
+
 def monitor_for(device: torch.device) -> ClockMonitor | None:
-    nvml = load_nvml(device)
+    """A ClockMonitor on `device`, or None (a CPU, or no NVML)."""
+    if device.type != "cuda":
+        return None
+    key = str(device if device.index is not None else torch.device("cuda", torch.cuda.current_device()))
+    if key not in _LOADED:
+        _LOADED[key] = load_nvml(device)
+    nvml = _LOADED[key]
     return ClockMonitor(nvml) if nvml is not None else None
 
 

@@ -254,14 +254,19 @@ def speedup_ci(
     base, var = check_timings(baseline_s, variant_s)
     point = float(_ratio_of_medians(base, var))
     low, high, method = bootstrap_ratio_ci(base, var, _ratio_of_medians, True, confidence, n_resamples, seed)
-    paired = None
-    if per_trial:
-        p_point = float(_median_per_trial_ratio(base, var))
-        p_low, p_high, p_method = bootstrap_ratio_ci(
-            base, var, _median_per_trial_ratio, True, confidence, n_resamples, seed
-        )
-        paired = Speedup(p_point, p_low, p_high, confidence, p_method)
+    paired = _per_trial_ci(base, var, confidence, n_resamples, seed) if per_trial else None
     return Speedup(point, low, high, confidence, method, paired)
+
+
+def _per_trial_ci(
+    base: np.ndarray, var: np.ndarray, confidence: float, n_resamples: int, seed: int
+) -> Speedup:
+    """The median of per-trial ratios base_i / var_i with its paired bootstrap CI."""
+    point = float(_median_per_trial_ratio(base, var))
+    low, high, method = bootstrap_ratio_ci(
+        base, var, _median_per_trial_ratio, True, confidence, n_resamples, seed
+    )
+    return Speedup(point, low, high, confidence, method)
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,11 +358,11 @@ class Verdict:
     from (`tied_with`): those whose paired interval against it, corrected for the number of
     comparisons, does not show them slower by more than `band`.
 
-    `ratios[name]` is how many times faster the winner is than `name`: the ratio of medians, with
-    the median of per-trial ratios in its `per_trial` (the one the rule reads), each interval at
-    `confidence_each` = 1 - alpha / m for m comparisons (Bonferroni: all m hold together with at
-    least 1 - alpha). `within`: the tie's width, the farthest any tied variant's interval reaches
-    from 1 (0 without ties). `text`: 'compile, fused and cudagraphs tie (within 0.9%)'."""
+    `ratios[name]` is how many times faster the winner is than `name`: the median of per-trial
+    ratios name_i / winner_i with its paired bootstrap interval at `confidence_each` = 1 - alpha / m
+    for m comparisons (Bonferroni: all m hold together with at least 1 - alpha). `within`: the
+    tie's width, the farthest any tied variant's interval reaches from 1 (0 without ties). `text`:
+    'compile, fused and cudagraphs tie (within 0.9%)'."""
 
     winner: str
     tied_with: list[str]
@@ -380,7 +385,7 @@ class Verdict:
     def called(self) -> dict[str, float]:
         """The differences the verdict calls: variant -> how much slower than the winner it is
         (per-trial ratio - 1), for every variant outside the tie."""
-        return {n: sp.per_trial.median - 1 for n, sp in self.ratios.items() if n not in self.tied_with}
+        return {n: sp.median - 1 for n, sp in self.ratios.items() if n not in self.tied_with}
 
     def to_dict(self) -> dict:
         return {
@@ -421,9 +426,9 @@ def tie_verdict(
     winner = min(names, key=lambda n: float(np.median(arrays[n])))  # the first named among equals
     others = [n for n in names if n != winner]
     each = 1 - alpha / max(len(others), 1)
-    ratios = {n: speedup_ci(arrays[n], arrays[winner], each, n_resamples, seed) for n in others}
-    tied = [n for n in others if ratios[n].per_trial.low <= 1 + band]
-    within = max((max(ratios[n].per_trial.high - 1, 1 - ratios[n].per_trial.low) for n in tied), default=0.0)
+    ratios = {n: _per_trial_ci(arrays[n], arrays[winner], each, n_resamples, seed) for n in others}
+    tied = [n for n in others if ratios[n].low <= 1 + band]
+    within = max((max(ratios[n].high - 1, 1 - ratios[n].low) for n in tied), default=0.0)
     verdict = Verdict(
         winner=winner,
         tied_with=tied,
@@ -457,7 +462,7 @@ def _verdict_text(v: Verdict) -> str:
     if not called:
         return head
     nxt = min(called, key=called.get)
-    pt = v.ratios[nxt].per_trial
+    pt = v.ratios[nxt]
     return (
         f"{head}; next: {nxt}, {_pct(pt.median - 1)} slower ({_pct(pt.low - 1)}-{_pct(pt.high - 1)}, "
         f"{v.confidence_each:.1%} CI)"

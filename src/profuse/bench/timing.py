@@ -20,7 +20,7 @@
   per-trial ratios beside it (bench/stats.py); the verdict over all variants with its tie set.
 
 `TrialDesign` changes how a trial is laid out; its defaults are the above (Part B's). `REFEREE`
-is the design for whole training steps (issue 45): a trial of a variant is one clock or event pair
+is the design for whole training steps (Part C's referee): a trial of a variant is one clock or event pair
 around K >= 10 calls after one discarded call; orders balanced (each variant in each position
 equally often: rotations of shuffled base orders, the trials rounded up to a multiple of the
 number of variants); warm-up until the last STEADY_BLOCKS blocks agree within 1% with no drift;
@@ -35,7 +35,7 @@ import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
@@ -88,6 +88,7 @@ class TrialDesign:
     discard: int = 0  # untimed calls before each timed block (the queue filled as a loop's is)
     balanced: bool = False  # each variant in each position equally often (trials rounded up)
     steady_spread: float | None = None  # warm-up by blocks until they agree within this; None: calls
+    warmup_block: int | None = None  # calls in a warm-up block (None: `calls`), after `discard`
     max_trials: int = 0  # more trials, up to this, where the two fastest are within `close`
     close: float = 0.02
     band: float = TIE_BAND  # the verdict's equivalence band (stats.tie_verdict)
@@ -105,20 +106,31 @@ class TrialDesign:
             raise ValueError("max_trials must be 0 or more and close in [0, 1)")
         if self.host_rounds is not None and self.host_rounds < 1:
             raise ValueError(f"host_rounds must be at least 1, got {self.host_rounds}")
+        if self.warmup_block is not None and self.warmup_block < 1:
+            raise ValueError(f"warmup_block must be at least 1, got {self.warmup_block}")
 
     @property
     def blocks(self) -> bool:
         return self.calls > 1 or self.discard > 0
 
+    @property
+    def warmup_design(self) -> TrialDesign:
+        """The design of a warm-up block: `warmup_block` calls after the same discard."""
+        return replace(self, calls=self.warmup_block or self.calls)
+
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-# Whole training steps, as the referee times them (issue 45): K = 10 steps a trial after one
+# Whole training steps, as Part C's referee times them: K = 10 steps a trial after one
 # discarded (so a trial starts with the queue as full as a training loop keeps it, and one event
-# pair's overhead is a tenth of a step's), balanced orders, warm-up to 1%, 30 trials where the two
-# fastest are within 2%, and the drift and noise warnings.
-REFEREE = TrialDesign(calls=10, discard=1, balanced=True, steady_spread=0.01, max_trials=30, checks=True)
+# pair's overhead is a tenth of a step's), balanced orders, warm-up to 1% in blocks of 3 steps
+# after one discarded (6 blocks at the least: 24 steps, 4 s of a 166 ms step, where blocks of 10
+# would take 11 s a variant), 30 trials where the two fastest are within 2%, and the drift and
+# noise warnings.
+REFEREE = TrialDesign(
+    calls=10, discard=1, balanced=True, steady_spread=0.01, warmup_block=3, max_trials=30, checks=True
+)
 
 
 @dataclass
@@ -306,8 +318,8 @@ def warmup_warning(name: str, calls: int, budget_s: float, rule: str | None = No
 
 def _block_rule(design: TrialDesign) -> str:
     return (
-        f"last {STEADY_BLOCKS} blocks of {design.calls} calls agreed within {design.steady_spread:.1%} "
-        "with no drift"
+        f"last {STEADY_BLOCKS} blocks of {design.warmup_design.calls} calls agreed within "
+        f"{design.steady_spread:.1%} with no drift"
     )
 
 
@@ -529,7 +541,7 @@ class _BlockWarmUp:
 
     @property
     def counts(self) -> dict[str, int]:
-        per = self.design.calls + self.design.discard
+        per = self.design.warmup_design.calls + self.design.discard
         return {n: len(t) * per for n, t in self.times.items()}
 
     def run(self, name: str, fn: Callable[[], object], dev: torch.device) -> None:
@@ -544,7 +556,7 @@ class _BlockWarmUp:
                     steady = False
                     break
             t0 = self.clock()
-            blocks += _time_blocks(self.timer, [fn], self.design)
+            blocks += _time_blocks(self.timer, [fn], self.design.warmup_design)
             spent += self.clock() - t0
         self.times[name], self.steady[name] = blocks, steady
 
