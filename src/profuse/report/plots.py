@@ -4,6 +4,8 @@ The x axis is rows where every size shares one cols (the lab's sweep), else cols
 A grid over hidden sizes (`--cols ... --elements 4M,32M,128M`, or several --rows with several
 --cols) draws one line per variant and group, the group being the elements value (or the rows
 value): colour says the variant, the same in both plots; line style and marker say the group.
+A hollow point rests on unsteady trials (report.sweep.VariantRow.unsteady: its median is not to be
+trusted); in the speedup plot a half-filled point is a speedup whose CI holds 1.0.
 
 matplotlib is optional (`pip install 'profuse[plot]'`): without it HAS_MATPLOTLIB is False and a
 sweep still writes its JSON and CSV. Figures are drawn on the Agg canvas directly, never through
