@@ -286,6 +286,13 @@ def test_identical_variants_tie_in_most_seeds():
     assert ties >= 18
 
 
+@pytest.mark.parametrize(
+    ("x", "text"), [(0.006, "0.6%"), (0.0123, "1.2%"), (0.18, "18%"), (1.37, "137%"), (0.0004, "0.04%")]
+)
+def test_percentages_read_as_a_person_writes_them(x, text):
+    assert stats._pct(x) == text
+
+
 def test_a_verdict_of_one_and_its_dict():
     v = stats.tie_verdict({"only": [1.0, 1.1, 0.9]})
     assert (v.winner, v.tied_with, v.ratios, v.text) == (

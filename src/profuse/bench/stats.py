@@ -446,8 +446,9 @@ def tie_verdict(
 
 
 def _pct(x: float) -> str:
-    """0.006 -> '0.6%', 0.0123 -> '1.2%', 0.18 -> '18%'."""
-    return f"{x * 100:.2g}%"
+    """0.006 -> '0.6%', 0.0123 -> '1.2%', 0.18 -> '18%', 1.37 -> '137%'."""
+    pct = x * 100
+    return f"{pct:.0f}%" if abs(pct) >= 10 else f"{pct:.2g}%"
 
 
 def _names(names: list[str]) -> str:
