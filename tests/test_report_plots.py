@@ -99,3 +99,59 @@ def test_a_ci_beside_its_median_is_still_drawn(saved):
     segments = bars.lines[2][0].get_segments()  # the vertical bars, one per size
     low, high = sorted(segments[0][:, 1])
     assert low == pytest.approx(0.74) and high == pytest.approx(0.89)
+
+
+def marked(fig, kind: str) -> dict[str, list[float]]:
+    """The x values of the points marked `kind` ('unsteady' or 'no-gain'), by 'VARIANT:GROUP'."""
+    ax = fig.axes[0]
+    out = {}
+    for ln in ax.get_lines():
+        gid = ln.get_gid() or ""
+        if gid.startswith(kind + ":"):
+            out[gid.split(":", 1)[1]] = list(ln.get_xdata())
+    return out
+
+
+def legend_texts(fig) -> list[str]:
+    return [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+
+
+@needs_matplotlib
+def test_unsteady_points_are_hollow_and_the_legend_says_why(saved):
+    """rms_norm unsteady at 128 rows: hollow in the bandwidth plot, and in the speedup plot (its
+    speedup rests on those trials); an unsteady baseline makes every speedup at its size hollow."""
+    from test_report_sweep import unsteady_at_128
+
+    data = unsteady_at_128(saved)
+    bandwidth, speedup = plots.bandwidth_figure(data), plots.speedup_figure(data)
+    hollow = marked(bandwidth, "unsteady")
+    assert list(hollow) == ["rms_norm:0"] and hollow["rms_norm:0"] == [128]
+    (line,) = [ln for ln in bandwidth.axes[0].get_lines() if ln.get_gid() == "unsteady:rms_norm:0"]
+    assert line.get_markerfacecolor() == "white"
+    assert plots.UNSTEADY_NOTE in legend_texts(bandwidth) and plots.UNSTEADY_NOTE in legend_texts(speedup)
+    assert [round(x) for x in marked(speedup, "unsteady")["rms_norm:0"]] == [128]
+    base = unsteady_at_128(saved, "eager")
+    assert [round(x) for x in marked(plots.speedup_figure(base), "unsteady")["rms_norm:0"]] == [128]
+    assert marked(plots.bandwidth_figure(base), "unsteady") == {"eager:0": [128]}
+    steady = json.loads(json.dumps(data))
+    steady["runs"][1]["comparison"]["timings"]["rms_norm"]["times_s"] = [1e-3] * 30
+    assert marked(plots.speedup_figure(steady), "unsteady") == {}
+    assert plots.UNSTEADY_NOTE not in legend_texts(plots.bandwidth_figure(steady))
+
+
+@needs_matplotlib
+def test_a_speedup_without_a_measurable_gain_is_half_filled(saved):
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    for run in data["runs"]:
+        for timing in run["comparison"]["timings"].values():
+            timing["times_s"] = [1e-3] * 3
+    run = data["runs"][0]
+    run["results"]["rms_norm"]["speedup"].update(
+        median=1.01, low=0.98, high=1.04, verdict="no measurable gain"
+    )
+    data["runs"][1]["results"]["rms_norm"]["speedup"].update(median=1.5, low=1.4, high=1.6, verdict="faster")
+    fig = plots.speedup_figure(data)
+    assert [round(x) for x in marked(fig, "no-gain")["rms_norm:0"]] == [64]
+    (line,) = [ln for ln in fig.axes[0].get_lines() if ln.get_gid() == "no-gain:rms_norm:0"]
+    assert line.get_fillstyle() == "bottom"
+    assert plots.NO_GAIN_NOTE in legend_texts(fig) and plots.UNSTEADY_NOTE not in legend_texts(fig)

@@ -113,6 +113,27 @@ def test_report_warns_of_unsteady_timings(saved):
     assert "unsteady" not in R.format_report(data)
 
 
+def unsteady_at_128(saved, variant: str = "rms_norm") -> dict:
+    """Sweep A with steady trials everywhere but `variant` at 128 x 96 (a third at 3x its fastest)."""
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    for run in data["runs"]:
+        for timing in run["comparison"]["timings"].values():
+            timing["times_s"] = [1e-3 * (1 + 0.1 * (i % 2)) for i in range(30)]
+    data["runs"][1]["comparison"]["timings"][variant]["times_s"] = [1e-3] * 20 + [3e-3] * 10
+    return data
+
+
+def test_the_csv_says_which_rows_are_unsteady(tmp_path, saved):
+    data = unsteady_at_128(saved)
+    R.write_csv(tmp_path / "results.csv", data)
+    with open(tmp_path / "results.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert "unsteady" in R.CSV_FIELDS
+    flagged = {(r["rows"], r["variant"]) for r in rows if r["unsteady"] == "True"}
+    assert flagged == {("128", "rms_norm")}
+    assert {r["unsteady"] for r in rows} == {"True", "False"}
+
+
 def test_unsteady_warning_gives_a_command_that_times_the_size_again(saved):
     data = json.loads((saved["a"][0] / "results.json").read_text())
     for run in data["runs"]:  # steady: every trial within 10% of the fastest
@@ -169,3 +190,13 @@ def test_diff_names_the_versions_and_what_changed_between_the_runs(saved):
     assert "torch 9.9.9, triton not installed" in lines[2]
     assert f"from A to B: torch {a['env']['torch']}, triton {a['env']['triton']} -> torch 9.9.9" in text
     assert "from A to B" not in R.format_diff(a, a)
+
+
+def test_a_host_time_that_is_a_lower_bound_reads_at_least(saved):
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    run = data["runs"][0]
+    run["results"]["eager"]["host_s"] = 2e-3
+    run["comparison"]["timings"]["eager"]["host_is_lower_bound"] = True
+    run["results"]["rms_norm"]["host_s"] = 1e-3
+    rows = {r.variant: r for r in R.parse(data).variant_rows if r.rows == 64}
+    assert R.host_cell(rows["eager"]) == "at least 2.000 ms" and R.host_cell(rows["rms_norm"]) == "1.000 ms"

@@ -11,7 +11,15 @@ A CUDA call has two costs, and each timer here measures one view of them:
              launch cost at all.
 
 On a CPU every call is synchronous, so the three are one: CpuTimer, the wall clock.
-`host_times` measures the other cost, the CPU's time to issue a call.
+
+Every timer times a trial two ways: `time_calls(fns)`, one clock or event pair around each call,
+and `time_blocks(fns, calls, discard)`, one pair around `calls` calls back to back after `discard`
+untimed ones (the time per call is the pair's time over `calls`): a step's trial, where the calls
+before it have filled the queue as a training loop's do.
+
+The other cost, the CPU's time to issue a call: `HeldIssue` issues it while the GPU is held busy,
+so the CPU's time cannot include waiting for the GPU, and says when the launch queue filled all
+the same (bench/host.py reads it); `host_times`, the older reading, is each call's wall time.
 
 This module sits below the kernels (their autotuner times launch configs with CudaTimer) and
 imports nothing of profuse but the device queries.
@@ -19,7 +27,10 @@ imports nothing of profuse but the device queries.
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -45,6 +56,17 @@ class CpuTimer:
             t0 = self.clock()
             fn()
             out.append(self.clock() - t0)
+        return out
+
+    def time_blocks(self, fns: Sequence[Callable[[], object]], calls: int, discard: int = 0) -> list[float]:
+        out = []
+        for fn in fns:
+            for _ in range(discard):
+                fn()
+            t0 = self.clock()
+            for _ in range(calls):
+                fn()
+            out.append((self.clock() - t0) / calls)
         return out
 
 
@@ -100,6 +122,26 @@ class CudaTimer:
         torch.cuda.synchronize(self.device)
         return [s.elapsed_time(e) / 1e3 for s, e in events]
 
+    def time_blocks(self, fns: Sequence[Callable[[], object]], calls: int, discard: int = 0) -> list[float]:
+        """One event pair around `calls` calls of each fn, after `discard` untimed ones; the L2 is
+        flushed once before each block (the calls of a block find each other's data in it)."""
+        self._queue_ahead()
+        t0 = time.perf_counter()
+        events = []
+        for fn in fns:
+            self.flush()
+            for _ in range(discard):
+                fn()
+            start, end = _event_pair()
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            events.append((start, end))
+        self._lead_s = time.perf_counter() - t0
+        torch.cuda.synchronize(self.device)
+        return [s.elapsed_time(e) / 1e3 / calls for s, e in events]
+
 
 class LoopTimer:
     """Calls back to back from an idle queue, events around each: what a CPU-bound loop pays.
@@ -132,6 +174,25 @@ class LoopTimer:
                 events.append((start, end))
             torch.cuda.synchronize(self.device)
             out.append(statistics.median(s.elapsed_time(e) / 1e3 for s, e in events))
+        return out
+
+    def time_blocks(self, fns: Sequence[Callable[[], object]], calls: int, discard: int = 0) -> list[float]:
+        """From an idle queue: `discard` untimed calls (they fill the queue as the steps before
+        a training loop's step do), then one event pair around `calls` calls back to back. The
+        calls are the repetitions: no `reps` here."""
+        out = []
+        for fn in fns:
+            torch.cuda.synchronize(self.device)
+            self.flush()
+            for _ in range(discard):
+                fn()
+            start, end = _event_pair()
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            torch.cuda.synchronize(self.device)
+            out.append(start.elapsed_time(end) / 1e3 / calls)
         return out
 
 
@@ -221,3 +282,74 @@ def host_times(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# The CPU's time to issue a call, the GPU held
+# --------------------------------------------------------------------------------------------
+
+# The CUDA runtime and driver calls in a torch.profiler trace (the launches among them).
+RUNTIME_CATS = ("cuda_runtime", "cuda_driver")
+# torch.cuda._sleep's kernel, as the trace names it: the hold and the end marker of a traced issue.
+SLEEP_KERNEL = "spin_kernel"
+
+
+class HeldIssue:
+    """The CPU's time to issue one call while the GPU is held busy.
+
+    `issue(fn, hold_s)`: after a synchronisation, a `torch.cuda._sleep` of `hold_s` seconds holds
+    the GPU, an event is recorded behind it, and the CPU issues the call under its wall clock. If
+    the event has not completed when the call returns, the GPU had run none of the call's work, so
+    no launch queue slot had been freed and the CPU cannot have waited for one: the time is the
+    CPU's alone. If it has (`filled`), the CPU may have waited: the launch queue (about a thousand
+    launches) filled before the hold ended, the call synchronised, or the hold was too short.
+
+    `traced_issue(fn, hold_s)`: the same under torch.profiler with CUDA activity only (runtime
+    and driver calls, kernels; no CPU operators, whose recording would add host time), the
+    call bracketed by two sleep kernels; returns the trace's events for bench.host.host_from_trace.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cycles_per_s = _calibrate_sleep(device)
+        self._released = torch.cuda.Event()
+
+    @property
+    def available(self) -> bool:
+        return bool(self.cycles_per_s)
+
+    def issue(self, fn: Callable[[], object], hold_s: float) -> tuple[float, bool]:
+        torch.cuda.synchronize(self.device)
+        torch.cuda._sleep(max(int(hold_s * self.cycles_per_s), 1))
+        self._released.record()
+        t0 = time.perf_counter()
+        fn()
+        t1 = time.perf_counter()
+        filled = self._released.query()
+        torch.cuda.synchronize(self.device)
+        return t1 - t0, bool(filled)
+
+    def traced_issue(self, fn: Callable[[], object], hold_s: float) -> list[dict] | None:
+        """The trace events of one held issue, or None where torch.profiler records no CUDA
+        activity here."""
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        torch.cuda.synchronize(self.device)
+        try:
+            with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                torch.cuda._sleep(max(int(hold_s * self.cycles_per_s), 1))
+                self._released.record()
+                fn()
+                torch.cuda._sleep(1)  # the end marker: its launch closes the window
+                torch.cuda.synchronize(self.device)
+            fd, path = tempfile.mkstemp(suffix=".json", prefix="profuse-host-")
+            os.close(fd)
+            try:
+                prof.export_chrome_trace(path)
+                with open(path, encoding="utf-8") as f:
+                    return list(json.load(f).get("traceEvents", []))
+            finally:
+                os.unlink(path)
+        except (RuntimeError, OSError, ValueError):
+            return None

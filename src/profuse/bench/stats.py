@@ -3,25 +3,34 @@
 Statistic: the ratio of medians, median(baseline times) / median(variant times); above 1 means
 the variant is faster. Trials are paired (trial i timed every variant once, interleaved), so the
 bootstrap resamples whole trials and keeps each pair together: drift that slowed a trial slows
-both sides of its pair, and the interval does not widen for it.
+both sides of its pair, and the interval does not widen for it. Beside it, the paired statistic
+(`Speedup.per_trial`): exp(median_i log(baseline_i / variant_i)), the median of the per-trial
+ratios, which uses the pairing in the point estimate too.
 
-Also here: the unpaired ratio of two saved runs (`time_ratio_ci`, for `profuse diff`) and a saved
-run's speedups recomputed over another baseline (`rebase`, for `profuse report --vs`).
+Also here: the verdict over several variants with its tie set (`tie_verdict`), a drift through
+the trials (`trend`), the trials' noise (`noise`), the one rule for device-, host- and
+launch-bound (`bound`), the unpaired ratio of two saved runs (`time_ratio_ci`, for `profuse
+diff`) and a saved run's speedups recomputed over another baseline (`rebase`, for `profuse
+report --vs`).
 """
 
 from __future__ import annotations
 
 import copy
 import inspect
+import math
 import warnings
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 from scipy import stats as _sps
 
+from profuse.attribution import LAUNCH_BOUND_IDLE_PCT
 from profuse.errors import UsageError
 
 STATISTIC = "ratio of medians: median(baseline) / median(variant), paired bootstrap over trials"
+PER_TRIAL_STATISTIC = "median of per-trial ratios: exp(median(log(baseline_i / variant_i))), paired bootstrap"
 
 # Below this many trials a CI is printed with a caveat. A bootstrap can only draw the distinct
 # resamples of n trials, C(2n-1, n) of them: 3 at n = 2, 126 at n = 5, 92378 at n = 10; with a
@@ -43,13 +52,15 @@ NO_GAIN = "no measurable gain"
 
 @dataclass
 class Speedup:
-    """`median` is the ratio of medians; (`low`, `high`) its confidence interval."""
+    """`median` is the ratio of medians; (`low`, `high`) its confidence interval. `per_trial`, where
+    computed, is the paired statistic (the median of per-trial ratios) with its own interval."""
 
     median: float
     low: float
     high: float
     confidence: float
     method: str  # "BCa", or "percentile" where BCa degenerated (tied data)
+    per_trial: Speedup | None = None
 
     @property
     def verdict(self) -> str:
@@ -65,7 +76,17 @@ class Speedup:
         return self.verdict != NO_GAIN
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "verdict": self.verdict}
+        out = {
+            "median": self.median,
+            "low": self.low,
+            "high": self.high,
+            "confidence": self.confidence,
+            "method": self.method,
+            "verdict": self.verdict,
+        }
+        if self.per_trial is not None:
+            out["per_trial"] = self.per_trial.to_dict()
+        return out
 
 
 @dataclass(frozen=True)
@@ -136,6 +157,10 @@ def _ratio_of_medians(base: np.ndarray, var: np.ndarray, axis: int = -1) -> np.n
     return np.median(base, axis=axis) / np.median(var, axis=axis)
 
 
+def _median_per_trial_ratio(base: np.ndarray, var: np.ndarray, axis: int = -1) -> np.ndarray:
+    return np.exp(np.median(np.log(base) - np.log(var), axis=axis))
+
+
 def _rng_kwarg(seed: int) -> dict:
     # scipy 1.15 renamed random_state to rng; accept either so old and new scipy both work.
     params = inspect.signature(_sps.bootstrap).parameters
@@ -155,9 +180,10 @@ def bootstrap_ratio_ci(
     """(low, high, method) of `statistic(first, second)`: BCa, percentile where BCa degenerates.
 
     `paired` resamples whole trials (pairs kept together); unpaired resamples each sample alone.
+    The interval always holds the point estimate (_hold_point).
     """
+    point = float(statistic(first, second))
     if np.all(first == first[0]) and np.all(second == second[0]):
-        point = float(statistic(first, second))
         return point, point, "exact"  # every resample is the same: the interval is the point
     for method in ("BCa", "percentile"):
         with warnings.catch_warnings():
@@ -175,9 +201,31 @@ def bootstrap_ratio_ci(
             )
         low, high = float(res.confidence_interval.low), float(res.confidence_interval.high)
         if np.isfinite(low) and np.isfinite(high):
-            return low, high, method
-    point = float(statistic(first, second))
+            held = _hold_point(point, low, high, method)
+            if held is not None:
+                return held
+            if method == "BCa":
+                continue  # BCa's interval missed its point: the percentile interval instead
+            return min(low, point), max(high, point), f"{method}, widened to its point"
     return point, point, "degenerate"
+
+
+# An interval endpoint this close to the point estimate (relative) is the point, computed another
+# way: scipy interpolates its percentiles, so an endpoint that is the point can come back 1 ulp
+# beside it (3 trials [1.7, 2.1, 1.8] / [1.0, 2.1, 2.0]: point 0.9, BCa low 0.9000000000000001).
+# With a few trials much of the bootstrap's mass sits on the point itself, which is how a CI came to
+# "exclude" its median in a 3-trial sweep under two busy loops, and how a plot's error bar once had
+# a negative length.
+POINT_ROUNDING = 1e-9
+
+
+def _hold_point(point: float, low: float, high: float, method: str) -> tuple[float, float, str] | None:
+    """(low, high, method) with an endpoint within rounding of the point snapped onto it; None
+    where the interval misses its point by more than rounding."""
+    tol = POINT_ROUNDING * abs(point)
+    if low - tol <= point <= high + tol:
+        return min(low, point), max(high, point), method
+    return None
 
 
 def check_timings(*samples) -> list[np.ndarray]:
@@ -197,14 +245,313 @@ def speedup_ci(
     confidence: float = 0.95,
     n_resamples: int = 5000,
     seed: int = 0,
+    per_trial: bool = True,
 ) -> Speedup:
-    """Ratio of medians of paired timings with a bootstrap CI (BCa, percentile as fallback)."""
+    """Ratio of medians of paired timings with a bootstrap CI (BCa, percentile as fallback), and
+    with `per_trial` the median of per-trial ratios with its own CI beside it."""
     if np.shape(baseline_s) != np.shape(variant_s):
         raise ValueError("baseline and variant timings must be 1-D and paired (same length)")
     base, var = check_timings(baseline_s, variant_s)
     point = float(_ratio_of_medians(base, var))
     low, high, method = bootstrap_ratio_ci(base, var, _ratio_of_medians, True, confidence, n_resamples, seed)
+    paired = _per_trial_ci(base, var, confidence, n_resamples, seed) if per_trial else None
+    return Speedup(point, low, high, confidence, method, paired)
+
+
+def _per_trial_ci(
+    base: np.ndarray, var: np.ndarray, confidence: float, n_resamples: int, seed: int
+) -> Speedup:
+    """The median of per-trial ratios base_i / var_i with its paired bootstrap CI."""
+    point = float(_median_per_trial_ratio(base, var))
+    low, high, method = bootstrap_ratio_ci(
+        base, var, _median_per_trial_ratio, True, confidence, n_resamples, seed
+    )
     return Speedup(point, low, high, confidence, method)
+
+
+# --------------------------------------------------------------------------------------------
+# Drift and noise through a variant's trials
+# --------------------------------------------------------------------------------------------
+
+# A variant whose time correlates with the trial number (Spearman's rank correlation, which one
+# odd trial cannot make) by more than TREND_R, with a p-value under TREND_P, was still drifting:
+# cudagraphs went 167.7 -> 165.0 ms through 12 trials of the H200 Llama-3.2-1B step (r = -0.64),
+# while the differences called between variants were under 1%. With 12 trials |r| > 0.5 alone
+# happens by chance 1 time in 10; with the p-value under 0.05 it is 1 in 20 or rarer.
+TREND_R = 0.5
+TREND_P = 0.05
+TREND_LEAST_TRIALS = 6  # fewer trials cannot show a trend worth the name
+
+# 1.4826 x the median absolute deviation estimates a normal spread's standard deviation, and one
+# disturbed trial cannot move it.
+_MAD_TO_SD = 1.4826
+
+
+@dataclass(frozen=True)
+class Trend:
+    """How one variant's time moved with the trial number: Spearman's `r` and its `p`-value, and
+    the median of its first and last quarter of trials."""
+
+    r: float
+    p: float
+    trials: int
+    first_s: float
+    last_s: float
+
+    @property
+    def drifting(self) -> bool:
+        return abs(self.r) > TREND_R and self.p < TREND_P
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "drifting": self.drifting}
+
+
+def trend(times_s: Sequence[float]) -> Trend | None:
+    """The trend of one variant's trials, in trial order; None for fewer than
+    TREND_LEAST_TRIALS trials or constant times (no rank correlation exists)."""
+    t = np.asarray(times_s, dtype=float)
+    if t.size < TREND_LEAST_TRIALS or np.all(t == t[0]):
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        res = _sps.spearmanr(np.arange(t.size), t)
+    r, p = float(res[0]), float(res[1])
+    if not (math.isfinite(r) and math.isfinite(p)):
+        return None
+    quarter = max(t.size // 4, 1)
+    return Trend(r, p, int(t.size), float(np.median(t[:quarter])), float(np.median(t[-quarter:])))
+
+
+def trend_warning(name: str, tr: Trend) -> str:
+    return (
+        f"WARNING {name}: its times drifted through the trials ({_seconds(tr.first_s)} in the first "
+        f"quarter, {_seconds(tr.last_s)} in the last; Spearman r {tr.r:+.2f} with the trial number, "
+        f"p {tr.p:.2g}): it was not steady, and its median depends on when it was taken"
+    )
+
+
+def noise(times_s: Sequence[float]) -> float:
+    """The trials' relative noise: 1.4826 x median absolute deviation / median (a robust
+    coefficient of variation; 0 for fewer than 2 trials)."""
+    t = np.asarray(times_s, dtype=float)
+    if t.size < 2:
+        return 0.0
+    med = float(np.median(t))
+    return _MAD_TO_SD * float(np.median(np.abs(t - med))) / med if med > 0 else 0.0
+
+
+# --------------------------------------------------------------------------------------------
+# The verdict over several variants: the leader and the set it cannot be told apart from
+# --------------------------------------------------------------------------------------------
+
+# Two variants whose paired interval cannot show one slower than the other by more than this are
+# tied. On the H200 Llama-3.2-1B step (2026-12-05) four variants' paired intervals against the
+# leader were 0.995-1.006, 0.998-1.007 and 0.998-1.009, with trials varying 0.3-1% (CV): calling a
+# winner among them would be calling noise, so the band is that noise's size.
+TIE_BAND = 0.01
+CORRECTION = "Bonferroni"
+
+
+@dataclass
+class Verdict:
+    """The fastest variant (`winner`, the lowest median), and the variants it cannot be told apart
+    from (`tied_with`): those whose paired interval against it, corrected for the number of
+    comparisons, does not show them slower by more than `band`.
+
+    `ratios[name]` is how many times faster the winner is than `name`: the median of per-trial
+    ratios name_i / winner_i with its paired bootstrap interval at `confidence_each` = 1 - alpha / m
+    for m comparisons (Bonferroni: all m hold together with at least 1 - alpha). `within`: the
+    tie's width, the farthest any tied variant's interval reaches from 1 (0 without ties). `text`:
+    'compile, fused and cudagraphs tie (within 0.9%)'."""
+
+    winner: str
+    tied_with: list[str]
+    band: float
+    ratios: dict[str, Speedup]
+    within: float
+    text: str
+    alpha: float = 0.05
+    confidence_each: float = 0.95
+    correction: str = CORRECTION
+    noise: dict[str, float] = field(default_factory=dict)  # variant -> its trials' noise (noise())
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def tie(self) -> list[str]:
+        """The winner and every variant tied with it."""
+        return [self.winner, *self.tied_with]
+
+    @property
+    def called(self) -> dict[str, float]:
+        """The differences the verdict calls: variant -> how much slower than the winner it is
+        (per-trial ratio - 1), for every variant outside the tie."""
+        return {n: sp.median - 1 for n, sp in self.ratios.items() if n not in self.tied_with}
+
+    def to_dict(self) -> dict:
+        return {
+            "winner": self.winner,
+            "tied_with": list(self.tied_with),
+            "band": self.band,
+            "within": self.within,
+            "text": self.text,
+            "alpha": self.alpha,
+            "confidence_each": self.confidence_each,
+            "correction": self.correction,
+            "statistic": PER_TRIAL_STATISTIC,
+            "ratios": {k: v.to_dict() for k, v in self.ratios.items()},
+            "noise": dict(self.noise),
+            "warnings": list(self.warnings),
+        }
+
+
+def tie_verdict(
+    times: Mapping[str, Sequence[float]],
+    band: float = TIE_BAND,
+    alpha: float = 0.05,
+    seed: int = 0,
+    n_resamples: int = 5000,
+) -> Verdict:
+    """The verdict over paired trials: `times[name][i]` is variant `name`'s time in trial i (the
+    same i is the same round of interleaved calls). ValueError for unpaired or too few trials."""
+    names = list(times)
+    if not names:
+        raise ValueError("a verdict needs at least one variant")
+    if not 0 < alpha < 1:
+        raise ValueError(f"alpha must be between 0 and 1, got {alpha}")
+    if not 0 <= band < 1:
+        raise ValueError(f"band must be in [0, 1), got {band}")
+    arrays = dict(zip(names, check_timings(*(times[n] for n in names))))
+    if len({a.size for a in arrays.values()}) > 1:
+        raise ValueError("a verdict needs paired trials: every variant timed in the same trials")
+    winner = min(names, key=lambda n: float(np.median(arrays[n])))  # the first named among equals
+    others = [n for n in names if n != winner]
+    each = 1 - alpha / max(len(others), 1)
+    ratios = {n: _per_trial_ci(arrays[n], arrays[winner], each, n_resamples, seed) for n in others}
+    tied = [n for n in others if ratios[n].low <= 1 + band]
+    within = max((max(ratios[n].high - 1, 1 - ratios[n].low) for n in tied), default=0.0)
+    verdict = Verdict(
+        winner=winner,
+        tied_with=tied,
+        band=band,
+        ratios=ratios,
+        within=max(within, 0.0),
+        text="",
+        alpha=alpha,
+        confidence_each=each,
+        noise={n: noise(a) for n, a in arrays.items()},
+    )
+    verdict.text = _verdict_text(verdict)
+    verdict.warnings = _noise_warnings(verdict)
+    return verdict
+
+
+def _pct(x: float) -> str:
+    """0.006 -> '0.6%', 0.0123 -> '1.2%', 0.18 -> '18%', 1.37 -> '137%'."""
+    pct = x * 100
+    return f"{pct:.0f}%" if abs(pct) >= 10 else f"{pct:.2g}%"
+
+
+def _names(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _verdict_text(v: Verdict) -> str:
+    if not v.ratios:
+        return f"{v.winner} alone: nothing to compare it with"
+    called = v.called
+    head = f"{_names(v.tie)} tie (within {_pct(v.within)})" if v.tied_with else f"{v.winner} wins"
+    if not called:
+        return head
+    nxt = min(called, key=called.get)
+    pt = v.ratios[nxt]
+    return (
+        f"{head}; next: {nxt}, {_pct(pt.median - 1)} slower ({_pct(pt.low - 1)}-{_pct(pt.high - 1)}, "
+        f"{v.confidence_each:.1%} CI)"
+    )
+
+
+def _noise_warnings(v: Verdict) -> list[str]:
+    """A warning where a trial's noise exceeds the smallest difference the verdict calls."""
+    called = v.called
+    if not called:
+        return []
+    smallest = min(called, key=called.get)
+    diff = called[smallest]
+    loudest = max(v.noise, key=v.noise.get)
+    if v.noise[loudest] <= diff:
+        return []
+    return [
+        f"WARNING: trial noise ({loudest}'s trials vary {_pct(v.noise[loudest])}, robust CV) exceeds the "
+        f"smallest difference the verdict calls ({smallest} {_pct(diff)} slower than {v.winner}): the "
+        "paired interval still calls it, but more trials or a quieter machine would make it firmer"
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# What bounds a step: one rule for Part A, Part C and the reports
+# --------------------------------------------------------------------------------------------
+
+# Under this share of the step with no kernel running, the GPU is busy nearly all the time: the
+# CPU keeps ahead and the step is bound by the device, however long the host takes to issue it.
+# The H200 Llama-3.2-1B eager step idled 4.3% of its time (2026-12-05) while a host figure that
+# counted waiting for the GPU called it host-bound.
+DEVICE_BOUND_IDLE_PCT = 10.0
+DEVICE_BOUND = "device-bound"
+HOST_BOUND = "host-bound"
+LAUNCH_BOUND = "launch-bound"
+
+
+@dataclass(frozen=True)
+class Bound:
+    """What bounds a step: `word` is 'device-bound', 'host-bound', 'launch-bound' or '' (not
+    known), `why` the evidence in words."""
+
+    word: str
+    why: str
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def bound(
+    gpu_idle_pct: float | None,
+    host_s: float | None,
+    host_lower_bound: bool,
+    device_s: float | None,
+    *,
+    on_cpu: bool = False,
+) -> Bound:
+    """The one rule. In order:
+
+    1. on a CPU, everything is host time: host-bound;
+    2. the GPU idles over LAUNCH_BOUND_IDLE_PCT of the step: launch-bound (it waits for launches
+       more than it works; faster kernels cannot shorten it);
+    3. it idles under DEVICE_BOUND_IDLE_PCT: device-bound (the CPU keeps ahead);
+    4. otherwise the host time (the CPU's own time to issue the step, never counting a wait for
+       the GPU) against the device time (its kernels): host-bound where the host takes at least as
+       long; device-bound where an exact host time is shorter; not known where the host time is
+       only a lower bound under the device time (the launch queue filled), or a figure is missing.
+    `gpu_idle_pct` is None where no profile was taken; its rules are then skipped.
+    """
+    if on_cpu:
+        return Bound(HOST_BOUND, "on a CPU the whole step is host time")
+    idle = f"the GPU idles {gpu_idle_pct:.1f}% of the step" if gpu_idle_pct is not None else ""
+    if gpu_idle_pct is not None and gpu_idle_pct > LAUNCH_BOUND_IDLE_PCT:
+        return Bound(LAUNCH_BOUND, f"{idle}, waiting for launches more than it works")
+    if gpu_idle_pct is not None and gpu_idle_pct < DEVICE_BOUND_IDLE_PCT:
+        return Bound(DEVICE_BOUND, f"{idle}: the CPU keeps ahead of it")
+    if host_s is None or device_s is None:
+        missing = "no host time" if host_s is None else "no device time"
+        return Bound("", f"{idle + '; ' if idle else ''}{missing} to weigh against it")
+    at_least = "at least " if host_lower_bound else ""
+    terms = f"the CPU issues it in {at_least}{_seconds(host_s)}, its kernels take {_seconds(device_s)}"
+    if idle:
+        terms = f"{idle}; {terms}"
+    if host_s >= device_s:
+        return Bound(HOST_BOUND, terms)
+    if host_lower_bound:
+        return Bound("", f"{terms}: the launch queue filled, so the host time is only a lower bound")
+    return Bound(DEVICE_BOUND, terms)
 
 
 # --------------------------------------------------------------------------------------------

@@ -7,38 +7,59 @@
   state: compile's next calls on a CPU took 24-28 ms against 57 us later, and 3 trials taken
   after one warm-up call read "145x slower". The count, and whether it settled, is recorded
   per variant (VariantTiming.warmup_calls, warmup_steady).
-- Host time per call (CUDA): rounds of every variant once, in shuffled orders, the wall time of
-  each call (it returns once its work is queued: the CPU's cost to issue it). A call whose host
-  time exceeds its device time is host-bound: a loop that cannot run ahead pays the host's.
+- Host time per call (CUDA): rounds of every variant once, in shuffled orders, each call issued
+  while the GPU is held busy, so the CPU's time cannot include waiting for the GPU; where the
+  launch queue filled all the same, a lower bound ("at least"; bench/host.py). A call whose
+  host time exceeds its device time is host-bound: a loop that cannot run ahead pays the host's.
 - Then the trials, timed by the mode's timer (profuse/timers.py): `device` (CUDA events, the CPU
   kept ahead, the L2 flushed before each call), `loop` (back to back from an idle queue, as
   do_bench and a CPU-bound loop), `graph` (CUDA-graph replay). On CPU, time.perf_counter.
 - Trials interleave the variants, in an order shuffled per trial with a seed, so drift (clocks,
   temperature, other work on the machine) falls on all variants alike.
-- Speedups: the ratio of medians over the baseline, with a paired bootstrap CI (bench/stats.py).
+- Speedups: the ratio of medians over the baseline, with a paired bootstrap CI, and the median of
+  per-trial ratios beside it (bench/stats.py); the verdict over all variants with its tie set.
+
+`TrialDesign` changes how a trial is laid out; its defaults are the above (Part B's). `REFEREE`
+is the design for whole training steps (Part C's referee): a trial of a variant is one clock or event pair
+around K >= 10 calls after one discarded call; orders balanced (each variant in each position
+equally often: rotations of shuffled base orders, the trials rounded up to a multiple of the
+number of variants); warm-up until the last STEADY_BLOCKS blocks agree within 1% with no drift;
+up to 30 trials where the two fastest are within 2%; warnings on drift through the trials and on
+noise larger than a difference the verdict calls. On CUDA each trial's SM clock, power and
+throttling are read (bench/clocks.py), with a warning where any trial throttled.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 import torch
 
+from profuse.bench.clocks import ClockSample, monitor_for, throttle_warning
+from profuse.bench.host import HostTime, cpu_host_times, measure_host
 from profuse.bench.stats import (
     STATISTIC,
+    TIE_BAND,
     UNSTEADY_RATIO,
     Speedup,
     Steadiness,
+    Trend,
+    Verdict,
+    noise,
     speedup_ci,
     steadiness,
+    tie_verdict,
+    trend,
+    trend_warning,
     unsteady_warning,
 )
 from profuse.env import resolve_device
-from profuse.timers import GraphError, GraphTimer, host_times, make_timer
+from profuse.timers import GraphError, GraphTimer, HeldIssue, host_times, make_timer
 
 # Loop timing counts the host's time in: a call whose loop time is within this factor of its
 # host time is bound by the host (the GPU waited for it).
@@ -52,15 +73,75 @@ STEADY_CALLS = 5
 STEADY_RATIO = UNSTEADY_RATIO
 WARMUP_BUDGET_S = 5.0
 
+# Warm-up by blocks (TrialDesign.steady_spread): steady once the last STEADY_BLOCKS blocks spread
+# no more than steady_spread (slowest - fastest, over their median) and the median of their second
+# half is within steady_spread / 2 of their first half's (no drift). Six: three a half.
+STEADY_BLOCKS = 6
+
+
+@dataclass(frozen=True)
+class TrialDesign:
+    """How the trials are laid out. The defaults are Part B's: one call a trial, an order shuffled
+    per trial, warm-up until STEADY_CALLS calls agree within STEADY_RATIO."""
+
+    calls: int = 1  # K: calls timed back to back in one trial, one clock or event pair around them
+    discard: int = 0  # untimed calls before each timed block (the queue filled as a loop's is)
+    balanced: bool = False  # each variant in each position equally often (trials rounded up)
+    steady_spread: float | None = None  # warm-up by blocks until they agree within this; None: calls
+    warmup_block: int | None = None  # calls in a warm-up block (None: `calls`), after `discard`
+    max_trials: int = 0  # more trials, up to this, where the two fastest are within `close`
+    close: float = 0.02
+    band: float = TIE_BAND  # the verdict's equivalence band (stats.tie_verdict)
+    host_rounds: int | None = None  # rounds of host time (None: one a trial)
+    checks: bool = False  # drift and noise warnings in Comparison.warnings
+
+    def __post_init__(self):
+        if self.calls < 1:
+            raise ValueError(f"calls must be at least 1, got {self.calls}")
+        if self.discard < 0:
+            raise ValueError(f"discard must be 0 or more, got {self.discard}")
+        if self.steady_spread is not None and not 0 < self.steady_spread < 1:
+            raise ValueError(f"steady_spread must be in (0, 1), got {self.steady_spread}")
+        if self.max_trials < 0 or not 0 <= self.close < 1:
+            raise ValueError("max_trials must be 0 or more and close in [0, 1)")
+        if self.host_rounds is not None and self.host_rounds < 1:
+            raise ValueError(f"host_rounds must be at least 1, got {self.host_rounds}")
+        if self.warmup_block is not None and self.warmup_block < 1:
+            raise ValueError(f"warmup_block must be at least 1, got {self.warmup_block}")
+
+    @property
+    def blocks(self) -> bool:
+        return self.calls > 1 or self.discard > 0
+
+    @property
+    def warmup_design(self) -> TrialDesign:
+        """The design of a warm-up block: `warmup_block` calls after the same discard."""
+        return replace(self, calls=self.warmup_block or self.calls)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Whole training steps, as Part C's referee times them: K = 10 steps a trial after one
+# discarded (so a trial starts with the queue as full as a training loop keeps it, and one event
+# pair's overhead is a tenth of a step's), balanced orders, warm-up to 1% in blocks of 3 steps
+# after one discarded (6 blocks at the least: 24 steps, 4 s of a 166 ms step, where blocks of 10
+# would take 11 s a variant), 30 trials where the two fastest are within 2%, and the drift and
+# noise warnings.
+REFEREE = TrialDesign(
+    calls=10, discard=1, balanced=True, steady_spread=0.01, warmup_block=3, max_trials=30, checks=True
+)
+
 
 @dataclass
 class VariantTiming:
     name: str
-    times_s: list[float]  # one per trial, in trial order
+    times_s: list[float]  # one per trial, in trial order (per call: a block's time over its calls)
     first_call_s: float  # the first call alone: compilation, autotuning, kernel builds
-    host_times_s: list[float] = field(default_factory=list)  # CUDA: CPU time to issue one call, per round
+    host_times_s: list[float] = field(default_factory=list)  # CPU time to issue one call, per round
     warmup_calls: int = 0  # untimed calls after the first, until steady or out of budget
     warmup_steady: bool = True  # False: the warm-up budget ran out before its calls agreed
+    host: HostTime | None = None  # how the host time was read (bench/host.py); None: not measured
 
     @property
     def median_s(self) -> float:
@@ -72,20 +153,44 @@ class VariantTiming:
         return steadiness(self.times_s)
 
     @property
+    def trend(self) -> Trend | None:
+        """How its time moved with the trial number (stats.trend)."""
+        return trend(self.times_s)
+
+    @property
+    def noise(self) -> float:
+        """Its trials' robust coefficient of variation (stats.noise)."""
+        return noise(self.times_s)
+
+    @property
     def host_s(self) -> float | None:
+        """The CPU's own time to issue one call (never a wait for the GPU); where the launch queue
+        filled, a lower bound (host_is_lower_bound) or None where not even that could be read."""
+        if self.host is not None:
+            return self.host.seconds
         return float(np.median(self.host_times_s)) if self.host_times_s else None
 
+    @property
+    def host_is_lower_bound(self) -> bool:
+        """host_s is 'at least': the launch queue filled while the CPU issued the call."""
+        return self.host is not None and self.host.lower_bound
+
     def to_dict(self) -> dict:
+        tr = self.trend
         return {
             "name": self.name,
             "median_s": self.median_s,
             "host_s": self.host_s,
+            "host_is_lower_bound": self.host_is_lower_bound,
             "first_call_s": self.first_call_s,
             "times_s": list(self.times_s),
             "host_times_s": list(self.host_times_s),
+            "host": self.host.to_dict() if self.host else None,
             "warmup_calls": self.warmup_calls,
             "warmup_steady": self.warmup_steady,
             "steadiness": self.steadiness.to_dict() if self.times_s else None,
+            "trend": tr.to_dict() if tr else None,
+            "noise": self.noise,
         }
 
 
@@ -119,9 +224,29 @@ class Comparison:
     timing: str = "device"  # the mode: device, loop or graph (profuse/timers.py)
     not_timed: dict[str, str] = field(default_factory=dict)  # variant -> why (graph capture failed)
     warmup_budget_s: float = WARMUP_BUDGET_S
+    design: TrialDesign = field(default_factory=TrialDesign)
+    trials_asked: int | None = None  # `trials` as asked, before rounding up and extending
+    clocks: list[ClockSample] = field(default_factory=list)  # CUDA with NVML: one a trial
+    confidence: float = 0.95
+    n_resamples: int = 5000
+    _verdicts: dict = field(default_factory=dict, repr=False, compare=False)
 
     def median_s(self, name: str) -> float:
         return self.timings[name].median_s
+
+    def verdict(self, candidates: Sequence[str] | None = None) -> Verdict:
+        """The leader among `candidates` (default: every timed variant) and the set it cannot be
+        told apart from (stats.tie_verdict over the paired trials), with the design's band."""
+        names = tuple(self.timings if candidates is None else candidates)
+        unknown = [n for n in names if n not in self.timings]
+        if unknown:
+            raise ValueError(f"no timings of {', '.join(unknown)}: timed were {', '.join(self.timings)}")
+        if names not in self._verdicts:
+            times = {n: self.timings[n].times_s for n in names}
+            self._verdicts[names] = tie_verdict(
+                times, self.design.band, 1 - self.confidence, self.seed, self.n_resamples
+            )
+        return self._verdicts[names]
 
     @property
     def unsteady(self) -> dict[str, Steadiness]:
@@ -138,11 +263,19 @@ class Comparison:
         if self.unsteady:
             counts = {n: t.steadiness for n, t in self.timings.items() if t.times_s}
             out.append(unsteady_warning(counts))
+        rule = _block_rule(self.design) if self.design.steady_spread is not None else None
         out += [
-            warmup_warning(n, t.warmup_calls, self.warmup_budget_s)
+            warmup_warning(n, t.warmup_calls, self.warmup_budget_s, rule)
             for n, t in self.timings.items()
             if not t.warmup_steady
         ]
+        throttled = throttle_warning(self.clocks)
+        if throttled:
+            out.append(throttled)
+        if self.design.checks:
+            drifting = {n: t.trend for n, t in self.timings.items() if t.trend and t.trend.drifting}
+            out += [trend_warning(n, tr) for n, tr in drifting.items()]
+            out += self.verdict().warnings
         return out
 
     def host_bound(self, name: str) -> bool:
@@ -166,15 +299,40 @@ class Comparison:
             "not_timed": self.not_timed,
             "warmup_budget_s": self.warmup_budget_s,
             "steady_rule": {"calls": STEADY_CALLS, "ratio": STEADY_RATIO},
+            "design": self.design.to_dict(),
+            "trials_asked": self.trials_asked,
+            "verdict": self.verdict().to_dict() if self.timings else None,
+            **({"clocks": [c.to_dict() for c in self.clocks]} if self.clocks else {}),
         }
 
 
-def warmup_warning(name: str, calls: int, budget_s: float) -> str:
-    """The note on a variant whose warm-up ran out of budget before its calls agreed."""
+def warmup_warning(name: str, calls: int, budget_s: float, rule: str | None = None) -> str:
+    """The note on a variant whose warm-up ran out of budget before its calls agreed. `rule`:
+    what they had to do, where not the default (STEADY_CALLS calls within STEADY_RATIO)."""
+    rule = rule or f"last {STEADY_CALLS} agreed within {STEADY_RATIO}x"
     return (
         f"WARNING {name}: warm-up stopped at its {budget_s:g} s budget after {calls} calls, before its "
-        f"last {STEADY_CALLS} agreed within {STEADY_RATIO}x; its trials may still be warming up"
+        f"{rule}; its trials may still be warming up"
     )
+
+
+def _block_rule(design: TrialDesign) -> str:
+    return (
+        f"last {STEADY_BLOCKS} blocks of {design.warmup_design.calls} calls agreed within "
+        f"{design.steady_spread:.1%} with no drift"
+    )
+
+
+def settled(blocks_s: Sequence[float], spread: float) -> bool:
+    """Do the last STEADY_BLOCKS block times agree within `spread` (slowest - fastest over their
+    median) and show no drift (their halves' medians within spread / 2)?"""
+    recent = np.asarray(blocks_s[-STEADY_BLOCKS:], dtype=float)
+    if recent.size < STEADY_BLOCKS:
+        return False
+    med = float(np.median(recent))
+    half = STEADY_BLOCKS // 2
+    drift = abs(float(np.median(recent[half:])) - float(np.median(recent[:half])))
+    return (recent.max() - recent.min()) <= spread * med and drift <= spread / 2 * med
 
 
 def warmed_up(times_s: list[float]) -> bool:
@@ -217,6 +375,9 @@ def compare(
     first_calls: Mapping[str, float] | None = None,
     host_rounds: bool | None = None,
     warmup_budget_s: float = WARMUP_BUDGET_S,
+    design: TrialDesign | None = None,
+    monitor="auto",
+    host_issuer=None,
 ) -> Comparison:
     """Time `variants` (name -> zero-argument callable) against `baseline` in interleaved trials.
 
@@ -226,10 +387,14 @@ def compare(
     `progress(stage, done, total)` is called as work advances ("warm-up", "host time", "trials").
     `first_calls` gives first-call times measured elsewhere (e.g. while checking correctness),
     for variants that were already called once. `host_rounds` (default: on CUDA) measures each
-    call's host time in `trials` interleaved rounds; on a CPU a call's time is all host time.
-    `warmup` is the least number of warm-up calls; each variant warms on until its last
-    STEADY_CALLS calls agree or `warmup_budget_s` seconds of them have passed (the timer's clock
-    where it has one, else time.perf_counter, so a fake clock drives the warm-up as well).
+    call's host time in interleaved rounds (bench/host.py); on a CPU a call's time is all host time.
+    `warmup` is the least number of warm-up calls (blocks, with a design's steady_spread); each
+    variant warms on until steady or `warmup_budget_s` seconds of warm-up have passed (the timer's
+    clock where it has one, else time.perf_counter, so a fake clock drives the warm-up as well).
+    `design` lays the trials out (TrialDesign; REFEREE for whole steps); the default is Part B's.
+    `monitor` reads clocks, power and throttling around each trial ('auto': NVML on CUDA,
+    nothing on a CPU; None: nothing; or a bench.clocks.ClockMonitor). `host_issuer` replaces
+    timers.HeldIssue (tests).
     Returns a `Comparison`; `speedups` holds every timed variant but the baseline.
     """
     if baseline not in variants:
@@ -240,23 +405,38 @@ def compare(
         raise ValueError(f"warmup must be 0 or more, got {warmup}")
     if not warmup_budget_s >= 0:
         raise ValueError(f"warmup_budget_s must be 0 or more, got {warmup_budget_s}")
+    design = design or TrialDesign()
     dev = resolve_device(device)
     if timer is None:
         timer = make_timer(timing, dev, flush_l2)
     timing = getattr(timer, "timing", timing)
     first: dict[str, float] = dict(first_calls or {})
     clock = getattr(timer, "clock", time.perf_counter)
-    warm = _WarmUp(warmup, warmup_budget_s, clock)
+    if design.steady_spread is None:
+        warm = _WarmUp(warmup, warmup_budget_s, clock)
+    else:
+        warm = _BlockWarmUp(warmup, warmup_budget_s, clock, timer, design)
     calls, not_timed = _warm_up(variants, baseline, dev, warm, timer, first, progress)
     names = list(calls)
-    host: dict[str, list[float]] = {n: [] for n in names}
-    if dev.type == "cuda" if host_rounds is None else host_rounds:
+    hosts: dict[str, HostTime | None] = dict.fromkeys(names)
+    if host_issuer is not None or (dev.type == "cuda" if host_rounds is None else host_rounds):
         # The calls as a loop makes them (not the graph replays).
-        host = _host_rounds({n: variants[n] for n in names}, dev, trials, seed + 1, clock, progress)
-    times, orders = _trial_rounds(calls, timer, trials, seed, progress)
-    timings = {
-        n: VariantTiming(n, times[n], first[n], host[n], len(warm.times[n]), warm.steady[n]) for n in names
-    }
+        loop_calls = {n: variants[n] for n in names}
+        rounds = design.host_rounds or trials
+        hosts.update(_host(loop_calls, dev, rounds, seed + 1, clock, progress, host_issuer))
+    if monitor == "auto":
+        monitor = monitor_for(dev)
+    trial_run = _Trials(calls, timer, design, random.Random(seed), monitor, progress)
+    trial_run.run(trials)
+    if design.max_trials > trial_run.count and _close_at_top(trial_run.times, design.close):
+        trial_run.run(design.max_trials, extend=True)
+    times = trial_run.times
+    timings = {}
+    for n in names:
+        host = hosts[n]
+        timings[n] = VariantTiming(
+            n, times[n], first[n], host.times_s if host else [], warm.counts[n], warm.steady[n], host
+        )
     speedups = {
         n: speedup_ci(times[baseline], times[n], confidence, n_resamples, seed)
         for n in names
@@ -265,18 +445,52 @@ def compare(
     return Comparison(
         baseline=baseline,
         device=str(dev),
-        trials=trials,
+        trials=trial_run.count,
         warmup=warmup,
         flush_l2=flush_l2 and dev.type == "cuda",
         seed=seed,
         timings=timings,
         speedups=speedups,
-        orders=orders,
+        orders=trial_run.orders,
         timer=timer.name,
         timing=timing,
         not_timed=not_timed,
         warmup_budget_s=warmup_budget_s,
+        design=design,
+        trials_asked=trials,
+        clocks=trial_run.clocks,
+        confidence=confidence,
+        n_resamples=n_resamples,
     )
+
+
+def _host(calls, dev, rounds, seed, clock, progress, issuer) -> dict[str, HostTime]:
+    """Host time per call (bench/host.py): the GPU held on CUDA; the wall clock on a CPU, or where
+    this torch has no way to hold the GPU (then each call's wall time, as timers.host_times)."""
+    if issuer is None and dev.type == "cuda":
+        issuer = HeldIssue(dev)
+        if not issuer.available:
+            return _wall_rounds(calls, dev, rounds, seed, clock, progress)
+    if issuer is not None:
+        return measure_host(calls, issuer, rounds, seed, progress)
+    return cpu_host_times(calls, rounds, seed, clock, progress)
+
+
+def _wall_rounds(calls, dev, rounds, seed, clock, progress) -> dict[str, HostTime]:
+    """Each call's wall time in shuffled rounds (timers.host_times), for a torch without a GPU
+    sleep to hold the GPU with: it may include waiting for the GPU, and says so by its method."""
+    rng = random.Random(seed)
+    names = list(calls)
+    out = {n: HostTime(method="wall, may include waiting") for n in names}
+    for r in range(rounds):
+        order = names[:]
+        rng.shuffle(order)
+        for name, sec in zip(order, host_times([calls[n] for n in order], dev, clock)):
+            out[name].times_s.append(sec)
+            out[name].filled.append(False)
+        if progress:
+            progress("host time", r + 1, rounds)
+    return out
 
 
 @dataclass
@@ -288,6 +502,11 @@ class _WarmUp:
     clock: Callable[[], float]
     times: dict[str, list[float]] = field(default_factory=dict)
     steady: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Untimed calls after the first, by variant."""
+        return {n: len(t) for n, t in self.times.items()}
 
     def run(self, name: str, fn: Callable[[], object], dev: torch.device) -> None:
         """Call `fn` (synchronised, timed by the clock) until steady or out of budget."""
@@ -305,6 +524,57 @@ class _WarmUp:
             times.append(t)
             spent += t
         self.times[name], self.steady[name] = times, steady
+
+
+@dataclass
+class _BlockWarmUp:
+    """Warm-up by blocks timed as the trials time them (TrialDesign.steady_spread): until the last
+    STEADY_BLOCKS agree within the spread with no drift (`settled`), or the budget runs out."""
+
+    least: int  # blocks at the least
+    budget_s: float
+    clock: Callable[[], float]
+    timer: object
+    design: TrialDesign
+    times: dict[str, list[float]] = field(default_factory=dict)  # per-call time of each block
+    steady: dict[str, bool] = field(default_factory=dict)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        per = self.design.warmup_design.calls + self.design.discard
+        return {n: len(t) * per for n, t in self.times.items()}
+
+    def run(self, name: str, fn: Callable[[], object], dev: torch.device) -> None:
+        blocks: list[float] = []
+        spent = 0.0
+        while True:
+            if len(blocks) >= max(self.least, STEADY_BLOCKS):
+                if settled(blocks, self.design.steady_spread):
+                    steady = True
+                    break
+                if spent >= self.budget_s:
+                    steady = False
+                    break
+            t0 = self.clock()
+            blocks += _time_blocks(self.timer, [fn], self.design.warmup_design)
+            spent += self.clock() - t0
+        self.times[name], self.steady[name] = blocks, steady
+
+
+def _time_blocks(timer, fns: Sequence[Callable[[], object]], design: TrialDesign) -> list[float]:
+    """Per-call seconds of one block of each fn: the timer's own time_blocks, or for a timer
+    without one, its time_calls around a callable that makes the block's calls."""
+    if not design.blocks:
+        return timer.time_calls(fns)
+    if hasattr(timer, "time_blocks"):
+        return timer.time_blocks(fns, design.calls, design.discard)
+    out = []
+    for fn in fns:
+        for _ in range(design.discard):
+            fn()
+        (sec,) = timer.time_calls([lambda fn=fn: [fn() for _ in range(design.calls)]])
+        out.append(sec / design.calls)
+    return out
 
 
 def _warm_up(variants, baseline, dev, warm, timer, first, progress) -> tuple[dict, dict[str, str]]:
@@ -331,34 +601,68 @@ def _warm_up(variants, baseline, dev, warm, timer, first, progress) -> tuple[dic
     return calls, not_timed
 
 
-def _host_rounds(calls, dev, rounds, seed, clock, progress) -> dict[str, list[float]]:
-    """Host time per call of each variant, in `rounds` rounds each in its own shuffled order."""
-    rng = random.Random(seed)
-    names = list(calls)
-    host: dict[str, list[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        order = names[:]
-        rng.shuffle(order)
-        for name, sec in zip(order, host_times([calls[n] for n in order], dev, clock)):
-            host[name].append(sec)
-        if progress:
-            progress("host time", r + 1, rounds)
-    return host
+def balanced_orders(names: Sequence[str], trials: int, rng: random.Random) -> list[list[str]]:
+    """Orders for ceil(trials / n) x n trials of n variants, each variant in each position equally
+    often: blocks of n trials, each the n rotations of a freshly shuffled order, the rotations
+    shuffled too (so neighbours change from block to block)."""
+    names = list(names)
+    out: list[list[str]] = []
+    for _ in range(math.ceil(trials / len(names))):
+        base = names[:]
+        rng.shuffle(base)
+        rows = [base[i:] + base[:i] for i in range(len(names))]
+        rng.shuffle(rows)
+        out += rows
+    return out
 
 
-def _trial_rounds(calls, timer, trials, seed, progress) -> tuple[dict[str, list[float]], list[list[str]]]:
-    """The timed trials: every variant once per trial, in an order shuffled per trial.
-    Returns (seconds per trial by variant, the orders)."""
-    rng = random.Random(seed)
-    names = list(calls)
-    times: dict[str, list[float]] = {n: [] for n in names}
-    orders = []
-    for t in range(trials):
-        order = names[:]
-        rng.shuffle(order)
-        orders.append(order)
-        for name, sec in zip(order, timer.time_calls([calls[n] for n in order])):
-            times[name].append(sec)
-        if progress:
-            progress("trials", t + 1, trials)
-    return times, orders
+def _close_at_top(times: Mapping[str, list[float]], close: float) -> bool:
+    """Are the two lowest medians within `close` of each other?"""
+    medians = sorted(float(np.median(t)) for t in times.values())
+    return len(medians) >= 2 and medians[1] <= medians[0] * (1 + close)
+
+
+class _Trials:
+    """The timed trials: every variant once a trial, each trial's clocks read around it."""
+
+    def __init__(self, calls, timer, design: TrialDesign, rng: random.Random, monitor, progress):
+        self.calls, self.timer, self.design, self.rng = calls, timer, design, rng
+        self.monitor, self.progress = monitor, progress
+        self.names = list(calls)
+        self.times: dict[str, list[float]] = {n: [] for n in self.names}
+        self.orders: list[list[str]] = []
+        self.clocks: list[ClockSample] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.orders)
+
+    def _orders(self, total: int, extend: bool) -> list[list[str]]:
+        n = len(self.names)
+        more = total - self.count
+        if self.design.balanced:
+            if extend:  # whole blocks only, none past `total`
+                more = (total // n) * n - self.count
+            return balanced_orders(self.names, more, self.rng) if more > 0 else []
+        orders = []
+        for _ in range(max(more, 0)):
+            order = self.names[:]
+            self.rng.shuffle(order)
+            orders.append(order)
+        return orders
+
+    def run(self, total: int, extend: bool = False) -> None:
+        """Trials up to `total` (balanced: rounded up to whole blocks; extending: down)."""
+        todo = self._orders(total, extend)
+        done_before = self.count
+        for k, order in enumerate(todo):
+            if self.monitor is not None:
+                self.monitor.start()
+            secs = _time_blocks(self.timer, [self.calls[n] for n in order], self.design)
+            if self.monitor is not None:
+                self.clocks.append(self.monitor.stop())
+            for name, sec in zip(order, secs):
+                self.times[name].append(sec)
+            self.orders.append(order)
+            if self.progress:
+                self.progress("trials", done_before + k + 1, done_before + len(todo))

@@ -4,6 +4,8 @@ The x axis is rows where every size shares one cols (the lab's sweep), else cols
 A grid over hidden sizes (`--cols ... --elements 4M,32M,128M`, or several --rows with several
 --cols) draws one line per variant and group, the group being the elements value (or the rows
 value): colour says the variant, the same in both plots; line style and marker say the group.
+A hollow point rests on unsteady trials (report.sweep.VariantRow.unsteady: its median is not to be
+trusted); in the speedup plot a half-filled point is a speedup whose CI holds 1.0.
 
 matplotlib is optional (`pip install 'profuse[plot]'`): without it HAS_MATPLOTLIB is False and a
 sweep still writes its JSON and CSV. Figures are drawn on the Agg canvas directly, never through
@@ -265,17 +267,36 @@ def _run(data: dict | SavedRun) -> SavedRun:
 # --------------------------------------------------------------------------------------------
 
 
+def _unsteady_speedups(run: SavedRun) -> set[tuple[str, Size]]:
+    """(variant, size) of every speedup that rests on unsteady trials: the variant's or the
+    baseline's at that size (report.sweep.VariantRow.unsteady)."""
+    base = {r.size: r.unsteady for r in run.variant_rows if r.variant == run.baseline}
+    return {(r.variant, r.size) for r in run.variant_rows if r.unsteady or base.get(r.size, False)}
+
+
+def _hollow(ax, x, y, marker: str, color: str) -> None:
+    """Unsteady points: the marker drawn again, white inside."""
+    ax.plot(x, y, linestyle="none", marker=marker, markersize=7, markerfacecolor="white",
+            markeredgecolor=color, markeredgewidth=1.5, zorder=4)  # fmt: skip
+
+
+UNSTEADY_NOTE = "hollow: unsteady trials, the median is not to be trusted"
+NO_GAIN_NOTE = "half-filled: CI holds 1.0, no measurable gain"
+
+
 def speedup_figure(data: dict | SavedRun):
     """The speedup plot as a matplotlib Figure (not saved): every variant over the baseline,
-    median with its CI, a line at 1.0. A hollow marker is a size whose CI holds 1.0."""
+    median with its CI, a line at 1.0. A half-filled marker is a size whose CI holds 1.0; a hollow
+    one a speedup resting on unsteady trials (the variant's or the baseline's)."""
     _require()
     run = _run(data)
     layout = _layout(run)
     colors = variant_colors(run)
+    shaky = _unsteady_speedups(run)
     fig, ax = _new_axes(run, f"Fused tail: speedup over {run.baseline_label}", layout)
     base = ax.axhline(1.0, color="black", linestyle="--", linewidth=1)
     series = {k: rs for k, rs in _series(run, layout, skip=run.baseline).items() if rs[0].speedup}
-    hollow = False
+    half, hollow = False, False
     for ((key, group), rows), shift in zip(series.items(), _dodge(layout, len(series))):
         linestyle, marker = _group_style(layout, group)
         x = [layout.x[r.size] * shift for r in rows]
@@ -292,22 +313,40 @@ def speedup_figure(data: dict | SavedRun):
             label=rows[0].label + (f", {layout.group_labels[group]}" if layout.grid else ""),
         )  # fmt: skip
         bars.lines[0].set_gid(f"series:{key}:{group}")
-        no_gain = [(xi, m) for xi, m, r in zip(x, med, rows) if r.speedup["verdict"] == "no measurable gain"]
+        unsteady = [(xi, m) for xi, m, r in zip(x, med, rows) if (key, r.size) in shaky]
+        no_gain = [
+            (xi, m)
+            for xi, m, r in zip(x, med, rows)
+            if r.speedup["verdict"] == "no measurable gain" and (key, r.size) not in shaky
+        ]
         if no_gain:
+            half = True
+            (line,) = ax.plot(
+                *zip(*no_gain), linestyle="none", marker=marker, markersize=7, fillstyle="bottom",
+                markerfacecoloralt="white", color=colors[key], zorder=3,
+            )  # fmt: skip
+            line.set_gid(f"no-gain:{key}:{group}")
+        if unsteady:
             hollow = True
-            ax.scatter(
-                *zip(*no_gain), s=36, marker=marker, facecolors="white", edgecolors=colors[key], zorder=3
-            )
+            _hollow(ax, *zip(*unsteady), marker, colors[key])
+            ax.get_lines()[-1].set_gid(f"unsteady:{key}:{group}")
     notes = []
+    if half:
+        handle = Line2D([], [], marker="o", linestyle="", fillstyle="bottom", markerfacecoloralt="white",
+                        color="gray")  # fmt: skip
+        notes.append((handle, NO_GAIN_NOTE))
     if hollow:
-        marker = Line2D([], [], marker="o", linestyle="", markerfacecolor="white", markeredgecolor="gray")
-        notes.append((marker, "hollow: CI holds 1.0, no measurable gain"))
+        notes.append((_hollow_handle(), UNSTEADY_NOTE))
     reference = [(base, f"{run.baseline_label} (baseline) = 1.0")]
     _legend(ax, layout, reference, _variant_handles(series, colors, layout), notes)
     ax.set_ylabel(f"speedup over {run.baseline_label} (x), median and 95% CI")
     ax.set_ylim(bottom=0)  # from zero, so the height of a bar is the size of the gain
     _finish(fig, ax, layout)
     return fig
+
+
+def _hollow_handle():
+    return Line2D([], [], marker="o", linestyle="", markerfacecolor="white", markeredgecolor="gray")
 
 
 def bandwidth_figure(data: dict | SavedRun):
@@ -320,6 +359,7 @@ def bandwidth_figure(data: dict | SavedRun):
     fig, ax = _new_axes(run, "Fused tail: achieved bandwidth", layout)
     series = _series(run, layout)
     top = 0.0
+    hollow = False
     for (key, group), rows in series.items():
         linestyle, marker = _group_style(layout, group)
         gbps = [r.achieved_Bps / 1e9 for r in rows]
@@ -329,6 +369,11 @@ def bandwidth_figure(data: dict | SavedRun):
             label=rows[0].label + (f", {layout.group_labels[group]}" if layout.grid else ""),
         )  # fmt: skip
         line.set_gid(f"series:{key}:{group}")
+        unsteady = [(layout.x[r.size], g) for r, g in zip(rows, gbps) if r.unsteady]
+        if unsteady:
+            hollow = True
+            _hollow(ax, *zip(*unsteady), marker, colors[key])
+            ax.get_lines()[-1].set_gid(f"unsteady:{key}:{group}")
     notes = []
     if run.copy_ceiling_Bps:
         roof = run.copy_ceiling_Bps / 1e9
@@ -340,6 +385,8 @@ def bandwidth_figure(data: dict | SavedRun):
         pct.set_ylabel("% of the copy ceiling")
     else:
         notes.append((_blank(), "no copy ceiling (measured on CUDA only)"))
+    if hollow:
+        notes.append((_hollow_handle(), UNSTEADY_NOTE))
     tensors = {4: "4 tensors", 11: "11 tensors"}.get(run.model_tensors, f"{run.model_tensors} tensors")
     ax.set_ylabel(f"achieved bandwidth (GB/s)\n= minimum fused traffic ({tensors}) / median time")
     ax.set_ylim(0, top * 1.12 if top > 0 else 1)

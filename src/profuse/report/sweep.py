@@ -22,7 +22,7 @@ from profuse.report.units import fmt_bandwidth, fmt_time, speedup_terms
 
 CSV_FIELDS = (
     "rows", "cols", "dtype", "backward", "variant", "median_s", "speedup", "ci_low", "ci_high",
-    "verdict", "achieved_GBps", "fraction_of_copy", "passed", "host_s", "host_bound", "timing",
+    "verdict", "achieved_GBps", "fraction_of_copy", "passed", "host_s", "host_bound", "timing", "unsteady",
 )  # fmt: skip
 
 BASELINE_VERDICT = "baseline"
@@ -59,12 +59,18 @@ class VariantRow:
     why_not_timed: str = ""
     host_s: float | None = None  # CUDA: CPU time to issue one call (median of interleaved rounds)
     host_bound: bool = False  # the host's time bounds the call (bench.timing.host_bound)
+    host_lower_bound: bool = False  # host_s is "at least": the launch queue filled (bench/host.py)
     warmup_calls: int = 0  # untimed calls after the first (files before warm-up until steady: 0)
     warmup_steady: bool = True  # False: its warm-up ran out of budget before its calls agreed
 
     @property
     def size(self) -> tuple[int, int]:
         return self.rows, self.cols
+
+    @property
+    def unsteady(self) -> bool:
+        """Its trials were unsteady (bench.stats.steadiness): its median is not to be trusted."""
+        return bool(self.times_s) and steadiness(self.times_s).unsteady
 
     @property
     def verdict(self) -> str:
@@ -213,6 +219,7 @@ def _parse(data: dict) -> SavedRun:
                 host = res.get("host_s", timing.get("dispatch_s"))
                 row.host_s = None if host is None else float(host)
                 row.host_bound = bool(res.get("host_bound", False))
+                row.host_lower_bound = bool(timing.get("host_is_lower_bound", False))
                 row.warmup_calls = int(timing.get("warmup_calls", 0))
                 row.warmup_steady = bool(timing.get("warmup_steady", True))
             elif chk.get("error"):
@@ -299,10 +306,12 @@ def host_note(timing: str, rounds: int) -> str:
 
 
 def host_cell(row: VariantRow) -> str:
-    """'12.3 us', '250.1 us host-bound', or '-' where no host time was measured."""
+    """'12.3 us', '250.1 us host-bound', 'at least 9.1 ms' (the launch queue filled), or '-'
+    where no host time was measured."""
     if row.host_s is None or row.median_s is None:
         return "-"
-    return fmt_time(row.host_s).strip() + (" host-bound" if row.host_bound else "")
+    at_least = "at least " if row.host_lower_bound else ""
+    return at_least + fmt_time(row.host_s).strip() + (" host-bound" if row.host_bound else "")
 
 
 def speedup_cell(row: VariantRow) -> str:
@@ -528,6 +537,7 @@ def csv_rows(data: dict) -> list[dict]:
                 "host_s": "" if r.host_s is None else r.host_s,
                 "host_bound": r.host_bound,
                 "timing": timing,
+                "unsteady": r.unsteady,
             }
         )
     return out
