@@ -6,10 +6,17 @@ Public API:
     tail_reference                                          the float64 oracle
     FusedTail                                               an nn.Module around them
     compare, Comparison, Speedup                            the timing harness
-    silu_mul, add_rms_norm                                  the block's own ops, fused (profuse.blockops)
+    silu_mul, add_rms_norm, rms_norm                        the block's own ops, fused (profuse.blockops)
+    rope, qk_norm_rope                                      rotary embedding of q and k, and Qwen3's
+                                                            q/k norms with it (profuse.rotary)
+    linear_cross_entropy                                    the LM head and its loss, never the whole
+                                                            logits (profuse.crossentropy)
     profile                                                 any training step under torch.profiler
     fuse, unfuse, FuseSummary                               fuse a Hugging Face Llama-family model in
                                                             place, and undo it (profuse.fusion.hf)
+
+The fused ops import without triton; called without it, they raise RuntimeError saying how to
+install it (their *_eager versions, in the same modules, run anywhere).
 
 The names are loaded on first use (PEP 562): importing torch, scipy and triton takes seconds,
 and `profuse --help` or a mistyped flag should not pay for them.
@@ -36,6 +43,10 @@ _PUBLIC = {
     "silu_mul": "profuse.blockops",
     "profile": "profuse.profiling",
     "add_rms_norm": "profuse.blockops",
+    "rms_norm": "profuse.blockops",
+    "rope": "profuse.rotary",
+    "qk_norm_rope": "profuse.rotary",
+    "linear_cross_entropy": "profuse.crossentropy",
     "fuse": "profuse.fusion.hf",
     "unfuse": "profuse.fusion.hf",
     "FuseSummary": "profuse.fusion.hf",
@@ -49,7 +60,11 @@ __all__ = [
     "add_rms_norm",
     "compare",
     "fuse",
+    "linear_cross_entropy",
     "profile",
+    "qk_norm_rope",
+    "rms_norm",
+    "rope",
     "silu_mul",
     "tail_compiled",
     "tail_eager",
@@ -62,9 +77,11 @@ __all__ = [
 if TYPE_CHECKING:  # for type checkers and editors: the names as if imported eagerly
     from profuse.bench.stats import Speedup
     from profuse.bench.timing import Comparison, compare
-    from profuse.blockops import add_rms_norm, silu_mul
+    from profuse.blockops import add_rms_norm, rms_norm, silu_mul
+    from profuse.crossentropy import linear_cross_entropy
     from profuse.fusion.hf import FuseSummary, fuse, unfuse
     from profuse.profiling import profile
+    from profuse.rotary import qk_norm_rope, rope
     from profuse.tail import FusedTail, tail_compiled, tail_eager, tail_reference, tail_rms_norm, tail_triton
 
 
