@@ -142,6 +142,8 @@ _COPY_OPS = re.compile(r"copy|clone|contiguous|_to_copy|aten::to$|copybackward|c
 # What marks rotary embedding where no module holds it: rotate_half's neg, the cos / sin tables.
 _ROPE_OPS = ("aten::neg", "aten::cos", "aten::sin")
 _ENGINE_ADD = ("aten::add_", "aten::add")  # the engine summing two gradients of one tensor
+# What marks a loss as a cross-entropy (the work linear_cross_entropy replaces): its ops or kernels.
+_CROSS_ENTROPY = re.compile(r"log_?softmax|nll_?loss|cross_?entropy")
 
 
 @dataclass
@@ -150,7 +152,7 @@ class Candidate:
 
     name: str  # RESIDUAL_NORM, ACTIVATION_MUL, ...
     pct: float  # % of the summary's basis (self CPU time, or GPU kernel time)
-    covered_by: str | None  # the profuse op that fuses it (silu_mul, add_rms_norm), None if none yet
+    covered_by: str | None  # the profuse op that fuses it (silu_mul, rope, ...), None if none yet
     ops: dict[str, float] = field(default_factory=dict)  # its largest ops -> % of the basis
     note: str = ""  # what else covers it, where profuse does not
 
@@ -170,6 +172,16 @@ def _covered_by(name: str, ops: Iterable[str], norm_roles: set[str]) -> tuple[st
         if any("silu" in op.lower() for op in ops):
             return "silu_mul", ""
         return None, "not SiLU: profuse's silu_mul fuses silu(gate) * up only"
+    if name == ROTARY:
+        return "rope", ""
+    if name == QK_NORM:
+        if "rms_norm" in norm_roles:
+            return "qk_norm_rope", ""
+        return None, "not RMSNorm: profuse's qk_norm_rope fuses a per-head RMSNorm and RoPE only"
+    if name == LOSS:
+        if any(_CROSS_ENTROPY.search(op.lower()) for op in ops):
+            return "linear_cross_entropy", "with the LM head's matmul (profuse.fuse on Hugging Face models)"
+        return None, "not a cross-entropy: profuse's linear_cross_entropy fuses the LM head's loss only"
     if name == OPTIMIZER_WORK:
         return None, "torch's own torch.optim.AdamW(fused=True) fuses it"
     return None, ""

@@ -120,7 +120,7 @@ def format_candidates(r: ProfileResult) -> list[str]:
     if s.launch_bound:
         lines.append("  (launch-bound: these shorten the kernels' time, not the step's)")
     lines.append(
-        f"  {'candidate':<{CANDIDATE_W}}  {'share':>6}  {'ceiling':>7}  {'profuse op':<12}  largest ops"
+        f"  {'candidate':<{CANDIDATE_W}}  {'share':>6}  {'ceiling':>7}  {'profuse op':<20}  largest ops"
     )
     notes = []
     shown = [c for c in s.candidates if c.pct >= SHOWN_PCT]
@@ -128,7 +128,7 @@ def format_candidates(r: ProfileResult) -> list[str]:
         name = c.name if len(c.name) <= CANDIDATE_W else c.name[: CANDIDATE_W - 3] + "..."
         ops = ", ".join(f"{_op_name(op)} {pct:.1f}%" for op, pct in list(c.ops.items())[:3])
         op = c.covered_by or "none yet"
-        lines.append(f"  {name:<{CANDIDATE_W}}  {c.pct:5.1f}%  {c.ceiling:6.2f}x  {op:<12}  {ops}")
+        lines.append(f"  {name:<{CANDIDATE_W}}  {c.pct:5.1f}%  {c.ceiling:6.2f}x  {op:<20}  {ops}")
         if c.note:
             notes.append(f"  {c.name}: {c.note}")
     rest = s.candidates[len(shown) :]
