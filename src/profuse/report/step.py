@@ -14,6 +14,16 @@ from profuse.bench.stats import FEW_TRIALS, STATISTIC, steadiness, time_ratio_ci
 from profuse.bench.timing import WARMUP_BUDGET_S, warmup_warning
 from profuse.env import card_name, describe
 from profuse.errors import UsageError
+from profuse.report.stepchecks import (
+    amdahl_lines,
+    first_step_in_table,
+    first_step_line,
+    full_check_lines,
+    memory_note,
+    small_check_lines,
+    speedup_words,
+    weights_line,
+)
 from profuse.report.sweep import (
     few_trials_note,
     interpreter_note,
@@ -33,11 +43,6 @@ MODEL_FLAGS = {
     "seq_len": "--seq-len", "batch_size": "--batch-size",
 }  # fmt: skip
 
-# What Liger-Kernel's two variants patch (profuse.models.liger).
-LIGER_OPS = {
-    "liger-ops": "Liger-Kernel's RMSNorm and SwiGLU",
-    "liger": "Liger-Kernel's default patch: RoPE, RMSNorm, SwiGLU, fused linear cross-entropy",
-}
 LIGER_LOSS_NOTE = (
     "liger's loss is the model's own through Liger's fused linear cross-entropy (labels = the input "
     "tokens, shifted inside: B x (T - 1) tokens, no logits materialised); the other variants compute "
@@ -56,14 +61,7 @@ def load_step(path: str | Path) -> dict | None:
 
 
 def _speedup(sp: dict | None) -> str:
-    """'1.03x (1.02-1.04) faster', '1.33x slower (1.27-1.37)' (the factor it takes longer, its
-    interval turned round with it, as every report says a slowdown), or 'no measurable gain'."""
-    if not sp:
-        return ""
-    ratio, ci = speedup_terms(sp["median"], sp["low"], sp["high"], sp["verdict"])
-    if sp["verdict"] == "slower":
-        return f"{ratio} ({ci})"  # the ratio says it: '1.33x slower'
-    return f"{ratio} ({ci}) {sp['verdict']}"
+    return speedup_words(sp)
 
 
 def _is_hf(data: dict) -> bool:
@@ -91,40 +89,6 @@ def _model_line(data: dict) -> str:
     )
 
 
-def _check_lines(data: dict, c: dict | None = None, name: str = "") -> list[str]:
-    c = c or data.get("check")
-    if not c:
-        return []
-    m = c["model"]
-    what = f"{name} ({LIGER_OPS[name]})" if name else data["block_ops"]
-    head = (
-        f"same math ({what} vs the unfused step, both against float64, on a "
-        f"{m['n_layer']}-layer copy, {m['batch_size']} x {m['seq_len']} tokens):"
-    )
-    if c["error"]:
-        return [f"{head} FAILED to run: {c['error']}"]
-    worst = c["worst"]
-    fused, unfused = c["errors"][worst]
-    loss_f, loss_u = c["errors"]["loss"]
-    status = "ok" if c["passed"] else f"FAILED ({'it is' if name else 'the fused variants are'} not timed)"
-    return [
-        f"{head} {status}",
-        f"{'':>4}worst: {worst} rel err {fused:.1e} (unfused {unfused:.1e}, bound {c['bounds'][worst]:.1e}); "
-        f"loss {loss_f:.1e} (unfused {loss_u:.1e}); max |fused - unfused| {c['max_abs_diff']:.1e}",
-    ]
-
-
-def _first_step_line(data: dict) -> str:
-    parts = []
-    for name, f in data["first_steps"].items():
-        if f["grad_rel_diff"] is None:
-            continue
-        parts.append(f"{name}: loss {f['loss_rel_diff']:.1e}, gradients {f['grad_rel_diff']:.1e}")
-    if not parts:
-        return ""
-    return "first step vs eager at this size (relative differences): " + "; ".join(parts)
-
-
 def _table(data: dict) -> list[str]:
     cmp = data["comparison"]
     results = data["results"]
@@ -135,7 +99,9 @@ def _table(data: dict) -> list[str]:
     header = f"{'variant':>{W}}  {'median':>10}  {'vs eager (95% CI)':<38}"
     if cuda:
         header += f"  {'host':>10}"
-    header += f"  {'first step':>10}"
+    old_first = first_step_in_table(data)  # dropped since the full-size check (first_step_line)
+    if old_first:
+        header += f"  {'first step':>10}"
     if cuda:
         header += f"  {'peak memory':>11}"
     if profiles:
@@ -149,7 +115,8 @@ def _table(data: dict) -> list[str]:
         if cuda:
             host = r["host_s"]
             row += f"  {fmt_time(host, unit) if host is not None else '-':>10}"
-        row += f"  {fmt_time(firsts[name]['seconds']).strip():>10}"
+        if old_first:
+            row += f"  {fmt_time(firsts[name]['seconds']).strip():>10}"
         if cuda:
             mem = memory.get(name)
             row += f"  {fmt_bytes(mem['peak_bytes']) if mem else '-':>11}"
@@ -163,68 +130,6 @@ def _table(data: dict) -> list[str]:
         if r["host_bound"]:
             row += "  host-bound"
         lines.append(row.rstrip())
-    return lines
-
-
-def _amdahl_lines(data: dict) -> list[str]:
-    a = data.get("amdahl")
-    if not a:
-        return []
-    eager_profile = data["profiles"].get("eager", {})
-    basis = eager_profile.get("basis", "time")
-    fr = a["fractions"]
-    ops = ", ".join(f"{op} {100 * f:.1f}%" for op, f in fr.items())
-    lines = [
-        f"Amdahl: the ops fusion replaces take f = {100 * a['f']:.1f}% of the eager step ({ops}; forward "
-        f"and backward, their {basis} in the eager profile over the timed eager step)",
-    ]
-    if a["op_speedups"]:
-        clock = "device time" if data["config"]["device"].startswith("cuda") else "wall clock"
-        lines.append(f"  their speedups, fused vs eager at the model's shapes, forward + backward, {clock}:")
-        for op, sp in a["op_speedups"].items():
-            shape = data["ops"].get(op, {}).get("shape", "")
-            lines.append(f"  {op:>14}  {shape:<44}  {_speedup(sp)}")
-    pred = a["predicted"]
-    if pred:
-        lines.append(
-            f"  predicted step gain 1 / ((1 - f) + sum f_i / s_i) = {pred['median']:.3f}x "
-            f"({pred['low']:.3f}-{pred['high']:.3f} over the ops' CIs); "
-            f"at most {a['ceiling']:.3f}x were they free"
-        )
-    else:
-        lines.append(
-            f"  no op speedups (no fused variant was timed): at most 1 / (1 - f) = {a['ceiling']:.3f}x "
-            "were those ops free"
-        )
-    measured = a["measured"]
-    if measured:
-        lines.append(f"  measured step gain (fused vs eager): {_speedup(measured)}")
-    if pred and measured:
-        gap = measured["median"] / pred["median"]
-        if measured["high"] < pred["low"]:
-            lines.append(
-                f"  the step gained less than predicted ({gap:.3f} of it): fusion's savings in device time "
-                "do not all reach the step (launches, host time, what else the step waits for)"
-            )
-        elif measured["low"] > pred["high"]:
-            lines.append(
-                "  the step gained more than predicted: the fused ops also save what lies outside them "
-                "(the dtype casts around them, allocations, launches)"
-            )
-        else:
-            lines.append("  measured and predicted agree within their intervals")
-    if eager_profile.get("launch_bound"):
-        fused_profile = data["profiles"].get("fused")
-        saved = ""
-        if fused_profile:
-            fewer = eager_profile["launches_per_step"] - fused_profile["launches_per_step"]
-            saved = f" ({fewer:.0f} fewer kernels a step fused)"
-        lines.append(
-            f"  the eager step is launch-bound (GPU idle {eager_profile['gpu_idle_pct']:.0f}% of it): its "
-            "time is the CPU's launches, not the kernels, so Amdahl on kernel time does not describe it; "
-            f"fusion changes it only through the launches it saves{saved}; CUDA graphs or a bigger batch "
-            "help more"
-        )
     return lines
 
 
@@ -311,12 +216,10 @@ def format_step(data: dict) -> str:
     asked = cfg.get("variants") or list(data.get("results") or {})
     if any(name in FUSED_VARIANTS for name in asked):  # none asked for: nothing fused to name
         lines.append(f"fused block ops: {data['block_ops']} (silu_mul on the packed gate/up, add_rms_norm)")
-    lines += _check_lines(data)
+    lines += small_check_lines(data)
     for name, c in data.get("checks", {}).items():
-        lines += _check_lines(data, c, name)
-    first = _first_step_line(data)
-    if first:
-        lines.append(first)
+        lines += small_check_lines(data, c, name)
+    lines += full_check_lines(data)
     for name, why in data["skipped"].items():
         lines.append(f"{name:>{W}}: skipped ({why})")
     for name, why in data["failed"].items():
@@ -340,10 +243,7 @@ def format_step(data: dict) -> str:
         )
     notes = [f"statistic: {STATISTIC}"]
     if kind == "cuda":
-        notes.append(
-            "host = CPU time to issue one step; peak memory = parameters and AdamW state + the most one "
-            "step allocates above them (torch.cuda.max_memory_allocated)"
-        )
+        notes.append("host = CPU time to issue one step; " + memory_note(data))
     else:
         notes.append("peak memory: not measured on a CPU (torch.cuda.max_memory_allocated is CUDA's)")
     if data["profiles"]:
@@ -354,16 +254,12 @@ def format_step(data: dict) -> str:
     warmed = {name: t["warmup_calls"] for name, t in cmp["timings"].items() if "warmup_calls" in t}
     if warmed:
         notes.append(warmup_line(warmed).replace("calls", "steps"))
-    if kind == "cuda" and "cudagraphs" in data["results"]:
-        notes.append(
-            "cudagraphs' peak memory leaves out its CUDA graphs' memory pool, held between steps "
-            "(about one step's activations)"
-        )
+    notes += [line for line in (first_step_line(data), weights_line(data)) if line]
     if "liger" in data["results"]:
         notes.append(LIGER_LOSS_NOTE)
     lines += notes + few_trials_note(cmp["trials"]) + interpreter_note(data["env"], fused_timed)
     lines += step_warnings(data)
-    amdahl = _amdahl_lines(data)
+    amdahl = amdahl_lines(data)
     if amdahl:
         lines.append("")
         lines += amdahl + _amdahl_caveat(data)
