@@ -207,10 +207,11 @@ def estimated_bytes(cfg: StepConfig, variants: Sequence[str] | int | None = None
     """A generous estimate of the peak memory of the run.
 
     Once, whatever the number of variants (they share them): fp32 parameters, gradients and
-    AdamW's two moments (16 bytes a parameter), autocast's bf16 weight copies (2), eager's
-    first-step gradients kept to compare the others with (4; 4 more where liger runs: eager's
-    gradients of Liger's loss), one step's activations (ModelSpec.activation_bytes). A CUDA-graph
-    variant keeps one more step's activations resident in its graphs' memory pool.
+    AdamW's two moments (16 bytes a parameter), autocast's bf16 weight copies (2), the gradients
+    of a variant while the same-math check compares them (4; the reference waits on the host, and
+    its own peak is sized apart, samemath.plan_chunks; 4 more where liger runs, a margin for its
+    second loss), one step's activations (ModelSpec.activation_bytes). A CUDA-graph variant keeps
+    one more step's activations resident in its graphs' memory pool.
     """
     names = cfg.variants if variants is None or isinstance(variants, int) else variants
     p = cfg.spec.param_count()
@@ -575,6 +576,7 @@ def _drop_failed(comparison: Comparison, failed: dict[str, str], fails: dict[str
     for name in fails:
         comparison.timings.pop(name, None)
         comparison.speedups.pop(name, None)
+    comparison.orders = [[n for n in order if n not in fails] for order in comparison.orders]
     return comparison
 
 
