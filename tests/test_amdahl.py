@@ -159,9 +159,11 @@ DIMS = A.OpDims(
 )
 AMP = A.OpDtypes(stream=torch.float32, compute=torch.bfloat16, autocast=True)
 BF16 = A.OpDtypes(stream=torch.bfloat16, compute=torch.bfloat16, autocast=False)
+FP32 = A.OpDtypes(stream=torch.float32, compute=torch.float32, autocast=False)  # a CPU step
+FP16 = A.OpDtypes(stream=torch.float32, compute=torch.float16, autocast=True)
 
 
-@pytest.mark.parametrize("dtypes", [AMP, BF16], ids=["amp", "bf16"])
+@pytest.mark.parametrize("dtypes", [AMP, BF16, FP32, FP16], ids=["amp", "bf16", "fp32", "fp16-autocast"])
 def test_each_op_takes_the_call_form_shapes_and_dtypes_the_step_uses(dtypes):
     cpu = torch.device("cpu")
     cases = A.op_cases(A.OPS, "qwen3", DIMS, dtypes, cpu, fused=A.eager_impls("qwen3"))
