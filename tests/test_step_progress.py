@@ -182,13 +182,15 @@ def test_the_budget_counts_what_a_run_will_do():
     cfg = S.StepConfig(model=TINY, device="cuda", trials=30, profile_steps=3)
     names = ["eager", "fused", "compile", "compile+fused", "cudagraphs"]
     b = S.budget(cfg, names)
+    # each variant's own steps (stepstate.MEMORY_STEPS on CUDA); 30 trials balanced over 5 variants
     assert (b["compiles"], b["checks"], b["first_steps"], b["trial_rounds"], b["host_rounds"]) == (
         3,
         1,
-        6,
+        5 * S.stepstate.MEMORY_STEPS,
         30,
         30,
     )
+    assert (b["steps_per_trial"], b["trial_rounds_at_most"], b["references"]) == (11, 30, 1)
     assert b["profiled_steps"] == 15 and b["profile_warmup_steps"] == 5 + 3 and b["op_timings"] == 2
     assert S.budget(S.StepConfig(model=TINY, profile_steps=0), ["eager"])["builds"] == 1
 
