@@ -15,6 +15,7 @@ from profuse import fusion
 from profuse import step as S
 from profuse.model import GPTConfig
 from profuse.report.step import format_step
+from profuse.report.stepchecks import amdahl_lines
 
 TINY = GPTConfig(n_layer=2, d_model=64, n_head=2, vocab_size=128, seq_len=16, batch_size=2)
 
@@ -245,3 +246,60 @@ def test_a_file_from_before_the_step_by_step_shares_still_reads(run):
         del a["predicted"][key]
     text = format_step(data)
     assert "predicted step gain" in text and "over the ops' CIs)" in text
+
+
+def _fake_ops_trace(op_us: dict[str, float], steps: int = 3) -> dict:
+    """ProfilerSteps of 1000 us, each holding one labelled call of every op in `op_us`
+    ("profuse.block_op: OP", as fusion's labels) for its duration, an aten op inside each."""
+    events = []
+    for i in range(steps):
+        start = 5000.0 * i
+        events.append(_span(f"ProfilerStep#{i}", "user_annotation", start, 1000.0))
+        t = start + 10
+        for op, d in op_us.items():
+            events.append(_span(A.op_range(op), "user_annotation", t, d))
+            events.append(_span("aten::mul", "cpu_op", t + 2, d - 4))
+            t += d + 5
+    events.append({"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "host"}})
+    return {"traceEvents": events}
+
+
+@pytest.mark.parametrize(
+    "positional, ops",
+    [
+        ("rope", {"rms_norm": 20, "rope": 30, "silu_mul": 80, "add_rms_norm": 40,
+                  "linear_cross_entropy": 120}),
+        ("qk_norm_rope", {"rms_norm": 20, "qk_norm_rope": 50, "silu_mul": 80, "add_rms_norm": 40,
+                          "linear_cross_entropy": 120}),
+    ],
+    ids=["llama", "qwen3"],
+)  # fmt: skip
+def test_every_labelled_op_gets_its_share_and_its_own_speedup_in_the_amdahl_rows(positional, ops):
+    """Each op fusion replaces, found by its range in the labelled eager profile, has its own row:
+    its share of the step and its own speedup (Qwen3: qk_norm_rope in place of rope)."""
+    shares = A.step_shares(_fake_ops_trace(ops), "cpu")
+    assert set(shares.ops) == set(ops) and positional in shares.ops
+    for op, us in ops.items():
+        assert shares.ops[op].step_s == pytest.approx([us * 1e-6] * 3) and shares.ops[op].calls == 1
+    speedups = {op: sp(1.5 + i / 10, 1.4 + i / 10, 1.6 + i / 10) for i, op in enumerate(ops)}
+    a = A.Amdahl(
+        eager_step_s=1000e-6,
+        op_s={op: s.step_s for op, s in shares.ops.items()},
+        op_speedups=speedups,
+        measured=None,
+        calls={op: s.calls for op, s in shares.ops.items()},
+    )
+    assert a.fractions == pytest.approx({op: us / 1000 for op, us in ops.items()})
+    want = 1 / (
+        (1 - sum(ops.values()) / 1000) + sum(us / 1000 / speedups[op]["median"] for op, us in ops.items())
+    )
+    assert a.predict() == pytest.approx(want)
+    shapes = {op: {"shape": f"{op} at the step's shapes"} for op in ops}
+    data = {"amdahl": a.to_dict(), "profiles": {}, "config": {"device": "cpu"}, "ops": shapes}
+    lines = amdahl_lines(data)
+    for op, us in ops.items():
+        assert f"{op} {us / 10:.1f}%" in lines[0]  # its share of the step
+        [row] = [
+            line for line in lines if line.strip().startswith(f"{op} ") and "at the step's shapes" in line
+        ]
+        assert f"{speedups[op]['median']:.2f}x" in row  # and its own speedup

@@ -918,3 +918,19 @@ def test_a_model_fusion_cannot_label_is_profiled_unlabelled(monkeypatch, tmp_pat
     assert res.profiles["eager"].block_op_pct == {} and res.amdahl is None
     assert res.amdahl_note.endswith("(ValueError: no block ops this fusion knows)")
     assert res.amdahl_note in format_step(res.to_dict()).splitlines()
+
+
+def test_step_json_holds_the_verdict_of_its_own_paired_trials(eager_vs_fused):
+    """step.json's verdict.winner and tied_with are tie_verdict's over the trials the same file
+    saves, and the report prints its words once, from that field."""
+    res, _, _ = eager_vs_fused
+    data = json.loads(json.dumps(res.to_dict()))  # as written and read back
+    v, cmp = data["verdict"], data["comparison"]
+    want = tie_verdict(
+        {n: t["times_s"] for n, t in cmp["timings"].items()}, band=cmp["design"]["band"], seed=cmp["seed"]
+    )
+    assert (v["winner"], v["tied_with"], v["text"]) == (want.winner, want.tied_with, want.text)
+    assert {v["winner"], *v["tied_with"]} <= set(cmp["timings"])
+    assert cmp["design"]["balanced"] and all(sorted(o) == sorted(cmp["timings"]) for o in cmp["orders"])
+    [line] = [x for x in format_step(data).splitlines() if x.startswith("VERDICT: ")]
+    assert line.startswith(f"VERDICT: {v['text']}")

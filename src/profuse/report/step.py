@@ -112,9 +112,9 @@ def _table(data: dict) -> list[str]:
     bounds = (verdict_of(data) or {}).get("bounds") or {}  # the run's decision (profuse.verdict)
     unit = time_unit(results[cmp["baseline"]]["median_s"])
     launches = next((p["launch_unit"] for p in profiles.values()), "kernels")
-    header = f"{'variant':>{W}}  {'median':>10}  {'vs eager (95% CI)':<38}"
+    header = f"{'variant':>{W}}  {'median':>10}  {'vs eager (95% CI)':<38}  {'per trial':>9}"
     if cuda:
-        header += f"  {'host':>10}"
+        header += f"  {'host':>17}"
     old_first = first_step_in_table(data)  # dropped since the full-size check (first_step_line)
     if old_first:
         header += f"  {'first step':>10}"
@@ -128,9 +128,15 @@ def _table(data: dict) -> list[str]:
     for name, r in results.items():
         row = f"{name:>{W}}  {fmt_time(r['median_s'], unit):>10}  "
         row += f"{_speedup(r['speedup']) if r['speedup'] else 'baseline':<38}"
+        pt = (r["speedup"] or {}).get("per_trial")  # the paired statistic beside the ratio of medians
+        paired = f"{pt['median']:.2f}x" if pt else "-"
+        row += f"  {paired:>9}"
         if cuda:
-            host = r["host_s"]
-            row += f"  {fmt_time(host, unit) if host is not None else '-':>10}"
+            host, timing = r["host_s"], cmp["timings"].get(name) or {}
+            shown = fmt_time(host, unit).strip() if host is not None else "-"
+            if host is not None and timing.get("host_is_lower_bound"):
+                shown = f"at least {shown}"  # the launch queue filled while the CPU issued it
+            row += f"  {shown:>17}"
         if old_first:
             row += f"  {fmt_time(firsts[name]['seconds']).strip():>10}"
         if cuda:
