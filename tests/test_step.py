@@ -824,19 +824,19 @@ def _verdict_data(
 @pytest.mark.parametrize(
     "fused_s, winner, tied, words",
     [
-        (0.77, "fused", [], "VERDICT: fused wins; next: eager, 30% slower"),
-        (1.0005, "eager", ["fused"], "VERDICT: eager and fused tie (within"),
-        (1.25, "eager", [], "VERDICT: eager wins; next: fused, 25% slower"),
+        (0.77, "fused", [], r"VERDICT: fused wins; next: eager, 30% slower"),
+        (1.0005, "eager", ["fused"], r"VERDICT: (eager and fused|fused and eager) tie \(within"),
+        (1.25, "eager", [], r"VERDICT: eager wins; next: fused, 25% slower"),
     ],
 )
 def test_the_verdict_is_tie_verdict_over_the_saved_trials(eager_vs_fused, fused_s, winner, tied, words):
     data = _verdict_data(eager_vs_fused, fused_s)
     v = data["verdict"]
-    assert (v["winner"], v["tied_with"]) == (winner, tied)
+    assert {v["winner"], *v["tied_with"]} == {winner, *tied}  # a tie: either may lead by a hair
     want = tie_verdict({n: t["times_s"] for n, t in data["comparison"]["timings"].items()})
     assert (v["text"], v["winner"], v["tied_with"]) == (want.text, want.winner, want.tied_with)
     line = verdict_line(data)
-    assert line.startswith(words) and "\n" not in line
+    assert re.match(words, line) and "\n" not in line
     assert "the eager step is host-bound (on a CPU the whole step is host time)" in line
     if winner == "fused":  # the ratio of medians and the paired statistic, side by side
         assert "fused 1.30x (" in line and "faster than eager, per trial 1.30x (" in line
