@@ -470,8 +470,10 @@ def verdict_line(data: dict) -> str:
 
 # The phases of a run (step.json's `phases`), in the order they run; "first:NAME" and
 # "profile:NAME" are each variant's share of "first steps" and "profiles".
-PHASES = (("check", "check"), ("build", "build"), ("first", "first steps"), ("trials", "trials"),
-          ("memory", "memory"), ("profiles", "profiles"), ("ops", "op timings"))  # fmt: skip
+# "memory" is older files' (a step apart per variant; now inside each variant's own first steps).
+PHASES = (("check", "check"), ("build", "build"), ("reference", "reference"), ("first", "first steps"),
+          ("trials", "trials"), ("memory", "memory"), ("profiles", "profiles"),
+          ("ops", "op timings"))  # fmt: skip
 
 
 def time_lines(data: dict) -> list[str]:
