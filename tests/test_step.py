@@ -408,10 +408,10 @@ def test_warm_up_steps_are_counted_and_a_budget_run_out_is_named(eager_vs_fused)
 
 def test_no_fused_variant_asked_for_no_fused_block_ops_line(eager_vs_fused):
     data = copy.deepcopy(eager_vs_fused[0].to_dict())
-    assert any(line.startswith("fused block ops:") for line in format_step(data).splitlines())
+    assert any(line.startswith("fused ops:") for line in format_step(data).splitlines())
     data["config"]["variants"] = ["eager", "compile"]
     data["results"].pop("fused")
-    assert not any(line.startswith("fused block ops:") for line in format_step(data).splitlines())
+    assert not any(line.startswith("fused ops:") for line in format_step(data).splitlines())
 
 
 def test_a_slowdown_reads_as_how_many_times_slower():

@@ -245,7 +245,13 @@ def format_step(data: dict) -> str:
     ]
     asked = cfg.get("variants") or list(data.get("results") or {})
     if any(name in FUSED_VARIANTS for name in asked):  # none asked for: nothing fused to name
-        lines.append(f"fused block ops: {data['block_ops']} (silu_mul on the packed gate/up, add_rms_norm)")
+        ops = (
+            "silu_mul on the packed gate/up, add_rms_norm"
+            if not _is_hf(data)
+            else "every op profuse.fuse places: silu_mul, add_rms_norm, rms_norm, "
+            "rope (Qwen3: qk_norm_rope), linear_cross_entropy"
+        )
+        lines.append(f"fused ops: {data['block_ops']} ({ops})")
     lines += small_check_lines(data)
     for name, c in data.get("checks", {}).items():
         lines += small_check_lines(data, c, name)
