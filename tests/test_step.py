@@ -934,3 +934,30 @@ def test_step_json_holds_the_verdict_of_its_own_paired_trials(eager_vs_fused):
     assert cmp["design"]["balanced"] and all(sorted(o) == sorted(cmp["timings"]) for o in cmp["orders"])
     [line] = [x for x in format_step(data).splitlines() if x.startswith("VERDICT: ")]
     assert line.startswith(f"VERDICT: {v['text']}")
+
+
+def test_the_referee_designs_warnings_reach_the_report(eager_vs_fused):
+    """Throttled trials (NVML's saved readings), a drifting variant and the verdict's noise
+    warning print under the table; a run without them prints none of them."""
+    from profuse.report.step import design_warnings
+
+    data = copy.deepcopy(eager_vs_fused[0].to_dict())
+    data["verdict"]["warnings"] = []
+    for t in data["comparison"]["timings"].values():
+        t["trend"] = None
+    assert design_warnings(data) == []
+    data["comparison"]["clocks"] = [
+        {"sm_mhz": 1980, "reasons": [], "throttled": False},
+        {"sm_mhz": 1410, "reasons": ["sw_power_cap"], "throttled": True, "power_violation_s": 0.2},
+    ]
+    data["comparison"]["timings"]["fused"]["trend"] = {
+        "r": 0.8, "p": 0.001, "trials": 12, "first_s": 0.1, "last_s": 0.12, "drifting": True,
+    }  # fmt: skip
+    data["verdict"]["warnings"] = ["WARNING: trial noise (eager's trials vary 3%) exceeds ..."]
+    lines = design_warnings(data)
+    assert len(lines) == 3 and lines[0].startswith("WARNING: the GPU throttled in 1 of 2 trials")
+    assert "SM clock 1410-1980 MHz" in lines[0] and "held back 0.2 s" in lines[0]
+    assert lines[1].startswith("WARNING fused: its times drifted") and lines[2].startswith(
+        "WARNING: trial noise"
+    )
+    assert all(line in format_step(data).splitlines() for line in lines)

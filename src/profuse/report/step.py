@@ -12,7 +12,16 @@ import json
 import shlex
 from pathlib import Path
 
-from profuse.bench.stats import FEW_TRIALS, STATISTIC, steadiness, time_ratio_ci, unsteady_warning
+from profuse.bench.clocks import THROTTLE_BITS, ClockSample, throttle_warning
+from profuse.bench.stats import (
+    FEW_TRIALS,
+    STATISTIC,
+    Trend,
+    steadiness,
+    time_ratio_ci,
+    trend_warning,
+    unsteady_warning,
+)
 from profuse.bench.timing import WARMUP_BUDGET_S, warmup_warning
 from profuse.compiletime import CompileSplit
 from profuse.env import card_name, describe
@@ -204,7 +213,31 @@ def step_warnings(data: dict) -> list[str]:
     for name, t in ((cmp or {}).get("timings") or {}).items():
         if not t.get("warmup_steady", True):
             out.append(warmup_warning(name, t.get("warmup_calls", 0), budget))
+    out += design_warnings(data)
     return out + threads_note(data.get("env") or {})
+
+
+def design_warnings(data: dict) -> list[str]:
+    """The referee design's warnings from the saved run: a GPU that throttled in any trial (its
+    NVML readings), a variant whose times drifted through the trials, and trial noise over the
+    smallest difference the verdict calls (the verdict's own)."""
+    cmp = data.get("comparison") or {}
+    fields = set(ClockSample.__dataclass_fields__)
+    samples = [ClockSample(**{k: v for k, v in c.items() if k in fields}) for c in cmp.get("clocks") or []]
+    # a saved sample keeps its reasons' names, not their bits: its `throttled` is the run's reading
+    for sample, c in zip(samples, cmp.get("clocks") or []):
+        if c.get("throttled") and not sample.throttled:
+            sample.reason_bits = THROTTLE_BITS
+    out = [throttle_warning(samples)] if samples and throttle_warning(samples) else []
+    if (cmp.get("design") or {}).get("checks"):
+        for name, t in (cmp.get("timings") or {}).items():
+            tr = t.get("trend")
+            if tr and tr.get("drifting"):
+                out.append(
+                    trend_warning(name, Trend(*(tr[k] for k in ("r", "p", "trials", "first_s", "last_s"))))
+                )
+        out += (verdict_of(data) or {}).get("warnings") or []
+    return out
 
 
 def _amdahl_caveat(data: dict) -> list[str]:
