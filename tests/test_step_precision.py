@@ -95,7 +95,10 @@ def test_a_bf16_step_runs_on_the_cpu_with_bf16_parameters_and_state(tmp_path):
     res = S.run_step(cfg, progress=watch, ops=fusion.EAGER)
     assert not res.failed and res.check.passed and res.check.precision == "bf16"
     assert list(res.comparison.timings) == ["eager", "fused"]
-    assert res.first_steps["fused"].grad_rel_diff == 0.0  # eager's math: bitwise eager's, in bf16 too
+    same = res.same_math["fused"]  # eager's math: bitwise eager's, in bf16 too, against fp32
+    assert same.passed and same.reference == "float32"
+    assert all(err == unfused for err, unfused, _ in same.errors.values())
+    assert res.weights.finite and res.weights.unchanged  # lr 0 holds bf16 weights bitwise too
     data = res.to_dict()
     assert data["config"]["precision"] == "bf16"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
@@ -216,6 +219,14 @@ def test_step_runs_and_records_each_precision(flags, precisions, tmp_path, capsy
     data = json.loads((tmp_path / "step.json").read_text())
     runs = data["runs"] if len(precisions) > 1 else [data]
     assert [r["config"]["precision"] for r in runs] == precisions
+    for r in runs:  # each precision's own full-size check, held weights and verdict
+        ref = "float64" if r["config"]["precision"] == "amp" else "float32"  # amp on a CPU computes in fp32
+        assert r["same_math"]["eager"]["passed"] and r["same_math"]["eager"]["reference"] == ref
+        assert r["weights"]["finite"] and r["weights"]["unchanged"]
+        timed = set(r["comparison"]["timings"])
+        assert r["verdict"]["winner"] in timed and set(r["verdict"]["tied_with"]) <= timed - {
+            r["verdict"]["winner"]
+        }
     assert data.get("precision", precisions[0]) == ("both" if len(precisions) > 1 else precisions[0])
     titles = [line for line in out.splitlines() if line.startswith("=== Part C: the whole training step")]
     assert [t.split("(cpu, ")[1].split(")")[0].split(",")[0] for t in titles] == precisions

@@ -182,13 +182,15 @@ def test_the_budget_counts_what_a_run_will_do():
     cfg = S.StepConfig(model=TINY, device="cuda", trials=30, profile_steps=3)
     names = ["eager", "fused", "compile", "compile+fused", "cudagraphs"]
     b = S.budget(cfg, names)
+    # each variant's own steps (stepstate.MEMORY_STEPS on CUDA); 30 trials balanced over 5 variants
     assert (b["compiles"], b["checks"], b["first_steps"], b["trial_rounds"], b["host_rounds"]) == (
         3,
         1,
-        6,
+        5 * S.stepstate.MEMORY_STEPS,
         30,
         30,
     )
+    assert (b["steps_per_trial"], b["trial_rounds_at_most"], b["references"]) == (11, 30, 1)
     assert b["profiled_steps"] == 15 and b["profile_warmup_steps"] == 5 + 3 and b["op_timings"] == 2
     assert S.budget(S.StepConfig(model=TINY, profile_steps=0), ["eager"])["builds"] == 1
 
@@ -201,8 +203,14 @@ def test_the_run_uses_the_clock_it_is_given(tmp_path):
 
 
 def _data(results: dict, *, device="cpu", profile=None) -> dict:
+    """A saved run: each variant's paired trials at 0.1 s / its speedup (the same small wobble
+    in every variant's, as a shared drift), and its speedup over eager as given."""
+    wobble = [1 + 0.001 * ((i * 7) % 5 - 2) for i in range(12)]
+    timings = {
+        n: {"times_s": [0.1 / (s["median"] if s else 1.0) * w for w in wobble]} for n, s in results.items()
+    }
     return {
-        "comparison": {"baseline": "eager"},
+        "comparison": {"baseline": "eager", "seed": 0, "timings": timings},
         "config": {"device": device},
         "results": {
             n: {"median_s": 0.1, "host_s": None, "host_bound": False, "speedup": sp}
@@ -216,7 +224,9 @@ def sp(median, low, high):
     return {"median": median, "low": low, "high": high}
 
 
-def test_the_verdict_names_a_winner_or_a_draw_and_the_bound():
+def test_the_verdict_names_a_winner_or_a_tie_and_the_bound():
+    """The winner and its tie set are tie_verdict's over the saved trials; faster, level and
+    slower each variant's CI over eager; the bound bench.stats.bound's."""
     v = decide(_data({"eager": None, "fused": sp(1.2, 1.1, 1.3), "compile": sp(1.3, 1.25, 1.35)}))
     assert (v.winner, v.faster, v.level, v.slower, v.tied_with) == (
         "compile",
@@ -225,11 +235,13 @@ def test_the_verdict_names_a_winner_or_a_draw_and_the_bound():
         [],
         [],
     )
+    assert v.text.startswith("compile wins; next: fused, 8.3% slower")
     assert (v.bound, v.bound_why) == ("host-bound", "on a CPU the whole step is host time")
     v = decide(_data({"eager": None, "fused": sp(0.9, 0.85, 0.95)}))
-    assert v.winner == "eager" and v.slower == ["fused"]
+    assert v.winner == "eager" and v.tied_with == [] and v.slower == ["fused"]
     v = decide(_data({"eager": None, "fused": sp(1.0, 0.95, 1.05), "compile": sp(0.8, 0.7, 0.9)}))
-    assert v.winner is None and v.level == ["fused"] and v.slower == ["compile"]
+    assert (v.winner, v.tied_with, v.level, v.slower) == ("eager", ["fused"], ["fused"], ["compile"])
+    assert v.text.startswith("eager and fused tie (within 0%)")
     busy = {
         "launch_bound": False,
         "gpu_idle_pct": 4.3,
@@ -237,7 +249,10 @@ def test_the_verdict_names_a_winner_or_a_draw_and_the_bound():
         "time_per_step_us": 186_616,
     }
     v = decide(_data({"eager": None, "fused": sp(1.2, 1.1, 1.3)}, device="cuda:0", profile=busy))
-    assert v.bound == "device-bound" and v.bound_why == "the GPU idles only 4% of it"
+    assert (
+        v.bound == "device-bound"
+        and v.bound_why == "the GPU idles 4.3% of the step: the CPU keeps ahead of it"
+    )
     assert v.bounds == {"eager": "device-bound", "fused": ""}  # fused: no profile, no host time to say
     assert decide({"comparison": None}) is None
 

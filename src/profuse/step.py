@@ -17,38 +17,45 @@ on the same batch, all from the same initial parameters:
 Every variant's step computes the loss its users compute (ModelSpec.loss: for a Hugging Face model
 `model(input_ids, labels=input_ids).loss`, so a fused linear cross-entropy inside the model
 applies), and pays the same loss. The variants share one set of Parameter objects and one AdamW
-state (each is a deep copy of the model whose parameters map to themselves): a step's time does
-not depend on the weights' values, and a 1B-parameter model's 20 GB of fp32 weights, gradients
-and moments stay resident once, not once a variant. The precision is the run's
-(StepConfig.precision, profuse.models.spec.PRECISIONS): amp (fp32 parameters and AdamW state,
-bf16 autocast on CUDA; fp32 on a CPU) or bf16 (bf16 parameters and AdamW state, no autocast);
-`profuse step --precision both` runs the whole of it once in each. In order:
+state (each is a deep copy of the model whose parameters map to themselves): a 1B-parameter
+model's 20 GB of fp32 weights, gradients and moments stay resident once, not once a variant.
+AdamW runs at lr 0 through every variant's steps (profuse.stepstate), so all of them time the
+same weights, bitwise. The precision is the run's (StepConfig.precision,
+profuse.models.spec.PRECISIONS): amp (fp32 parameters and AdamW state, bf16 autocast on CUDA;
+fp32 on a CPU) or bf16 (bf16 parameters and AdamW state, no autocast); `profuse step --precision
+both` runs the whole of it once in each. In order:
 
 1. The size is checked against the device's free memory (one line, before any work).
-2. Same math: on a small copy of the model (ModelSpec.small: 2 layers, 128 tokens, the run's
-   widths) each variant that swaps ops (fused, liger-ops, liger) computes the loss and every
-   gradient in the run's precision, compared with float64 (the same weights; the loss from the
-   logits, ModelSpec.reference_loss): it must be as close to it as the unfused step is (within a
-   factor 2, or the dtype's tolerance). A variant that is not is reported as failed and never
-   timed.
-3. The first forward and backward of every variant (compilation included, split by
-   profuse.compiletime into torch.compile's phases and profuse's autotuner) from the same initial
-   weights, before any optimizer step: loss and gradients compared with eager's at the real size.
-   Then interleaved trials of whole steps, back to back as a training loop runs them
-   (bench.timing.compare, timing "loop", no L2 flush: a step's own traffic evicts the cache),
-   and the step speedup over eager with its bootstrap CI.
-4. Peak memory of one step per variant (CUDA): the resident state (parameters, AdamW moments)
-   plus the most a step allocates above it.
-5. A short profile of each timed variant as it was timed (profuse.stepprofile: nothing built or
+2. Same math, small (profuse.samemath): on a copy of the model cut to 2 layers and 128 tokens
+   (ModelSpec.small, the run's widths) each variant that swaps ops (fused, liger-ops, liger)
+   computes the loss and every gradient in the run's precision, compared with float64 (the same
+   weights; the loss from the logits, ModelSpec.reference_loss): it must be as close to it as
+   the unfused step is (within a factor 2, or the dtype's tolerance). A variant that is not is
+   reported as failed and never built at full size.
+3. At full size: the reference (the unfused model in fp32, or float64 where the step computes in
+   fp32, no autocast); then each variant's own first steps in table order, each from an emptied
+   allocator (profuse.stepstate): the first one's time (compilation included, split by
+   profuse.compiletime into torch.compile's phases and profuse's autotuner), the peak memory
+   reserved over its warm-up, capture and steady steps (CUDA), and its loss and every gradient
+   against the reference, tensor by tensor, each within its bound from the unfused step's own
+   error for that tensor (profuse.samemath). A variant outside a bound is failed and never
+   timed. Then interleaved trials of whole steps in the referee's design (bench.timing.REFEREE:
+   balanced orders, several steps a trial, warm-up until steady, more trials where the top two
+   are close; timing "loop", no L2 flush: a step's own traffic evicts the cache), each trial's
+   clocks read (NVML, where there is one), the step speedup over eager with its bootstrap CI and
+   its paired per-trial statistic, and the weights and each variant's last loss checked finite.
+4. A short profile of each timed variant as it was timed (profuse.stepprofile: nothing built or
    compiled again): kernels per step, the memory-bound share, GPU idle, time by category. The
    eager one runs through a labelled copy (ModelSpec.label), so the trace says how much of the
-   step is in the ops fusion replaces, forward and backward.
-6. Amdahl (profuse.amdahl): those ops' share f of the eager step and their own speedups s,
-   timed like Part B (fused vs eager at the model's shapes, ModelSpec.op_shapes, forward +
-   backward, device time), predict the step's gain 1 / ((1 - sum f) + sum f / s), printed beside
-   the gain measured in 3.
-7. The verdict (profuse.verdict): the winner and what bounds the eager step, decided once and
-   saved; the report prints it.
+   step is in each op fusion replaces, forward and backward.
+5. Amdahl (profuse.amdahl): those ops' time in each profiled eager step (their spread carried
+   into the interval), their own speedups timed like Part B in the call forms, shapes and dtypes
+   the fused step uses (forward + backward, device time), each eager op's time alone checked
+   against its time in the step's trace, the gain 1 / ((1 - sum f) + sum f / s) printed beside
+   the gain measured in 3, with a caveat where the eager step is not device-bound.
+6. The verdict (profuse.verdict): the winner, or the variants tied with it (bench.stats.
+   tie_verdict over the paired trials), and what bounds each step (bench.stats.bound), decided
+   once and saved; the report prints it.
 
 Each phase's wall time is recorded (StepResult.phases) with the run's budget counted before it
 starts (`budget`), and progress goes out through the `progress(stage, done, total)` callback.
@@ -63,24 +70,25 @@ import importlib
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 from torch import nn
 from torch.profiler import record_function
 
-from profuse import __version__, fusion
+from profuse import __version__, fusion, samemath, stepstate
+from profuse import amdahl as A
 from profuse import compile as _compile
-from profuse.amdahl import Amdahl, OpTiming, time_block_ops
+from profuse.amdahl import QK_NORM_ROPE, ROPE, Amdahl, OpTiming
 from profuse.bench.stats import Speedup, speedup_ci
-from profuse.bench.timing import Comparison, compare
+from profuse.bench.timing import REFEREE, Comparison, TrialDesign, compare
 from profuse.compiletime import CompileSplit, split_compile
-from profuse.env import check_fits, environment, interpreting
+from profuse.env import check_fits, dtype_name, environment, interpreting
 from profuse.errors import UsageError
 from profuse.kernels import HAS_TRITON, TRITON_MISSING
 from profuse.model import GPTConfig
-from profuse.models import ModelSpec, autocast_for
+from profuse.models import ModelSpec, autocast_for  # noqa: F401 (re-exported)
 from profuse.models import liger as L
 from profuse.models.gpt import PRESETS, GPTSpec, preset_model
 from profuse.models.spec import (
@@ -95,11 +103,13 @@ from profuse.models.spec import (
     state_bytes_per_parameter,
 )
 from profuse.profiling import BACKWARD, FORWARD, OPTIMIZER
+from profuse.samemath import CHECK_FACTOR, FullCheck, MathCheck
 from profuse.stepprofile import VariantProfile, profile_variant
-from profuse.tail import BACKWARD_TOL, FORWARD_TOL, relative_error
+from profuse.stepstate import StepMemory, WeightsCheck
 from profuse.verdict import StepVerdict, decide
 
-__all__ = ["CHECK_BATCH", "CHECK_LAYERS", "CHECK_SEQ_LEN", "PRESETS", "VariantProfile", "preset_model"]
+__all__ = ["CHECK_BATCH", "CHECK_FACTOR", "CHECK_LAYERS", "CHECK_SEQ_LEN", "PRESETS"]
+__all__ += ["VariantProfile", "preset_model"]
 
 Progress = Callable[[str, int, int], None]
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -117,20 +127,13 @@ GRAPH_VARIANTS = ("cudagraphs",)
 # The variants that swap ops in an unfused model: each passes the same-math check first.
 CHECKED_VARIANTS = ("fused", "liger-ops", "liger")
 
-# The kernel modules behind profuse.blockops' fused ops.
-KERNEL_MODULES = ("profuse.kernels.swiglu", "profuse.kernels.add_rms_norm")
-
-# A checked variant may be this many times further from float64 than the unfused step: two
-# roundings of like size, summed over a whole tensor, differ by much less than 2x.
-CHECK_FACTOR = 2.0
-
-# A variant's first step may differ from eager's by this many times the dtype's tolerance (the
-# loss's FORWARD_TOL, the gradients' BACKWARD_TOL): each side rounds once, and bf16 autocast
-# puts compile and eager 1.8e-2 apart in the gradients at d_model 2048, a third of this bound.
-FIRST_STEP_FACTOR = 2.0
+# The kernel modules behind the fused ops (profuse.blockops, rotary, crossentropy).
+KERNEL_MODULES = tuple(
+    f"profuse.kernels.{name}" for name in ("swiglu", "add_rms_norm", "rms_norm", "rope", "cross_entropy")
+)
 
 # The ops the fused variants replace: their names in fusion, and the profiler range of each.
-OPS = (fusion.SILU_MUL, fusion.ADD_RMS_NORM)
+OPS = A.OPS
 
 
 @dataclass
@@ -248,10 +251,11 @@ def num_params(m: GPTConfig) -> int:
 def estimated_bytes(cfg: StepConfig, variants: Sequence[str] | int | None = None) -> int:
     """A generous estimate of the peak memory of the run.
 
-    Once, whatever the number of variants (they share them): parameters, gradients and AdamW's
-    two moments (16 bytes a parameter in fp32, 8 in bf16), autocast's bf16 weight copies (2, amp),
-    eager's first-step gradients kept to compare the others with (one more copy of the
-    parameters), one step's activations (ModelSpec.activation_bytes). A CUDA-graph variant keeps
+    Once, whatever the number of variants (they share them): fp32 parameters, gradients and
+    AdamW's two moments (16 bytes a parameter), autocast's bf16 weight copies (2), the gradients
+    of a variant while the same-math check compares them (4; the reference waits on the host, and
+    its own peak is sized apart, samemath.plan_chunks; 4 more where liger runs, a margin for its
+    second loss), one step's activations (ModelSpec.activation_bytes). A CUDA-graph variant keeps
     one more step's activations resident in its graphs' memory pool.
     """
     names = cfg.variants if variants is None or isinstance(variants, int) else variants
@@ -335,6 +339,7 @@ class _Variant:
     model: nn.Module  # the prepared copy; its parameters are the run's shared ones
     net: nn.Module  # the model, or the model under torch.compile
     loss: LossFn  # what its step minimises: the spec's, the users' loss (the same for every variant)
+    ref_loss: LossFn  # that loss's math from the logits (ModelSpec.reference_loss): the references'
     autocast: Callable[[], contextlib.AbstractContextManager]  # the precision's (nothing for bf16)
     globals: contextlib.AbstractContextManager = field(default_factory=contextlib.nullcontext)
 
@@ -349,7 +354,7 @@ def _prepare(spec: ModelSpec, name: str, model: nn.Module, ops: fusion.BlockOps,
     net = model
     if name in COMPILED_VARIANTS:
         net = _compile.compile_model(model, cudagraphs=name in GRAPH_VARIANTS)
-    return _Variant(name, model, net, spec.loss, autocast, module_globals)
+    return _Variant(name, model, net, spec.loss, spec.reference_loss, autocast, module_globals)
 
 
 def _train_step(
@@ -378,26 +383,8 @@ def _train_step(
 
 
 # --------------------------------------------------------------------------------------------
-# 2. Same math: a variant vs the unfused step vs float64 on a small model
+# 2. Same math: a variant vs the unfused step vs float64 on a small model (profuse.samemath)
 # --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class MathCheck:
-    """A variant's step against the unfused one, both against float64, on a small model."""
-
-    model: dict  # the small model's dims (ModelSpec.dims)
-    precision: str
-    passed: bool
-    # "loss" and every parameter's gradient -> [variant rel err, unfused rel err] vs float64
-    errors: dict[str, list[float]] = field(default_factory=dict)
-    bounds: dict[str, float] = field(default_factory=dict)  # max(dtype tol, CHECK_FACTOR * unfused's)
-    max_abs_diff: float = math.nan  # variant vs unfused, over the loss and every gradient
-    worst: str = ""  # the quantity nearest its bound
-    error: str = ""  # the exception, where the variant's step did not run
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
 
 def check_model(m: GPTConfig) -> GPTConfig:
@@ -405,50 +392,17 @@ def check_model(m: GPTConfig) -> GPTConfig:
     return GPTSpec(m).small().config
 
 
-def _loss_and_grads(
-    net: nn.Module, model: nn.Module, batch: Batch, autocast, loss_fn: LossFn, module_globals=None
-) -> dict[str, torch.Tensor]:
-    params = dict(model.named_parameters())
-    with module_globals or contextlib.nullcontext(), autocast():
-        loss = loss_fn(net, batch)
-    with module_globals or contextlib.nullcontext():
-        grads = torch.autograd.grad(loss, list(params.values()))
-    return {"loss": loss.detach(), **{f"grad {name}": g for name, g in zip(params, grads)}}
-
-
 def check_variant_math(cfg: StepConfig, name: str, ops: fusion.BlockOps) -> MathCheck:
-    """Loss and gradients of one step of the small model in the run's precision: variant `name`,
-    unfused, and float64 (the same weights, the precision's rounding of them included; the loss
-    from the logits, ModelSpec.reference_loss)."""
-    dev, small = cfg.device, cfg.spec.small()
-    autocast = cfg.autocast
-    base = small.build_for(dev, cfg.seed, cfg.precision)
-    batch = small.batch(dev, cfg.seed)
-    check = MathCheck(model=small.dims(), precision=cfg.precision, passed=False)
-    try:
-        v = _prepare(small, name, copy.deepcopy(base), ops, autocast)
-        got = _loss_and_grads(v.net, v.model, batch, autocast, v.loss, v.globals)
-    except Exception as err:  # a variant that cannot run here is a failed check, not a crash
-        check.error = _first_line(err)
-        return check
-    ref_model = copy.deepcopy(base).double()
-    ref = _loss_and_grads(ref_model, ref_model, batch, contextlib.nullcontext, small.reference_loss)
-    unfused = _loss_and_grads(base, base, batch, autocast, small.loss)
-    if got.keys() != ref.keys():
-        check.error = f"{name} changed the model's parameters: they no longer match the unfused model's"
-        return check
-    worst_ratio = -1.0
-    for key, r in ref.items():
-        v_err, u_err = relative_error(got[key], r), relative_error(unfused[key], r)
-        tol = (FORWARD_TOL if key == "loss" else BACKWARD_TOL)[cfg.dtype]
-        bound = max(tol, CHECK_FACTOR * u_err)
-        check.errors[key], check.bounds[key] = [v_err, u_err], bound
-        ratio = v_err / bound if math.isfinite(v_err) else math.inf
-        if ratio > worst_ratio:
-            worst_ratio, check.worst = ratio, key
-    check.passed = worst_ratio <= 1.0
-    check.max_abs_diff = max((got[k].float() - unfused[k].float()).abs().max().item() for k in ref)
-    return check
+    """Loss and gradients of one step of the small model: variant `name`, unfused, float64."""
+    return samemath.check_small(
+        cfg.spec,
+        lambda spec, model: _prepare(spec, name, model, ops, cfg.autocast),
+        device=cfg.device,
+        seed=cfg.seed,
+        precision=cfg.precision,
+        dtype=cfg.dtype,
+        autocast=cfg.autocast,
+    )
 
 
 def check_same_math(cfg: StepConfig, ops: fusion.BlockOps) -> MathCheck:
@@ -482,30 +436,17 @@ def _math_stage(cfg, names, block_ops, failed, tell) -> tuple[dict[str, MathChec
 
 @dataclass
 class FirstStep:
-    """A variant's first step: what it cost (compilation included) and what it computed."""
+    """A variant's first whole step: its time (compilation included) and the loss it computed.
+
+    The time depends on what ran before it in this process (CUDA's and cuBLAS's start-up fall on
+    the first variant; Inductor's and Triton's caches are warm for later ones), so it is reported
+    as information, never compared: compile time per compiled variant is the figure to read."""
 
     seconds: float
     loss: float
-    loss_rel_diff: float | None = None  # |loss - eager's| / |eager's|; None for eager
-    grad_rel_diff: float | None = None  # ||g - g_eager|| / ||g_eager|| over all gradients at once
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-@dataclass
-class StepMemory:
-    """Peak memory of one step (CUDA): resident state plus the most the step allocates above it."""
-
-    state_bytes: int  # parameters and AdamW's two moments, held between steps (shared by the variants)
-    step_bytes: int  # activations, gradients and workspaces: max_memory_allocated over the step
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.state_bytes + self.step_bytes
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "peak_bytes": self.peak_bytes}
 
 
 def _build_variants(
@@ -534,151 +475,166 @@ def _build_variants(
     return out, torch.optim.AdamW(base.parameters(), lr=cfg.lr)
 
 
-def _check_first_step(first: FirstStep, dtype: torch.dtype) -> None:
-    """ValueError where the first step's loss or gradients are further from eager's than two
-    roundings of the step's dtype could put them (FIRST_STEP_FACTOR x the dtype's tolerance): a
-    variant that computes something else is reported as failed, never timed."""
-    bounds = {
-        "loss": FIRST_STEP_FACTOR * FORWARD_TOL[dtype],
-        "gradients": FIRST_STEP_FACTOR * BACKWARD_TOL[dtype],
-    }
-    for what, diff in (("loss", first.loss_rel_diff), ("gradients", first.grad_rel_diff)):
-        if not diff <= bounds[what]:  # NaN fails too
-            raise ValueError(
-                f"its first step is {diff:.1e} (relative) from eager's in the {what}, "
-                f"over the bound {bounds[what]:.1e}: it computes something else"
-            )
-
-
-def _forward_backward(
-    v: _Variant, net: nn.Module, loss_fn: LossFn, params: list, batch: Batch, device
-) -> tuple[float, float, list[torch.Tensor]]:
-    """(seconds, loss, gradients) of one forward and backward, timed whole; gradients cloned
-    and the parameters' .grad cleared (no optimizer step: every variant starts from the same weights)."""
-    autocast = v.autocast
-    _sync(device)
-    t0 = time.perf_counter()
+def _loss_and_grads(v: _Variant, loss_fn: LossFn, params: list, batch: Batch, device) -> tuple[float, list]:
+    """One forward and backward of variant `v`, no optimizer step (every variant from the same
+    weights): (loss, each parameter's .grad, not copied: the caller clears them)."""
     if v.name in GRAPH_VARIANTS:
         torch.compiler.cudagraph_mark_step_begin()
     with v.globals:
-        with autocast():
-            loss = loss_fn(net, batch)
+        with v.autocast():
+            loss = loss_fn(v.net, batch)
         loss.backward()
-    _sync(device)
-    seconds = time.perf_counter() - t0
-    grads = [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+    return loss.item(), [p.grad for p in params]
+
+
+def _clear(params: list) -> None:
     for p in params:
         p.grad = None
-    value = loss.item()
-    if not math.isfinite(value) or not all(bool(torch.isfinite(g).all()) for g in grads):
-        raise FloatingPointError("the first step's loss or gradients are not finite")
-    return seconds, value, grads
 
 
-def _compared(first: FirstStep, value: float, grads, eager: tuple[float, list]) -> FirstStep:
-    e_loss, e_grads = eager
-    first.loss_rel_diff = abs(value - e_loss) / abs(e_loss)
-    num = sum(torch.linalg.vector_norm(g.float() - e.float()).item() ** 2 for g, e in zip(grads, e_grads))
-    den = sum(torch.linalg.vector_norm(e.float()).item() ** 2 for e in e_grads)
-    first.grad_rel_diff = math.sqrt(num / den) if den > 0 else math.nan
-    return first
-
-
-def _first_steps(cfg, variants, optimizer, batch, failed, tell, splits, phase) -> dict[str, FirstStep]:
-    """Step 3's first half: every variant's first forward and backward from the same initial
-    weights, eager's first (the others are compared with it), then the optimizer's first step,
-    timed once and counted in every variant's first step (the AdamW state it allocates is
-    shared). A variant that raises goes to `failed`. Each first step's split (compiletime) goes to
-    `splits`, its wall time to `phase` ("first:NAME")."""
-    dev, dtype = cfg.device, cfg.dtype
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    first_steps: dict[str, FirstStep] = {}
-    kept: dict[str, tuple[float, list]] = {}  # eager's (loss, gradients)
+def _references(cfg, variants, params, batch, tell) -> tuple[dict, str]:
+    """Step 3's reference (profuse.samemath), before any variant's own steps: for each loss the
+    variants minimise, the unfused model's loss and gradients in fp32 without autocast (float64
+    where the step computes in fp32), in as few chunks of sequences as fit, and the unfused
+    step's own errors against them; the gradients then wait on the host. Returns ({loss function:
+    (reference, the unfused step's errors, their global error)}, why not, where it cannot run)."""
     eager = next((v for v in variants if v.name == BASELINE), None)
+    if eager is None:
+        return {}, ""
+    dev, ref_dtype = cfg.device, samemath.reference_dtype(cfg.dtype)
+    act = cfg.spec.activation_bytes(torch.float32) * (2 if ref_dtype == torch.float64 else 1)
+    n = cfg.spec.param_count()
+    stepstate.empty_allocator(dev)
+    chunks, why = samemath.plan_chunks(
+        batch[0].shape[0],
+        lambda k: samemath.reference_bytes(n, params[0].dtype, cfg.dtype, act, k),
+        dev,
+    )
+    if not chunks:
+        return {}, f"the same-math check at full size was not run: {why}"
+    refs: dict = {}
+    for key in dict.fromkeys(v.ref_loss for v in variants):
+        tell(f"the {dtype_name(ref_dtype)} reference at full size", len(refs), len(variants))
+        try:
+            ref = samemath.compute_reference(eager.model, params, key, batch, ref_dtype, chunks)
+            value, grads = _loss_and_grads(eager, eager.loss, params, batch, dev)
+            errors, glob = samemath.compare_to(value, grads, ref)
+        except Exception as err:  # e.g. out of memory: say so; the small check still stands
+            _clear(params)
+            return {}, f"the same-math check at full size did not run: {_first_line(err)}"
+        _clear(params)
+        refs[key] = (ref.to("cpu"), errors, glob)
+        del ref
+    stepstate.empty_allocator(dev)
+    return refs, ""
+
+
+def _full_check(cfg, v: _Variant, params, batch, refs) -> FullCheck:
+    """Variant `v`'s loss and every gradient at the run's size against its loss's reference."""
+    ref, unfused, unfused_global = refs[v.ref_loss]
+    try:
+        if v.name == BASELINE:  # its errors are the unfused step's, computed with the reference
+            errors, glob = unfused, unfused_global
+        else:
+            value, grads = _loss_and_grads(v, v.loss, params, batch, cfg.device)
+            errors, glob = samemath.compare_to(value, grads, ref)
+    except Exception as err:  # a variant that cannot run here is a failed row, not a crash
+        return samemath.failed_check(ref.kind, _first_line(err))
+    finally:
+        _clear(params)
+    return samemath.judge(
+        errors, unfused, cfg.dtype, ref.kind, global_err=glob, unfused_global_err=unfused_global
+    )
+
+
+def _first_steps(
+    cfg, variants, optimizer, batch, refs, failed, tell, splits, phase
+) -> tuple[dict[str, FirstStep], dict[str, StepMemory], dict[str, FullCheck]]:
+    """Step 3: each variant's own first whole steps (stepstate.own_steps), in table order, each
+    from an emptied allocator: the first step's time, compilation included, and on CUDA the peak
+    memory over its warm-up, capture and steady steps; then its loss and gradients at this size
+    against the reference (`refs`: _references'), tensor by tensor. CUDA graph variants come last
+    in the table: their graphs' pool stays allocated after their steps. AdamW runs at lr 0 (the
+    caller holds it so). A variant that raises, whose loss is not finite, or that fails the check
+    goes to `failed`. Each first step's split (compiletime) goes to `splits`, its own steps' wall
+    time to `phase` ("first:NAME")."""
+    dev = cfg.device
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    steps = stepstate.MEMORY_STEPS if dev.type == "cuda" else 1
+    first_steps: dict[str, FirstStep] = {}
+    memory: dict[str, StepMemory] = {}
+    checks: dict[str, FullCheck] = {}
     for i, v in enumerate(variants):
         what = " (compiling)" if v.name in COMPILED_VARIANTS else ""
         tell(f"first step: {v.name}{what}", i, len(variants))
         try:
             with phase(f"first:{v.name}"), split_compile() as split:
-                seconds, value, grads = _forward_backward(v, v.net, v.loss, params, batch, dev)
+                own = stepstate.own_steps(_train_step(v, optimizer, batch, dev), dev, steps)
             splits[v.name] = split[0]
-            what = f": {split[0].summary()}" if split[0].compiled_anything else ""
-            tell(f"first step: {v.name} took {seconds:.1f} s{what}", i + 1, len(variants))
-            first = FirstStep(seconds=seconds, loss=value)
-            if v.name == BASELINE:
-                kept["own"] = (value, grads)
-            elif eager is not None and BASELINE in first_steps:
-                _check_first_step(_compared(first, value, grads, kept["own"]), dtype)
-            del grads
+            done = f": {split[0].summary()}" if split[0].compiled_anything else ""
+            tell(f"first step: {v.name} took {own.first_s:.1f} s{done}", i + 1, len(variants))
+            loss = own.loss.item()
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"its loss is {loss} in its first steps")
         except Exception as err:  # a variant that cannot run here is a failed row, not a crash
             failed[v.name] = _first_line(err)
-            for p in params:
-                p.grad = None
+            optimizer.zero_grad(set_to_none=True)
             continue
-        first_steps[v.name] = first
-    kept.clear()
-    if eager is not None and BASELINE in first_steps:  # the optimizer's first step, on eager's gradients
-        with eager.autocast():
-            loss = eager.loss(eager.net, batch)
-        loss.backward()
-        _sync(dev)
-        t0 = time.perf_counter()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        _sync(dev)
-        opt_s = time.perf_counter() - t0
-        for first in first_steps.values():
-            first.seconds += opt_s
-    return first_steps
+        first_steps[v.name] = FirstStep(own.first_s, loss)
+        if own.memory is not None:
+            memory[v.name] = own.memory
+        if refs:
+            checks[v.name] = _full_check(cfg, v, params, batch, refs)
+            if not checks[v.name].passed:
+                failed[v.name] = f"failed the same-math check at full size: {checks[v.name].reason()}"
+    return first_steps, memory, checks
 
 
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    tensors = {p.data_ptr(): p for group in optimizer.param_groups for p in group["params"]}
-    for state in optimizer.state.values():
-        for t in state.values():
-            if isinstance(t, torch.Tensor) and t.device.type != "cpu":
-                tensors[t.data_ptr()] = t
-    return sum(t.numel() * t.element_size() for t in tensors.values())
+def trial_design(device: torch.device) -> TrialDesign:
+    """The referee's design of the step's trials (bench.timing.REFEREE) on CUDA. On a CPU, where
+    a step of even the lab's GPT takes about a second and the machine is shared, one step a trial
+    in balanced orders, warmed up by steps (Part B's rule), with the drift and noise warnings: the
+    same verdict's statistics, without blocks of 10 steps and a 1% warm-up no shared CPU meets."""
+    if device.type == "cuda":
+        return REFEREE
+    return replace(REFEREE, calls=1, discard=0, steady_spread=None, warmup_block=None, max_trials=0)
 
 
-def _step_memory(step: Callable[[], object], state_bytes: int, device: torch.device) -> StepMemory:
-    gc.collect()
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    step()
-    torch.cuda.synchronize(device)
-    return StepMemory(state_bytes, torch.cuda.max_memory_allocated(device) - before)
-
-
-def _timed_steps(cfg, steps, optimizer, first_steps, tell, phase) -> tuple[Comparison, dict[str, StepMemory]]:
-    """Step 3's second half and step 4: interleaved trials of whole steps, then (CUDA) each
-    variant's peak memory. No recompile is allowed while timing."""
-    dev = cfg.device
-    memory: dict[str, StepMemory] = {}
+def _timed_steps(cfg, steps, first_steps, tell, phase) -> tuple[Comparison, dict[str, torch.Tensor]]:
+    """Step 3's second half: interleaved trials of whole steps in the referee's design
+    (trial_design), each trial's clocks read where NVML is (bench.clocks), each variant's held host
+    time (bench.host). No recompile is allowed while timing. Returns the comparison and each
+    variant's last loss (for the finiteness check)."""
+    last = stepstate.LastLoss()
     say = lambda stage, done, total: tell(f"steps: {stage}", done, total)
     tell(f"steps: warm-up, then {cfg.trials} trials of {', '.join(steps)}", 0, 1)
-    with _compile.no_recompiles():
-        with phase("trials"):
-            comparison = compare(
-                steps,
-                BASELINE,
-                trials=cfg.trials,
-                device=dev,
-                warmup=cfg.warmup,
-                flush_l2=False,  # a step's own traffic (hundreds of MB) evicts the L2
-                seed=cfg.seed,
-                progress=say,
-                timing="loop",  # back to back, as a training loop runs steps
-                first_calls={k: first_steps[k].seconds for k in steps},
-            )
-        if dev.type == "cuda":
-            with phase("memory"):
-                state = _state_bytes(optimizer)
-                for i, (name, step) in enumerate(steps.items()):
-                    tell(f"memory: {name}", i, len(steps))
-                    memory[name] = _step_memory(step, state, dev)
-    return comparison, memory
+    with _compile.no_recompiles(), phase("trials"):
+        comparison = compare(
+            {name: last.wrap(name, step) for name, step in steps.items()},
+            BASELINE,
+            trials=cfg.trials,
+            device=cfg.device,
+            warmup=cfg.warmup,
+            flush_l2=False,  # a step's own traffic (hundreds of MB) evicts the L2
+            seed=cfg.seed,
+            progress=say,
+            timing="loop",  # back to back, as a training loop runs steps
+            first_calls={k: first_steps[k].seconds for k in steps},
+            design=trial_design(cfg.device),
+        )
+    return comparison, last.last
+
+
+def _drop_failed(comparison: Comparison, failed: dict[str, str], fails: dict[str, str]) -> Comparison | None:
+    """The comparison without the variants in `fails` (which join `failed`); None where eager is one."""
+    failed.update(fails)
+    if BASELINE in fails:
+        return None
+    for name in fails:
+        comparison.timings.pop(name, None)
+        comparison.speedups.pop(name, None)
+    comparison.orders = [[n for n in order if n not in fails] for order in comparison.orders]
+    return comparison
 
 
 def _release(device: torch.device) -> None:
@@ -706,7 +662,7 @@ def _labelled(cfg: StepConfig, eager: _Variant) -> tuple[_Variant, str]:
         return eager, _first_line(err)
     if {id(p) for p in model.parameters()} != shared.keys():
         return eager, "labelling it replaced the model's parameters"
-    return _Variant(BASELINE, model, model, eager.loss, eager.autocast, eager.globals), ""
+    return _Variant(BASELINE, model, model, eager.loss, eager.ref_loss, eager.autocast, eager.globals), ""
 
 
 def _profile_stage(cfg, variants, optimizer, batch, tell, phase) -> dict[str, VariantProfile]:
@@ -766,6 +722,9 @@ def budget(cfg: StepConfig, names: Sequence[str]) -> dict[str, int]:
     every variant once (as many steps as the harness's timer takes a trial), and the warm-up
     runs at least `warmup` steps a variant (on until steady: bench.timing)."""
     n, cuda = len(names), cfg.device.type == "cuda"
+    design = trial_design(cfg.device)
+    rounds = -(-cfg.trials // n) * n if design.balanced and n else cfg.trials  # balanced: a multiple of n
+    ops = A.eager_impls(cfg.spec.family)  # a model has rope or qk_norm_rope, not both
     checked = [c for c in CHECKED_VARIANTS if c in names or (c == "fused" and "compile+fused" in names)]
     profiled = cfg.profile_steps > 0
     compiled = sum(name in COMPILED_VARIANTS for name in names)
@@ -775,14 +734,17 @@ def budget(cfg: StepConfig, names: Sequence[str]) -> dict[str, int]:
         "compiles": compiled,  # torch.compile of the whole model, forward and backward, once each
         "builds": 1 + (1 if profiled else 0),  # the model, and eager's labelled copy for its profile
         "checks": len(checked),  # each: a small copy's step as the variant, unfused and in float64
-        "first_steps": n + 1,  # and eager's again, for the optimizer's first step
-        "warmup_steps_at_least": n * cfg.warmup,
-        "trial_rounds": cfg.trials,
-        "host_rounds": cfg.trials if cuda else 0,  # each variant's step once a round (CUDA)
-        "memory_steps": n if cuda else 0,
+        "references": 1 if BASELINE in names else 0,  # the full-size fp32 / float64 step (samemath)
+        "first_steps": n * (stepstate.MEMORY_STEPS if cuda else 1),  # each variant's own (stepstate)
+        "warmup_steps_at_least": n * cfg.warmup * (design.warmup_block or design.calls),
+        "trial_rounds": rounds,
+        "trial_rounds_at_most": max(rounds, design.max_trials),  # more where the top two are close
+        "steps_per_trial": design.calls + design.discard,
+        "host_rounds": (design.host_rounds or cfg.trials) if cuda else 0,  # each variant once a round
         "profiled_steps": n * cfg.profile_steps if profiled else 0,
         "profile_warmup_steps": (n + compiled) if profiled else 0,
-        "op_timings": len(OPS) if fused_timed else 0,  # each: trial_rounds of the op, fused and eager
+        # at most: each op the labelled eager profile finds, trial_rounds of it fused and eager
+        "op_timings": (len(ops) - (ROPE in ops and QK_NORM_ROPE in ops)) if fused_timed else 0,
     }
 
 
@@ -809,6 +771,9 @@ class StepResult:
     phases: dict[str, float] = field(default_factory=dict)  # phase -> wall seconds ("total": the run)
     budget: dict[str, int] = field(default_factory=dict)  # what the run was to do, counted up front
     verdict: StepVerdict | None = None  # decided once (profuse.verdict); the report prints it
+    same_math: dict[str, FullCheck] = field(default_factory=dict)  # every variant's, at the run's size
+    same_math_note: str = ""  # why the full-size check did not run, where it did not
+    weights: WeightsCheck | None = None  # the shared weights through the timed steps
 
     def to_dict(self) -> dict:
         cmp = self.comparison
@@ -845,31 +810,59 @@ class StepResult:
             "phases": self.phases,
             "budget": self.budget,
             "verdict": self.verdict.to_dict() if self.verdict else None,
+            "same_math": {k: v.to_dict() for k, v in self.same_math.items()},
+            "same_math_note": self.same_math_note,
+            "weights": self.weights.to_dict() if self.weights else None,
             "comparison": cmp.to_dict() if cmp else None,
         }
+
+
+def _op_dtypes(cfg: StepConfig) -> A.OpDtypes:
+    """The step's dtypes as its ops see them: the parameters' (the residual stream's), the
+    compute dtype, and autocast where the two differ (amp)."""
+    stream = cfg.param_dtype
+    return A.OpDtypes(stream=stream, compute=cfg.dtype, autocast=stream != cfg.dtype)
 
 
 def _amdahl_stage(
     cfg, block_ops, comparison, profiles, timed, tell
 ) -> tuple[dict[str, OpTiming], Amdahl | None, str]:
-    """Step 6: the fused ops' own speedups (where a fused variant was timed) and the Amdahl
-    prediction from the eager profile's shares; or why there is none."""
+    """Step 5 (profuse.amdahl): the labelled eager profile read step by step, the ops found in it
+    timed in the step's call forms, shapes and dtypes (where a fused variant was timed), and the
+    prediction; or why there is none."""
     eager_profile = profiles.get(BASELINE)
     if eager_profile is None or comparison is None:
         return {}, None, ""
-    if not eager_profile.block_op_pct:
-        why = eager_profile.label_error or "the eager profile has no labelled block ops"
-        return {}, None, f"no Amdahl prediction: the ops fusion replaces could not be labelled ({why})"
+    no_labels = "no Amdahl prediction: the ops fusion replaces could not be labelled"
+    if eager_profile.label_error:
+        return {}, None, f"{no_labels} ({eager_profile.label_error})"
+    shares = A.read_step_shares(eager_profile.trace_path, cfg.device.type)
+    if not shares.ops:
+        return {}, None, f"{no_labels} (the eager profile has no labelled block ops)"
     ops_timed: dict[str, OpTiming] = {}
+    not_timed: dict[str, str] = {}
     if any(n in timed for n in FUSED_VARIANTS):
-        ops_timed = time_block_ops(cfg, block_ops, tell)
-    per_step_s = eager_profile.time_per_step_us * 1e-6
+        spec, dtypes = cfg.spec, _op_dtypes(cfg)
+        dims = A.OpDims.from_dims(spec.dims(), spec.op_shapes().eps)
+        impls = A.fused_impls(block_ops)
+        cases = A.op_cases(shares.ops, spec.family, dims, dtypes, cfg.device, cfg.seed, impls)
+        ops_timed, not_timed = A.time_ops(
+            cases, device=cfg.device, dtypes=dtypes, trials=cfg.trials, warmup=cfg.warmup, seed=cfg.seed,
+            progress=tell,
+        )  # fmt: skip
+    cuda = cfg.device.type == "cuda"
     fused_sp = comparison.speedups.get("fused")
     amdahl = Amdahl(
         eager_step_s=comparison.median_s(BASELINE),
-        op_s={op: eager_profile.block_op_pct[op] / 100.0 * per_step_s for op in OPS},
+        op_s={op: share.step_s for op, share in shares.ops.items()},
         op_speedups={op: t.speedup.to_dict() for op, t in ops_timed.items()},
         measured=fused_sp.to_dict() if fused_sp else None,
+        calls={op: share.calls for op, share in shares.ops.items()},
+        eager_call_s={op: t.eager_s for op, t in ops_timed.items()},
+        gpu_idle_pct=shares.idle_pct,
+        host_s=comparison.timings[BASELINE].host_s if cuda else None,
+        device_s=shares.device_s if cuda else None,
+        not_timed=not_timed,
     )
     return ops_timed, amdahl, ""
 
@@ -906,13 +899,23 @@ def run_step(
         tell(f"build: {', '.join(names)} over one set of parameters ({cfg.precision})", 0, 1)
         batch = spec.batch(dev, cfg.seed)
         variants, optimizer = _build_variants(cfg, names, block_ops, failed)
-    splits: dict[str, CompileSplit] = {}
-    first_steps = _first_steps(cfg, variants, optimizer, batch, failed, tell, splits, phase)
-    variants = [v for v in variants if v.name in first_steps]
-    steps = {v.name: _train_step(v, optimizer, batch, dev) for v in variants}
-    comparison, memory = (
-        _timed_steps(cfg, steps, optimizer, first_steps, tell, phase) if BASELINE in steps else (None, {})
-    )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    comparison, memory, weights, splits = None, {}, None, {}
+    with stepstate.zero_lr(optimizer):  # every variant times the same weights (profuse.stepstate)
+        stepstate.make_state(optimizer)
+        before = stepstate.fingerprint(params)
+        with phase("reference"):
+            refs, same_math_note = _references(cfg, variants, params, batch, tell)
+        first_steps, memory, same_math = _first_steps(
+            cfg, variants, optimizer, batch, refs, failed, tell, splits, phase
+        )
+        del refs
+        variants = [v for v in variants if v.name not in failed]
+        steps = {v.name: _train_step(v, optimizer, batch, dev) for v in variants}
+        if BASELINE in steps:
+            comparison, last = _timed_steps(cfg, steps, first_steps, tell, phase)
+            weights = stepstate.after_trials(params, before, last)
+            comparison = _drop_failed(comparison, failed, stepstate.failures(weights, list(steps)))
     timed = list(comparison.timings) if comparison else []
     fusion_over_compile = None
     if "compile" in timed and "compile+fused" in timed:
@@ -920,12 +923,12 @@ def run_step(
         fusion_over_compile = speedup_ci(t["compile"].times_s, t["compile+fused"].times_s, seed=cfg.seed)
 
     profiles: dict[str, VariantProfile] = {}
-    if cfg.profile_steps > 0 and timed:  # step 5
+    if cfg.profile_steps > 0 and timed:  # step 4
         with phase("profiles"):
             timed_variants = [v for v in variants if v.name in timed]
             profiles = _profile_stage(cfg, timed_variants, optimizer, batch, tell, phase)
             del timed_variants
-    del steps, variants, optimizer
+    del steps, variants, optimizer, params
     _release(dev)
     with phase("ops"):
         ops_timed, amdahl, amdahl_note = _amdahl_stage(cfg, block_ops, comparison, profiles, timed, tell)
@@ -950,6 +953,9 @@ def run_step(
         compile=splits,
         phases=phase.seconds,
         budget=counts,
+        same_math=same_math,
+        same_math_note=same_math_note,
+        weights=weights,
     )
     result.phases["total"] = clock() - start
     result.verdict = decide(result.to_dict())

@@ -97,7 +97,10 @@ def profile_variant(
         memory_bound_pct=s.shares.get("memory_bound", 0.0),
         gpu_idle_pct=s.gpu_idle_pct,
         launch_bound=s.launch_bound,
-        block_op_pct={op: s.region_pct.get(rng, 0.0) for op, rng in (block_ops or {}).items()},
+        # the ops the trace holds: a model labels only the ops it has (Qwen3 qk_norm_rope, not rope)
+        block_op_pct={
+            op: s.region_pct[rng] for op, rng in (block_ops or {}).items() if s.region_pct.get(rng)
+        },
         trace_path=result.trace_path,
         label_error=label_error,
         category_ms={cat: per_step_ms * pct / 100.0 for cat, pct in s.shares.items()},

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from profuse.attribution import BACKWARD, FORWARD, OPTIMIZER
-from profuse.bench.stats import steadiness, unsteady_warning
+from profuse.bench.stats import bound, steadiness, unsteady_warning
 from profuse.errors import UsageError
 from profuse.profiling import CATEGORIES, CATEGORY_LABELS, SUMMARY_KIND, ProfileResult
 from profuse.report.units import fmt_bytes
@@ -90,6 +90,11 @@ def format_profile(r: ProfileResult, saved: bool = False) -> str:
         lines.append(f"GPU idle: {s.gpu_idle_pct:.1f}% of the step (no kernel, memcpy or memset running)")
     if s.launch_bound:
         lines.append(f"launch-bound: {s.launch_bound_reading()}")
+    elif s.gpu_idle_pct is not None:  # the one rule of bench.stats.bound; a profile has no held host time
+        b = bound(s.gpu_idle_pct, None, False, None)
+        lines.append(
+            f"bound: {b.word} ({b.why})" if b.word else f"bound: not known from the profile ({b.why})"
+        )
     if s.candidates and not r.compiled:
         lines += format_candidates(r)
     lines.append(f"hot spot: {r.hotspot}")

@@ -12,11 +12,30 @@ import json
 import shlex
 from pathlib import Path
 
-from profuse.bench.stats import FEW_TRIALS, STATISTIC, steadiness, time_ratio_ci, unsteady_warning
+from profuse.bench.clocks import THROTTLE_BITS, ClockSample, throttle_warning
+from profuse.bench.stats import (
+    FEW_TRIALS,
+    STATISTIC,
+    Trend,
+    steadiness,
+    time_ratio_ci,
+    trend_warning,
+    unsteady_warning,
+)
 from profuse.bench.timing import WARMUP_BUDGET_S, warmup_warning
 from profuse.compiletime import CompileSplit
 from profuse.env import card_name, describe
 from profuse.errors import UsageError
+from profuse.report.stepchecks import (
+    amdahl_lines,
+    first_step_in_table,
+    first_step_line,
+    full_check_lines,
+    memory_note,
+    small_check_lines,
+    speedup_words,
+    weights_line,
+)
 from profuse.report.sweep import (
     few_trials_note,
     interpreter_note,
@@ -60,14 +79,7 @@ def load_step(path: str | Path) -> dict | None:
 
 
 def _speedup(sp: dict | None) -> str:
-    """'1.03x (1.02-1.04) faster', '1.33x slower (1.27-1.37)' (the factor it takes longer, its
-    interval turned round with it, as every report says a slowdown), or 'no measurable gain'."""
-    if not sp:
-        return ""
-    ratio, ci = speedup_terms(sp["median"], sp["low"], sp["high"], sp["verdict"])
-    if sp["verdict"] == "slower":
-        return f"{ratio} ({ci})"  # the ratio says it: '1.33x slower'
-    return f"{ratio} ({ci}) {sp['verdict']}"
+    return speedup_words(sp)
 
 
 def _is_hf(data: dict) -> bool:
@@ -101,40 +113,6 @@ def _model_line(data: dict) -> str:
     )
 
 
-def _check_lines(data: dict, c: dict | None = None, name: str = "") -> list[str]:
-    c = c or data.get("check")
-    if not c:
-        return []
-    m = c["model"]
-    what = f"{name} ({LIGER_OPS[name]})" if name else data["block_ops"]
-    head = (
-        f"same math ({what} vs the unfused step, both against float64, on a "
-        f"{m['n_layer']}-layer copy, {m['batch_size']} x {m['seq_len']} tokens):"
-    )
-    if c["error"]:
-        return [f"{head} FAILED to run: {c['error']}"]
-    worst = c["worst"]
-    fused, unfused = c["errors"][worst]
-    loss_f, loss_u = c["errors"]["loss"]
-    status = "ok" if c["passed"] else f"FAILED ({'it is' if name else 'the fused variants are'} not timed)"
-    return [
-        f"{head} {status}",
-        f"{'':>4}worst: {worst} rel err {fused:.1e} (unfused {unfused:.1e}, bound {c['bounds'][worst]:.1e}); "
-        f"loss {loss_f:.1e} (unfused {loss_u:.1e}); max |fused - unfused| {c['max_abs_diff']:.1e}",
-    ]
-
-
-def _first_step_line(data: dict) -> str:
-    parts = []
-    for name, f in data["first_steps"].items():
-        if f["grad_rel_diff"] is None:
-            continue
-        parts.append(f"{name}: loss {f['loss_rel_diff']:.1e}, gradients {f['grad_rel_diff']:.1e}")
-    if not parts:
-        return ""
-    return "first step vs eager at this size (relative differences): " + "; ".join(parts)
-
-
 def _table(data: dict) -> list[str]:
     cmp = data["comparison"]
     results = data["results"]
@@ -143,10 +121,12 @@ def _table(data: dict) -> list[str]:
     bounds = (verdict_of(data) or {}).get("bounds") or {}  # the run's decision (profuse.verdict)
     unit = time_unit(results[cmp["baseline"]]["median_s"])
     launches = next((p["launch_unit"] for p in profiles.values()), "kernels")
-    header = f"{'variant':>{W}}  {'median':>10}  {'vs eager (95% CI)':<38}"
+    header = f"{'variant':>{W}}  {'median':>10}  {'vs eager (95% CI)':<38}  {'per trial':>9}"
     if cuda:
-        header += f"  {'host':>10}"
-    header += f"  {'first step':>10}"
+        header += f"  {'host':>17}"
+    old_first = first_step_in_table(data)  # dropped since the full-size check (first_step_line)
+    if old_first:
+        header += f"  {'first step':>10}"
     if cuda:
         header += f"  {'peak memory':>11}"
     if profiles:
@@ -157,10 +137,17 @@ def _table(data: dict) -> list[str]:
     for name, r in results.items():
         row = f"{name:>{W}}  {fmt_time(r['median_s'], unit):>10}  "
         row += f"{_speedup(r['speedup']) if r['speedup'] else 'baseline':<38}"
+        pt = (r["speedup"] or {}).get("per_trial")  # the paired statistic beside the ratio of medians
+        paired = f"{pt['median']:.2f}x" if pt else "-"
+        row += f"  {paired:>9}"
         if cuda:
-            host = r["host_s"]
-            row += f"  {fmt_time(host, unit) if host is not None else '-':>10}"
-        row += f"  {fmt_time(firsts[name]['seconds']).strip():>10}"
+            host, timing = r["host_s"], cmp["timings"].get(name) or {}
+            shown = fmt_time(host, unit).strip() if host is not None else "-"
+            if host is not None and timing.get("host_is_lower_bound"):
+                shown = f"at least {shown}"  # the launch queue filled while the CPU issued it
+            row += f"  {shown:>17}"
+        if old_first:
+            row += f"  {fmt_time(firsts[name]['seconds']).strip():>10}"
         if cuda:
             mem = memory.get(name)
             row += f"  {fmt_bytes(mem['peak_bytes']) if mem else '-':>11}"
@@ -174,68 +161,6 @@ def _table(data: dict) -> list[str]:
         if cuda and bounds.get(name):
             row += f"  {bounds[name]}"
         lines.append(row.rstrip())
-    return lines
-
-
-def _amdahl_lines(data: dict) -> list[str]:
-    a = data.get("amdahl")
-    if not a:
-        return []
-    eager_profile = data["profiles"].get("eager", {})
-    basis = eager_profile.get("basis", "time")
-    fr = a["fractions"]
-    ops = ", ".join(f"{op} {100 * f:.1f}%" for op, f in fr.items())
-    lines = [
-        f"Amdahl: the ops fusion replaces take f = {100 * a['f']:.1f}% of the eager step ({ops}; forward "
-        f"and backward, their {basis} in the eager profile over the timed eager step)",
-    ]
-    if a["op_speedups"]:
-        clock = "device time" if data["config"]["device"].startswith("cuda") else "wall clock"
-        lines.append(f"  their speedups, fused vs eager at the model's shapes, forward + backward, {clock}:")
-        for op, sp in a["op_speedups"].items():
-            shape = data["ops"].get(op, {}).get("shape", "")
-            lines.append(f"  {op:>14}  {shape:<44}  {_speedup(sp)}")
-    pred = a["predicted"]
-    if pred:
-        lines.append(
-            f"  predicted step gain 1 / ((1 - f) + sum f_i / s_i) = {pred['median']:.3f}x "
-            f"({pred['low']:.3f}-{pred['high']:.3f} over the ops' CIs); "
-            f"at most {a['ceiling']:.3f}x were they free"
-        )
-    else:
-        lines.append(
-            f"  no op speedups (no fused variant was timed): at most 1 / (1 - f) = {a['ceiling']:.3f}x "
-            "were those ops free"
-        )
-    measured = a["measured"]
-    if measured:
-        lines.append(f"  measured step gain (fused vs eager): {_speedup(measured)}")
-    if pred and measured:
-        gap = measured["median"] / pred["median"]
-        if measured["high"] < pred["low"]:
-            lines.append(
-                f"  the step gained less than predicted ({gap:.3f} of it): fusion's savings in device time "
-                "do not all reach the step (launches, host time, what else the step waits for)"
-            )
-        elif measured["low"] > pred["high"]:
-            lines.append(
-                "  the step gained more than predicted: the fused ops also save what lies outside them "
-                "(the dtype casts around them, allocations, launches)"
-            )
-        else:
-            lines.append("  measured and predicted agree within their intervals")
-    if eager_profile.get("launch_bound"):
-        fused_profile = data["profiles"].get("fused")
-        saved = ""
-        if fused_profile:
-            fewer = eager_profile["launches_per_step"] - fused_profile["launches_per_step"]
-            saved = f" ({fewer:.0f} fewer kernels a step fused)"
-        lines.append(
-            f"  the eager step is launch-bound (GPU idle {eager_profile['gpu_idle_pct']:.0f}% of it): its "
-            "time is the CPU's launches, not the kernels, so Amdahl on kernel time does not describe it; "
-            f"fusion changes it only through the launches it saves{saved}; CUDA graphs or a bigger batch "
-            "help more"
-        )
     return lines
 
 
@@ -288,7 +213,31 @@ def step_warnings(data: dict) -> list[str]:
     for name, t in ((cmp or {}).get("timings") or {}).items():
         if not t.get("warmup_steady", True):
             out.append(warmup_warning(name, t.get("warmup_calls", 0), budget))
+    out += design_warnings(data)
     return out + threads_note(data.get("env") or {})
+
+
+def design_warnings(data: dict) -> list[str]:
+    """The referee design's warnings from the saved run: a GPU that throttled in any trial (its
+    NVML readings), a variant whose times drifted through the trials, and trial noise over the
+    smallest difference the verdict calls (the verdict's own)."""
+    cmp = data.get("comparison") or {}
+    fields = set(ClockSample.__dataclass_fields__)
+    samples = [ClockSample(**{k: v for k, v in c.items() if k in fields}) for c in cmp.get("clocks") or []]
+    # a saved sample keeps its reasons' names, not their bits: its `throttled` is the run's reading
+    for sample, c in zip(samples, cmp.get("clocks") or []):
+        if c.get("throttled") and not sample.throttled:
+            sample.reason_bits = THROTTLE_BITS
+    out = [throttle_warning(samples)] if samples and throttle_warning(samples) else []
+    if (cmp.get("design") or {}).get("checks"):
+        for name, t in (cmp.get("timings") or {}).items():
+            tr = t.get("trend")
+            if tr and tr.get("drifting"):
+                out.append(
+                    trend_warning(name, Trend(*(tr[k] for k in ("r", "p", "trials", "first_s", "last_s"))))
+                )
+        out += (verdict_of(data) or {}).get("warnings") or []
+    return out
 
 
 def _amdahl_caveat(data: dict) -> list[str]:
@@ -329,13 +278,17 @@ def format_step(data: dict) -> str:
     ]
     asked = cfg.get("variants") or list(data.get("results") or {})
     if any(name in FUSED_VARIANTS for name in asked):  # none asked for: nothing fused to name
-        lines.append(f"fused block ops: {data['block_ops']} (silu_mul on the packed gate/up, add_rms_norm)")
-    lines += _check_lines(data)
+        ops = (
+            "silu_mul on the packed gate/up, add_rms_norm"
+            if not _is_hf(data)
+            else "every op profuse.fuse places: silu_mul, add_rms_norm, rms_norm, "
+            "rope (Qwen3: qk_norm_rope), linear_cross_entropy"
+        )
+        lines.append(f"fused ops: {data['block_ops']} ({ops})")
+    lines += small_check_lines(data)
     for name, c in data.get("checks", {}).items():
-        lines += _check_lines(data, c, name)
-    first = _first_step_line(data)
-    if first:
-        lines.append(first)
+        lines += small_check_lines(data, c, name)
+    lines += full_check_lines(data)
     for name, why in data["skipped"].items():
         lines.append(f"{name:>{W}}: skipped ({why})")
     for name, why in data["failed"].items():
@@ -359,10 +312,7 @@ def format_step(data: dict) -> str:
         )
     notes = [f"statistic: {STATISTIC}"]
     if kind == "cuda":
-        notes.append(
-            "host = CPU time to issue one step; peak memory = parameters and AdamW state + the most one "
-            "step allocates above them (torch.cuda.max_memory_allocated)"
-        )
+        notes.append("host = CPU time to issue one step; " + memory_note(data))
     else:
         notes.append("peak memory: not measured on a CPU (torch.cuda.max_memory_allocated is CUDA's)")
     if data["profiles"]:
@@ -373,16 +323,12 @@ def format_step(data: dict) -> str:
     warmed = {name: t["warmup_calls"] for name, t in cmp["timings"].items() if "warmup_calls" in t}
     if warmed:
         notes.append(warmup_line(warmed).replace("calls", "steps"))
-    if kind == "cuda" and "cudagraphs" in data["results"]:
-        notes.append(
-            "cudagraphs' peak memory leaves out its CUDA graphs' memory pool, held between steps "
-            "(about one step's activations)"
-        )
+    notes += [line for line in (first_step_line(data), weights_line(data)) if line]
     if _is_hf(data) and "precision_text" in cfg:  # files before the model's own loss computed profuse's
         notes.append(HF_LOSS_NOTE)
     lines += notes + few_trials_note(cmp["trials"]) + interpreter_note(data["env"], fused_timed)
     lines += step_warnings(data)
-    amdahl = _amdahl_lines(data)
+    amdahl = amdahl_lines(data)
     if amdahl:
         lines.append("")
         lines += amdahl + _amdahl_caveat(data)
@@ -509,18 +455,32 @@ def _how(data: dict, winner: str, bound: str) -> str:
 
 def verdict_of(data: dict) -> dict | None:
     """The run's verdict as it decided it (step.json's `verdict`); decided now (profuse.verdict)
-    for files written before it was saved."""
+    for files written before it was saved, or before it held the tie test's words."""
     saved = data.get("verdict")
-    if saved is not None:
+    if saved is not None and "text" in saved:
         return saved
     decided = decide(data)
     return decided.to_dict() if decided else None
 
 
+def against_eager(sp: dict) -> str:
+    """'1.31x (1.28-1.35) faster than eager, per trial 1.30x (1.29-1.32)': the ratio of medians
+    and its CI, the paired statistic (median of per-trial ratios) beside it where it was computed."""
+    ratio, ci = speedup_terms(sp["median"], sp["low"], sp["high"], sp["verdict"])
+    text = f"{ratio} ({ci}) than eager" if sp["verdict"] == "slower" else f"{ratio} ({ci}) faster than eager"
+    if sp["verdict"] == "no measurable gain":
+        text = f"{ratio} ({ci}) against eager, no measurable gain"
+    pt = sp.get("per_trial")
+    if pt:
+        text += f", per trial {pt['median']:.2f}x ({pt['low']:.2f}-{pt['high']:.2f})"
+    return text
+
+
 def verdict_line(data: dict) -> str:
-    """'VERDICT: compile wins this step, 1.31x (1.28-1.35) faster than eager; the step is
-    device-bound (...): ...', or 'no measurable difference' where every CI straddles 1. The
-    decision is the run's (verdict_of); the words are these."""
+    """'VERDICT: compile wins; next: fused, 3.1% slower (...); compile 1.31x (1.28-1.35) faster
+    than eager, per trial 1.30x (...); the eager step is device-bound (...); ...'. Every word of
+    who wins or ties is the run's verdict's (verdict_of: bench.stats.tie_verdict over the paired
+    trials); the ratios over eager are the results' own."""
     v = verdict_of(data)
     if v is None:
         return ""
@@ -533,27 +493,14 @@ def verdict_line(data: dict) -> str:
         if bound
         else f"what bounds the eager step is not known ({evidence})"
     )
-    winner, faster, slower, level = v["winner"], v["faster"], v["slower"], v["level"]
+    winner = v["winner"]
+    parts = [f"VERDICT: {v['text']}"]
     if winner in speedups:
-        sp = speedups[winner]
-        ratio, ci = speedup_terms(sp["median"], sp["low"], sp["high"], sp["verdict"])
-        tied = f", tied with {', '.join(v['tied_with'])}" if v.get("tied_with") else ""
-        others = [f"{n} {speedups[n]['median']:.2f}x" for n in faster if n != winner]
-        runner = f" (next: {', '.join(others)})" if others else ""
-        return (
-            f"VERDICT: {winner} wins this step{tied}, {ratio} ({ci}) faster than eager{runner}; {step}; "
-            f"{_how(data, winner, bound)}"
-        )
-    if winner is not None:  # eager: every other variant measurably slower
-        return (
-            f"VERDICT: {winner} wins this step: every other variant is measurably slower "
-            f"({', '.join(slower)}); {step}"
-        )
-    tail = f"; {', '.join(slower)} measurably slower" if slower else ""
-    return (
-        f"VERDICT: no measurable difference: the CIs of {', '.join(level)} against eager straddle 1{tail}; "
-        + step
-    )
+        parts.append(f"{winner} {against_eager(speedups[winner])}")
+    parts.append(step)
+    if winner in speedups and speedups[winner]["verdict"] == "faster":
+        parts.append(_how(data, winner, bound))
+    return "; ".join(parts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -562,8 +509,10 @@ def verdict_line(data: dict) -> str:
 
 # The phases of a run (step.json's `phases`), in the order they run; "first:NAME" and
 # "profile:NAME" are each variant's share of "first steps" and "profiles".
-PHASES = (("check", "check"), ("build", "build"), ("first", "first steps"), ("trials", "trials"),
-          ("memory", "memory"), ("profiles", "profiles"), ("ops", "op timings"))  # fmt: skip
+# "memory" is older files' (a step apart per variant; now inside each variant's own first steps).
+PHASES = (("check", "check"), ("build", "build"), ("reference", "reference"), ("first", "first steps"),
+          ("trials", "trials"), ("memory", "memory"), ("profiles", "profiles"),
+          ("ops", "op timings"))  # fmt: skip
 
 
 def time_lines(data: dict) -> list[str]:
