@@ -961,3 +961,20 @@ def test_the_referee_designs_warnings_reach_the_report(eager_vs_fused):
         "WARNING: trial noise"
     )
     assert all(line in format_step(data).splitlines() for line in lines)
+
+
+def test_the_trial_design_fits_the_step_and_bounds_the_run():
+    """A long step gets fewer steps a trial (never under MIN_CALLS) and no more trial rounds than
+    TRIALS_BUDGET_S holds; a short one keeps the referee's 10 and its 30; a CPU one step a trial."""
+    cuda = torch.device("cuda")
+    long = S.trial_design(cuda, 0.166, 7)  # Llama-3.2-1B on the H200, every variant
+    assert long.calls == math.ceil(S.TRIAL_SPAN_S / 0.166) >= S.MIN_CALLS
+    assert long.max_trials == int(S.TRIALS_BUDGET_S // (7 * (long.calls + long.discard) * 0.166)) < 30
+    assert long.max_trials * 7 * (long.calls + long.discard) * 0.166 <= S.TRIALS_BUDGET_S
+    short = S.trial_design(cuda, 0.024, 4)  # the small GPT
+    assert (short.calls, short.max_trials) == (S.REFEREE.calls, S.REFEREE.max_trials)
+    huge = S.trial_design(cuda, 5.0, 2)
+    assert huge.calls == S.MIN_CALLS and huge.max_trials < 12  # the asked trials still run (compare)
+    assert S.trial_design(cuda) == S.REFEREE
+    cpu = S.trial_design(torch.device("cpu"), 0.5, 3)
+    assert cpu.calls == 1 and cpu.max_trials == 0 and cpu.balanced

@@ -590,14 +590,42 @@ def _first_steps(
     return first_steps, memory, checks
 
 
-def trial_design(device: torch.device) -> TrialDesign:
-    """The referee's design of the step's trials (bench.timing.REFEREE) on CUDA. On a CPU, where
-    a step of even the lab's GPT takes about a second and the machine is shared, one step a trial
-    in balanced orders, warmed up by steps (Part B's rule), with the drift and noise warnings: the
-    same verdict's statistics, without blocks of 10 steps and a 1% warm-up no shared CPU meets."""
-    if device.type == "cuda":
+# A trial's timed steps span at least TRIAL_SPAN_S where a step is long: K = 10 steps of a 166 ms
+# step (Llama-3.2-1B on the H200) would take 1.8 s a trial, 12 s a round of 7 variants, and the
+# event pair's overhead (microseconds) and the queue (full after the discarded step) need far fewer.
+TRIAL_SPAN_S = 0.5
+MIN_CALLS = 3
+# The extension to 30 trials (where the two fastest are within 2%) stops where its rounds would
+# pass this many seconds of steps: the run's minutes stay bounded whatever the model.
+TRIALS_BUDGET_S = 120.0
+
+
+def trial_design(device: torch.device, step_s: float | None = None, variants: int = 1) -> TrialDesign:
+    """The referee's design of the step's trials (bench.timing.REFEREE) on CUDA, fitted to a step
+    of `step_s` seconds (where known) over `variants` variants: K = TRIAL_SPAN_S / step_s steps a
+    trial within [MIN_CALLS, REFEREE.calls], and no more trials than TRIALS_BUDGET_S of steps
+    holds. On a CPU, where a step of even the lab's GPT takes about a second and the machine is
+    shared, one step a trial in balanced orders, warmed up by steps (Part B's rule), with the drift
+    and noise warnings: the same verdict's statistics, without blocks of 10 steps and a 1% warm-up
+    no shared CPU meets."""
+    if device.type != "cuda":
+        return replace(REFEREE, calls=1, discard=0, steady_spread=None, warmup_block=None, max_trials=0)
+    if not step_s or step_s <= 0:
         return REFEREE
-    return replace(REFEREE, calls=1, discard=0, steady_spread=None, warmup_block=None, max_trials=0)
+    calls = min(REFEREE.calls, max(MIN_CALLS, math.ceil(TRIAL_SPAN_S / step_s)))
+    round_s = max(variants, 1) * (calls + REFEREE.discard) * step_s
+    return replace(REFEREE, calls=calls, max_trials=min(REFEREE.max_trials, int(TRIALS_BUDGET_S // round_s)))
+
+
+def _step_seconds(step: Callable[[], object], device: torch.device) -> float:
+    """One step's wall time after a synchronisation, the second of two (the first refills caches):
+    what fits the trial design to the model (trial_design), not a measurement that is reported."""
+    for _ in range(2):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
 
 
 def _timed_steps(cfg, steps, first_steps, tell, phase) -> tuple[Comparison, dict[str, torch.Tensor]]:
@@ -607,7 +635,15 @@ def _timed_steps(cfg, steps, first_steps, tell, phase) -> tuple[Comparison, dict
     variant's last loss (for the finiteness check)."""
     last = stepstate.LastLoss()
     say = lambda stage, done, total: tell(f"steps: {stage}", done, total)
-    tell(f"steps: warm-up, then {cfg.trials} trials of {', '.join(steps)}", 0, 1)
+    step_s = (
+        _step_seconds(steps[BASELINE], cfg.device)
+        if cfg.device.type == "cuda" and BASELINE in steps
+        else None
+    )
+    design = trial_design(cfg.device, step_s, len(steps))
+    tell(
+        f"steps: warm-up, then {cfg.trials} trials of {', '.join(steps)} ({design.calls} steps a trial)", 0, 1
+    )
     with _compile.no_recompiles(), phase("trials"):
         comparison = compare(
             {name: last.wrap(name, step) for name, step in steps.items()},
@@ -620,7 +656,7 @@ def _timed_steps(cfg, steps, first_steps, tell, phase) -> tuple[Comparison, dict
             progress=say,
             timing="loop",  # back to back, as a training loop runs steps
             first_calls={k: first_steps[k].seconds for k in steps},
-            design=trial_design(cfg.device),
+            design=design,
         )
     return comparison, last.last
 
