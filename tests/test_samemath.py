@@ -107,6 +107,46 @@ def test_each_bound_is_tied_to_the_unfused_steps_error_for_that_tensor():
         samemath.judge({"loss": 0.0}, unfused, torch.bfloat16, "float32")
 
 
+def test_kernels_run_by_the_interpreter_get_twice_the_bound_in_16_bits_only():
+    """Triton's interpreter truncates 16-bit stores; the bound of an interpreted kernel grows by
+    INTERPRETER_FACTOR in bf16 and fp16, not in fp32, and a GPU run keeps FULL_FACTOR."""
+    unfused = {"loss": 1e-4, "grad a": 8e-3}
+    errors = {"loss": 1e-4, "grad a": 2.3e-2}  # 2.9x: a truncating store's error, not a wrong kernel's
+    gpu = samemath.judge(errors, unfused, torch.bfloat16, "float32")
+    cpu = samemath.judge(errors, unfused, torch.bfloat16, "float32", interpreted=True)
+    assert not gpu.passed and cpu.passed
+    assert cpu.errors["grad a"][2] == samemath.FULL_FACTOR * samemath.INTERPRETER_FACTOR * 8e-3
+    wrong = samemath.judge({**errors, "grad a": 5e-2}, unfused, torch.bfloat16, "float32", interpreted=True)
+    assert not wrong.passed  # 6x is still wrong
+    fp32 = samemath.judge({"grad a": 3e-5}, {"grad a": 1e-5}, torch.float32, "float64", interpreted=True)
+    assert fp32.factor == samemath.FULL_FACTOR and not fp32.passed
+
+
+def test_the_interpreters_16_bit_store_errs_at_most_twice_round_to_nearest():
+    """INTERPRETER_FACTOR's premise, measured where the interpreter runs the kernels: a store of
+    fp32 values into bf16 errs at most 2x torch's round-to-nearest cast of the same values."""
+    triton = pytest.importorskip("triton")
+    tl = pytest.importorskip("triton.language")
+    from profuse.env import interpreting
+
+    if not interpreting():
+        pytest.skip("the kernels run on a GPU here, which rounds to nearest")
+
+    @triton.jit
+    def store(X_ptr, Y_ptr, n, BLOCK_SIZE: tl.constexpr):
+        offs = tl.program_id(0) * BLOCK_SIZE + tl.arange(0, BLOCK_SIZE)
+        mask = offs < n
+        tl.store(Y_ptr + offs, tl.load(X_ptr + offs, mask=mask).to(Y_ptr.dtype.element_ty), mask=mask)
+
+    x = torch.randn(4099, generator=torch.Generator().manual_seed(7))
+    y = torch.empty(x.shape, dtype=torch.bfloat16)
+    store[(triton.cdiv(x.numel(), 1024),)](x, y, x.numel(), BLOCK_SIZE=1024)
+    exact = x.double()
+    err = ((y.double() - exact).norm() / exact.norm()).item()
+    rtne = ((x.bfloat16().double() - exact).norm() / exact.norm()).item()
+    assert err <= samemath.INTERPRETER_FACTOR * rtne * 1.05
+
+
 def test_the_reference_dtype_and_what_it_costs():
     assert samemath.reference_dtype(torch.bfloat16) == torch.float32
     assert samemath.reference_dtype(torch.float16) == torch.float32

@@ -60,6 +60,11 @@ CHECK_FACTOR = 2.0
 # tail's 1e-5 (summation error over the rows). A bf16 norm weight gradient scaled by 1.01 is 1e-2
 # off: over the floor, and over 2x any unfused error under 5e-3.
 FULL_FACTOR = 2.0
+# Triton's interpreter (the CPU stand-in for the kernels) stores fp32 into bf16 and fp16 by
+# truncation, not round-to-nearest as the GPU does, even with fp_downcast_rounding="rtne"
+# (triton 3.9: 508 of 1024 random values differ from torch's cast, relative error 3.3e-3 against
+# 1.6e-3): every 16-bit store errs twice as much, so a kernel's tensors may be twice as far again.
+INTERPRETER_FACTOR = 2.0
 FLOOR = {dt: max(u, 1e-5) for dt, u in UNIT_ROUNDOFF.items()}
 
 WORST = 3  # tensors named as the worst, nearest (or over) their bounds
@@ -365,16 +370,19 @@ def judge(
     *,
     global_err: float = math.nan,
     unfused_global_err: float = math.nan,
+    interpreted: bool = False,
 ) -> FullCheck:
     """Each tensor's error against its bound, max(FULL_FACTOR x `unfused`'s, FLOOR[dtype]);
-    `dtype` is what the step computes in."""
+    `dtype` is what the step computes in. `interpreted`: the variant's kernels ran in Triton's
+    interpreter, whose 16-bit stores truncate (the factor grows by INTERPRETER_FACTOR)."""
     if errors.keys() != unfused.keys():
         raise ValueError("the variant's tensors are not the unfused step's")
     floor = FLOOR[dtype]
-    check = FullCheck(reference, passed=False, factor=FULL_FACTOR, floor=floor)
+    factor = FULL_FACTOR * (INTERPRETER_FACTOR if interpreted and dtype.itemsize == 2 else 1.0)
+    check = FullCheck(reference, passed=False, factor=factor, floor=floor)
     check.global_error, check.unfused_global_error = global_err, unfused_global_err
     for key, err in errors.items():
-        check.errors[key] = [err, unfused[key], max(FULL_FACTOR * unfused[key], floor)]
+        check.errors[key] = [err, unfused[key], max(factor * unfused[key], floor)]
     ranked = sorted(check.errors, key=check.ratio, reverse=True)
     check.worst = ranked[:WORST]
     check.passed = all(check.ratio(k) <= 1.0 for k in ranked)

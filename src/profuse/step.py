@@ -542,9 +542,11 @@ def _full_check(cfg, v: _Variant, params, batch, refs) -> FullCheck:
         return samemath.failed_check(ref.kind, _first_line(err))
     finally:
         _clear(params)
+    kernels_interpreted = cfg.device.type != "cuda" and interpreting() and v.name in FUSED_VARIANTS
     return samemath.judge(
-        errors, unfused, cfg.dtype, ref.kind, global_err=glob, unfused_global_err=unfused_global
-    )
+        errors, unfused, cfg.dtype, ref.kind, global_err=glob, unfused_global_err=unfused_global,
+        interpreted=kernels_interpreted,
+    )  # fmt: skip
 
 
 def _first_steps(
