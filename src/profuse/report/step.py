@@ -138,7 +138,10 @@ def _table(data: dict) -> list[str]:
         row = f"{name:>{W}}  {fmt_time(r['median_s'], unit):>10}  "
         row += f"{_speedup(r['speedup']) if r['speedup'] else 'baseline':<38}"
         pt = (r["speedup"] or {}).get("per_trial")  # the paired statistic beside the ratio of medians
-        paired = f"{pt['median']:.2f}x" if pt else "-"
+        paired = "-"
+        if pt:  # a slowdown as the table's other column says it: "473x slower", never "0.00x"
+            m = pt["median"]
+            paired = f"{m:.2f}x" if m >= 0.5 else f"{1 / m:.3g}x slower" if m > 0 else "-"
         row += f"  {paired:>9}"
         if cuda:
             host, timing = r["host_s"], cmp["timings"].get(name) or {}
