@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The whole memory-bound step on one GPU, in two calls of under 10 minutes each:
-#   bash benchmarks/run_h200_whole_step.sh [PREFIX] 1   # Llama-3.2-1B: bf16 every variant, the bf16
-#                                                      # accumulator, amp against Liger; Part C small
-#   bash benchmarks/run_h200_whole_step.sh [PREFIX] 2   # Qwen3-0.6B both precisions; fuse checked with
-#                                                      # the real kernels; lab and medium; host time per op
+#   bash benchmarks/run_h200_whole_step.sh [PREFIX] 1   # Llama-3.2-1B in bf16 against Liger and
+#                                                      # torch.compile; Part C at the small preset
+#   bash benchmarks/run_h200_whole_step.sh [PREFIX] 2   # Llama-3.2-1B in amp; the bf16 accumulator;
+#                                                      # Qwen3-0.6B; fuse checked with the real kernels;
+#                                                      # lab and medium; host time per op
 # PREFIX defaults to benchmarks/results/h200-DATE. Writes PREFIX-whole-step/ (step.json per run) and
 # PREFIX-host-path/. Needs torch, triton and transformers on a CUDA machine; liger-kernel for the
 # Liger rows. OLD_SRC=DIR (a `git archive` of an older tree's src/) adds that tree's small step
@@ -20,18 +21,17 @@ llama=(--model hf:llama --preset Llama-3.2-1B)
 qwen=(--model hf:qwen3 --preset Qwen3-0.6B)
 case "$part" in
 1)
-  T=330 step python3 -m profuse step "${llama[@]}" --precision bf16 --out "$out/llama-bf16"
-  T=80 step python3 -m profuse step --preset small --out "$out/small"
-  T=50 step env PROFUSE_CE_ACCUM=weight python3 -m profuse step "${llama[@]}" --precision bf16 \
-    --variants eager,fused --trials 4 --profile-steps 0 --out "$out/llama-bf16-accumulate-weight"
-  T=100 step python3 -m profuse step "${llama[@]}" --precision amp --variants eager,fused,liger \
-    --profile-steps 0 --out "$out/llama-amp"
+  T=400 step python3 -m profuse step "${llama[@]}" --precision bf16 \
+    --variants eager,fused,liger,compile,compile+fused --profile-steps 1 --out "$out/llama-bf16"
+  T=150 step python3 -m profuse step --preset small --out "$out/small"
   ;;
 2)
-  T=150 step python3 -m profuse step "${qwen[@]}" --precision bf16 \
-    --variants eager,fused,liger,compile,compile+fused --profile-steps 0 --out "$out/qwen3-bf16"
-  T=80 step python3 -m profuse step "${qwen[@]}" --precision amp --variants eager,fused,liger \
-    --profile-steps 0 --out "$out/qwen3-amp"
+  T=90 step python3 -m profuse step "${llama[@]}" --precision amp --variants eager,fused,liger \
+    --profile-steps 0 --out "$out/llama-amp"
+  T=50 step env PROFUSE_CE_ACCUM=weight python3 -m profuse step "${llama[@]}" --precision bf16 \
+    --variants eager,fused --trials 4 --profile-steps 0 --out "$out/llama-bf16-accumulate-weight"
+  T=100 step python3 -m profuse step "${qwen[@]}" --precision bf16 --variants eager,fused,liger \
+    --profile-steps 0 --out "$out/qwen3-bf16"
   T=85 step python3 benchmarks/check_fuse.py --out "$out/check-fuse"
   for preset in lab medium; do
     T=45 step python3 -m profuse step --preset $preset --variants eager,fused --profile-steps 0 --out "$out/$preset"
