@@ -406,6 +406,20 @@ def test_warm_up_steps_are_counted_and_a_budget_run_out_is_named(eager_vs_fused)
     assert w.startswith("WARNING fused: warm-up stopped at its 5 s budget after 4 calls")
 
 
+def test_a_warm_up_out_of_budget_is_said_in_the_rule_applied_unless_the_trials_show_no_drift(eager_vs_fused):
+    data = _steady(eager_vs_fused[0].to_dict())
+    cmp = data["comparison"]
+    cmp["design"].update(checks=True, steady_spread=0.01, warmup_block=3)
+    fused = cmp["timings"]["fused"]
+    fused.update(warmup_steady=False, warmup_calls=40)
+    warned = lambda: [line for line in format_step(data).splitlines() if "warm-up stopped" in line]
+    fused["trend"] = {"r": 0.1, "p": 0.7, "trials": 20, "first_s": 3e-3, "last_s": 3e-3, "drifting": False}
+    assert warned() == []
+    fused["trend"].update(r=0.8, p=1e-4, drifting=True)
+    [w] = warned()
+    assert "blocks of 3 calls agreed within 1.0% with no drift" in w and "1.5x" not in w
+
+
 def test_no_fused_variant_asked_for_no_fused_block_ops_line(eager_vs_fused):
     data = copy.deepcopy(eager_vs_fused[0].to_dict())
     assert any(line.startswith("fused ops:") for line in format_step(data).splitlines())

@@ -263,12 +263,13 @@ class Comparison:
         if self.unsteady:
             counts = {n: t.steadiness for n, t in self.timings.items() if t.times_s}
             out.append(unsteady_warning(counts))
-        rule = _block_rule(self.design) if self.design.steady_spread is not None else None
-        out += [
-            warmup_warning(n, t.warmup_calls, self.warmup_budget_s, rule)
-            for n, t in self.timings.items()
-            if not t.warmup_steady
-        ]
+        for n, t in self.timings.items():
+            drifting = None if t.trend is None else t.trend.drifting
+            note = warmup_note(
+                n, t.warmup_steady, t.warmup_calls, self.warmup_budget_s, self.design, drifting
+            )
+            if note:
+                out.append(note)
         throttled = throttle_warning(self.clocks)
         if throttled:
             out.append(throttled)
@@ -314,6 +315,24 @@ def warmup_warning(name: str, calls: int, budget_s: float, rule: str | None = No
         f"WARNING {name}: warm-up stopped at its {budget_s:g} s budget after {calls} calls, before its "
         f"{rule}; its trials may still be warming up"
     )
+
+
+def warmup_note(
+    name: str,
+    steady: bool,
+    calls: int,
+    budget_s: float,
+    design: TrialDesign | None,
+    drifting: bool | None,
+) -> str | None:
+    """The warm-up warning where it still says something: a warm-up that ran out of budget
+    (warmup_warning, with the design's own rule), unless the design tests its trials for drift
+    (`checks`) and they show none (`drifting` False): the trials themselves then answer the
+    question the warning asks. None where there is nothing to say."""
+    if steady or (design is not None and design.checks and drifting is False):
+        return None
+    rule = _block_rule(design) if design is not None and design.steady_spread is not None else None
+    return warmup_warning(name, calls, budget_s, rule)
 
 
 def _block_rule(design: TrialDesign) -> str:

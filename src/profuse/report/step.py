@@ -22,7 +22,7 @@ from profuse.bench.stats import (
     trend_warning,
     unsteady_warning,
 )
-from profuse.bench.timing import WARMUP_BUDGET_S, warmup_warning
+from profuse.bench.timing import WARMUP_BUDGET_S, TrialDesign, warmup_note
 from profuse.compiletime import CompileSplit
 from profuse.env import card_name, describe
 from profuse.errors import UsageError
@@ -213,11 +213,27 @@ def step_warnings(data: dict) -> list[str]:
         if any(st.unsteady for st in op_counts.values()):
             out.append(unsteady_warning(op_counts, f"op {op}", again_command(data)))
     budget = (cmp or {}).get("warmup_budget_s", WARMUP_BUDGET_S)
+    design = saved_design(cmp)
     for name, t in ((cmp or {}).get("timings") or {}).items():
-        if not t.get("warmup_steady", True):
-            out.append(warmup_warning(name, t.get("warmup_calls", 0), budget))
+        steady, calls, drifting = (
+            t.get("warmup_steady", True),
+            t.get("warmup_calls", 0),
+            (t.get("trend") or {}).get("drifting"),
+        )
+        note = warmup_note(name, steady, calls, budget, design, drifting)
+        if note:
+            out.append(note)
     out += design_warnings(data)
     return out + threads_note(data.get("env") or {})
+
+
+def saved_design(comparison: dict | None) -> TrialDesign | None:
+    """The trial design a saved comparison ran with; None where it saved none (older runs)."""
+    saved = (comparison or {}).get("design")
+    if not saved:
+        return None
+    fields = set(TrialDesign.__dataclass_fields__)
+    return TrialDesign(**{k: v for k, v in saved.items() if k in fields})
 
 
 def design_warnings(data: dict) -> list[str]:
