@@ -172,6 +172,36 @@ def test_math_that_slips_past_the_small_check_fails_at_full_size(monkeypatch):
     assert list(res.comparison.timings) == ["eager"]
 
 
+def test_a_reference_that_runs_out_of_memory_is_computed_again_in_smaller_chunks(monkeypatch):
+    """Llama-3.2-1B's fp32 reference, sized to fit an H100 in one chunk by the estimate, ran out
+    of memory there: the check then runs in smaller chunks of whole sequences, and still judges."""
+    from profuse import samemath
+
+    tried, real = [], samemath.compute_reference
+
+    def short_of_memory(model, params, loss_fn, batch, dtype, chunks=1):
+        tried.append(chunks)
+        if chunks == 1:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB")
+        return real(model, params, loss_fn, batch, dtype, chunks)
+
+    monkeypatch.setattr(samemath, "compute_reference", short_of_memory)
+    res = S.run_step(S.StepConfig(model=TINY, variants=("eager", "fused"), trials=2, profile_steps=0))
+    assert tried == [1, 2] and res.same_math_note == ""
+    assert res.same_math["fused"].passed and "fused" not in res.failed
+
+    tried.clear()
+
+    def never_fits(model, params, loss_fn, batch, dtype, chunks=1):
+        tried.append(chunks)
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.91 GiB")
+
+    monkeypatch.setattr(samemath, "compute_reference", never_fits)
+    res = S.run_step(S.StepConfig(model=TINY, variants=("eager", "fused"), trials=2, profile_steps=0))
+    assert tried == [1, 2] and "did not run: OutOfMemoryError" in res.same_math_note  # each chunking tried
+    assert res.same_math == {} and list(res.comparison.timings) == ["eager", "fused"]
+
+
 def test_check_reports_a_fused_op_that_cannot_run():
     def broken(gate_up):
         raise RuntimeError("no kernel here\nsecond line")

@@ -512,19 +512,30 @@ def _references(cfg, variants, params, batch, tell) -> tuple[dict, str]:
     )
     if not chunks:
         return {}, f"the same-math check at full size was not run: {why}"
+    size = batch[0].shape[0]
+    tries = [k for k in range(chunks, size + 1) if size % k == 0]
     refs: dict = {}
     for key in dict.fromkeys(v.ref_loss for v in variants):
         tell(f"the {dtype_name(ref_dtype)} reference at full size", len(refs), len(variants))
-        try:
-            ref = samemath.compute_reference(eager.model, params, key, batch, ref_dtype, chunks)
-            value, grads = _loss_and_grads(eager, eager.loss, params, batch, dev)
-            errors, glob = samemath.compare_to(value, grads, ref)
-        except Exception as err:  # e.g. out of memory: say so; the small check still stands
-            _clear(params)
-            return {}, f"the same-math check at full size did not run: {_first_line(err)}"
+        for i, k in enumerate(tries):
+            try:
+                # the gradients wait on the host while the unfused step runs beside the resident state
+                ref = samemath.compute_reference(eager.model, params, key, batch, ref_dtype, k).to("cpu")
+                value, grads = _loss_and_grads(eager, eager.loss, params, batch, dev)
+                errors, glob = samemath.compare_to(value, grads, ref)
+                break
+            except torch.cuda.OutOfMemoryError as err:  # the estimate was short: smaller chunks
+                _clear(params)
+                ref = grads = None
+                stepstate.empty_allocator(dev)
+                if i + 1 == len(tries):
+                    return {}, f"the same-math check at full size did not run: {_first_line(err)}"
+            except Exception as err:  # say so; the small check still stands
+                _clear(params)
+                return {}, f"the same-math check at full size did not run: {_first_line(err)}"
         _clear(params)
-        refs[key] = (ref.to("cpu"), errors, glob)
-        del ref
+        refs[key] = (ref, errors, glob)
+        del ref, grads
     stepstate.empty_allocator(dev)
     return refs, ""
 
