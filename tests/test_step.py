@@ -445,6 +445,10 @@ def test_a_warm_up_out_of_budget_is_said_in_the_rule_applied_unless_the_trials_s
     warned = lambda: [line for line in format_step(data).splitlines() if "warm-up stopped" in line]
     fused["trend"] = {"r": 0.1, "p": 0.7, "trials": 20, "first_s": 3e-3, "last_s": 3e-3, "drifting": False}
     assert warned() == []
+    [rule] = [line for line in format_step(data).splitlines() if line.startswith("warm-up, untimed")]
+    assert rule.startswith(
+        "warm-up, untimed, until the last 6 blocks of 3 steps agree within 1.0% with no drift"
+    )
     fused["trend"].update(r=0.8, p=1e-4, drifting=True)
     [w] = warned()
     assert "blocks of 3 calls agreed within 1.0% with no drift" in w and "1.5x" not in w

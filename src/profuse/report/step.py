@@ -22,7 +22,7 @@ from profuse.bench.stats import (
     trend_warning,
     unsteady_warning,
 )
-from profuse.bench.timing import WARMUP_BUDGET_S, TrialDesign, warmup_note
+from profuse.bench.timing import STEADY_BLOCKS, WARMUP_BUDGET_S, TrialDesign, warmup_note
 from profuse.compiletime import CompileSplit
 from profuse.env import card_name, describe
 from profuse.errors import UsageError
@@ -341,7 +341,15 @@ def format_step(data: dict) -> str:
     fused_timed = [n for n in ("fused", "compile+fused") if triton_ops and n in data["results"]]
     warmed = {name: t["warmup_calls"] for name, t in cmp["timings"].items() if "warmup_calls" in t}
     if warmed:
-        notes.append(warmup_line(warmed).replace("calls", "steps"))
+        design = saved_design(cmp)
+        rule = None
+        if design is not None and design.steady_spread is not None:
+            block = design.warmup_block or design.calls
+            rule = (
+                f"the last {STEADY_BLOCKS} blocks of {block} calls agree within {design.steady_spread:.1%} "
+                f"with no drift, or {cmp.get('warmup_budget_s', WARMUP_BUDGET_S):g} s of them"
+            )
+        notes.append(warmup_line(warmed, rule).replace("calls", "steps"))
     notes += [line for line in (first_step_line(data), weights_line(data)) if line]
     if _is_hf(data) and "precision_text" in cfg:  # files before the model's own loss computed profuse's
         notes.append(HF_LOSS_NOTE)

@@ -396,10 +396,12 @@ def interpreter_note(env: dict, timed: list[str]) -> list[str]:
     ]
 
 
-def warmup_line(calls: dict[str, int]) -> str:
-    """'warm-up until the last 5 calls agree within 1.5x: eager 5 calls, torch.compile 9 calls'."""
+def warmup_line(calls: dict[str, int], rule: str | None = None) -> str:
+    """'warm-up until the last 5 calls agree within 1.5x: eager 5 calls, torch.compile 9 calls';
+    `rule` in place of 'the last 5 calls agree within 1.5x' where the design had another."""
     counts = ", ".join(f"{label} {n} call{'s' if n != 1 else ''}" for label, n in calls.items())
-    return f"warm-up, untimed, until the last {STEADY_CALLS} calls agree within {STEADY_RATIO}x: {counts}"
+    rule = rule or f"the last {STEADY_CALLS} calls agree within {STEADY_RATIO}x"
+    return f"warm-up, untimed, until {rule}: {counts}"
 
 
 def threads_note(env: dict) -> list[str]:
