@@ -121,6 +121,15 @@ class TrialDesign:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, saved: dict | None) -> TrialDesign | None:
+        """The design to_dict saved; None where a run saved none (older files). Unknown keys are
+        dropped, missing ones take their defaults."""
+        if not saved:
+            return None
+        fields = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in saved.items() if k in fields})
+
 
 # Whole training steps, as Part C's referee times them: K = 10 steps a trial after one
 # discarded (so a trial starts with the queue as full as a training loop keeps it, and one event
@@ -331,13 +340,16 @@ def warmup_note(
     question the warning asks. None where there is nothing to say."""
     if steady or (design is not None and design.checks and drifting is False):
         return None
-    rule = _block_rule(design) if design is not None and design.steady_spread is not None else None
-    return warmup_warning(name, calls, budget_s, rule)
+    return warmup_warning(name, calls, budget_s, steady_rule(design))
 
 
-def _block_rule(design: TrialDesign) -> str:
+def steady_rule(design: TrialDesign | None, verb: str = "agreed") -> str | None:
+    """'last 6 blocks of 3 calls agreed within 1.0% with no drift': the warm-up rule of a design
+    that warms up by blocks; None for Part B's rule by calls (STEADY_CALLS within STEADY_RATIO)."""
+    if design is None or design.steady_spread is None:
+        return None
     return (
-        f"last {STEADY_BLOCKS} blocks of {design.warmup_design.calls} calls agreed within "
+        f"last {STEADY_BLOCKS} blocks of {design.warmup_design.calls} calls {verb} within "
         f"{design.steady_spread:.1%} with no drift"
     )
 

@@ -22,7 +22,7 @@ from profuse.bench.stats import (
     trend_warning,
     unsteady_warning,
 )
-from profuse.bench.timing import STEADY_BLOCKS, WARMUP_BUDGET_S, TrialDesign, warmup_note
+from profuse.bench.timing import WARMUP_BUDGET_S, TrialDesign, steady_rule, warmup_note
 from profuse.compiletime import CompileSplit
 from profuse.env import card_name, describe
 from profuse.errors import UsageError
@@ -213,7 +213,7 @@ def step_warnings(data: dict) -> list[str]:
         if any(st.unsteady for st in op_counts.values()):
             out.append(unsteady_warning(op_counts, f"op {op}", again_command(data)))
     budget = (cmp or {}).get("warmup_budget_s", WARMUP_BUDGET_S)
-    design = saved_design(cmp)
+    design = TrialDesign.from_dict((cmp or {}).get("design"))
     for name, t in ((cmp or {}).get("timings") or {}).items():
         steady, calls, drifting = (
             t.get("warmup_steady", True),
@@ -225,15 +225,6 @@ def step_warnings(data: dict) -> list[str]:
             out.append(note)
     out += design_warnings(data)
     return out + threads_note(data.get("env") or {})
-
-
-def saved_design(comparison: dict | None) -> TrialDesign | None:
-    """The trial design a saved comparison ran with; None where it saved none (older runs)."""
-    saved = (comparison or {}).get("design")
-    if not saved:
-        return None
-    fields = set(TrialDesign.__dataclass_fields__)
-    return TrialDesign(**{k: v for k, v in saved.items() if k in fields})
 
 
 def design_warnings(data: dict) -> list[str]:
@@ -341,14 +332,9 @@ def format_step(data: dict) -> str:
     fused_timed = [n for n in ("fused", "compile+fused") if triton_ops and n in data["results"]]
     warmed = {name: t["warmup_calls"] for name, t in cmp["timings"].items() if "warmup_calls" in t}
     if warmed:
-        design = saved_design(cmp)
-        rule = None
-        if design is not None and design.steady_spread is not None:
-            block = design.warmup_block or design.calls
-            rule = (
-                f"the last {STEADY_BLOCKS} blocks of {block} calls agree within {design.steady_spread:.1%} "
-                f"with no drift, or {cmp.get('warmup_budget_s', WARMUP_BUDGET_S):g} s of them"
-            )
+        rule = steady_rule(TrialDesign.from_dict(cmp.get("design")), "agree")
+        if rule:
+            rule = f"the {rule}, or {cmp.get('warmup_budget_s', WARMUP_BUDGET_S):g} s of them"
         notes.append(warmup_line(warmed, rule).replace("calls", "steps"))
     notes += [line for line in (first_step_line(data), weights_line(data)) if line]
     if _is_hf(data) and "precision_text" in cfg:  # files before the model's own loss computed profuse's
