@@ -93,6 +93,7 @@ from profuse.fusion.hf_layer import (
     probe_mlp,
     probe_norm,
 )
+from profuse.fusion.hf_mask import plan_mask
 from profuse.fusion.hf_modules import STATE, forward_owner, fused_class, fused_target, is_fused, unfused_class
 from profuse.fusion.hf_ops import HF_EAGER, add_rms_norm_hf, bound_op, unavailable
 
@@ -108,6 +109,7 @@ _WHAT = {
     QK_NORM_ROPE: "q_norm and k_norm with the rotary embedding, one launch",
     LINEAR_CROSS_ENTROPY: "lm_head and the loss, never the logits: with labels in training, logits=None",
 }
+_CAUSAL_MASK = "none made for a plain causal call: SDPA's is_causal, under torch.compile too"
 
 
 @dataclass(frozen=True)
@@ -120,10 +122,15 @@ class FuseSummary:
     counts: dict[str, int]  # op -> places it runs per forward (ops that run nowhere are left out)
     left_unfused: tuple[str, ...]  # "op: why", one entry per op with a place it cannot fuse
     labelled: bool  # each op call inside its profiler range (profuse.fusion.BLOCK_OP_RANGES)
+    # A plain causal call's attention runs with SDPA's is_causal, under torch.compile too
+    # (profuse.fusion.hf_mask); False where the stack builds its mask as before.
+    causal_mask: bool = False
 
     def __str__(self) -> str:
         lines = [f"fused {self.model} ({self.layers} decoder layers) with {self.ops}:"]
         lines += [f"  {op:<20} x{n:<4} {_WHAT[op]}" for op, n in self.counts.items()]
+        if self.causal_mask:
+            lines.append(f"  {'causal mask':<26} {_CAUSAL_MASK}")
         lines += [f"  left unfused: {item}" for item in self.left_unfused]
         if self.labelled:
             lines.append(
@@ -350,7 +357,9 @@ def _has_place(op: str, model: nn.Module, stack: nn.Module) -> bool:
     return True
 
 
-def _plan(model: nn.Module, impl: BlockOps, names: tuple[str, ...], named: bool, label: bool) -> _Plan:
+def _plan(
+    model: nn.Module, impl: BlockOps, names: tuple[str, ...], named: bool, label: bool, causal_mask: bool
+) -> _Plan:
     """Check everything fuse needs and say what it will install; change nothing."""
     what = type(model).__name__
     _checkpointing_layer_class()
@@ -408,7 +417,10 @@ def _plan(model: nn.Module, impl: BlockOps, names: tuple[str, ...], named: bool,
         raise UnsupportedModel(f"{what}: nothing to fuse ({why})")
     counts = {op: counts[op] for op in OP_NAMES if op in counts}
     left = tuple(f"{op}: {why}" for op, why in reasons.items())
-    summary = FuseSummary(what, len(layers), impl.name, counts, left, label)
+    mask = plan_mask(stack) if causal_mask else None
+    if mask is not None and mask.target is not None:
+        installs.append((stack, mask.target, None))
+    summary = FuseSummary(what, len(layers), impl.name, counts, left, label, bool(mask and mask.target))
     return _Plan(stack, installs, ADD_RMS_NORM in counts, summary)
 
 
@@ -424,6 +436,7 @@ def fuse(
     impl: BlockOps | None = None,
     label: bool = False,
     dry_run: bool = False,
+    causal_mask: bool | None = None,
 ) -> FuseSummary:
     """Fuse a Hugging Face Llama-family model in place (see this module's docstring) and say how.
 
@@ -441,11 +454,18 @@ def fuse(
     model left untouched, for an op asked for by name that cannot be fused, a model with nothing
     to fuse, one already fused or one with accelerate hooks; UsageError for bad arguments.
     `dry_run=True` checks and summarises, changing nothing. Undo with `unfuse(model)`.
+
+    `causal_mask`: let a plain causal call (no padding mask, position ids or cache) reach SDPA
+    as is_causal=True under torch.compile too, where transformers would build a (B, 1, T, T)
+    mask (profuse.fusion.hf_mask); in eager nothing changes. Default: with every op (`ops`
+    None), not with a subset named, so a subset's measurement is that subset's.
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModel(f"fuse takes an nn.Module, got {type(model).__name__}")
     impl, names, named = _selected(ops, impl)
-    plan = _plan(model, impl, names, named, label)
+    if causal_mask is not None and not isinstance(causal_mask, bool):
+        raise UsageError(f"fuse: causal_mask takes True or False, got {causal_mask!r}")
+    plan = _plan(model, impl, names, named, label, not named if causal_mask is None else causal_mask)
     if dry_run:
         return plan.summary
     for module, cls, state in plan.installs:
