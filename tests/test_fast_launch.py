@@ -213,7 +213,10 @@ def test_the_switches_keep_every_launch_on_the_jit_route(fast, monkeypatch):
     assert not A.fast_launch_on()
 
 
-def test_a_first_fast_launch_that_disagrees_turns_the_fast_route_off(fast):
+@pytest.mark.parametrize("copies", ["device", "host"])
+def test_a_first_fast_launch_that_disagrees_turns_the_fast_route_off(fast, copies, monkeypatch):
+    if copies == "host":  # tensors over the bound: the check's copies are held in host memory
+        monkeypatch.setattr(A, "CHECK_ON_DEVICE_BYTES", 0)
     kernel = FakeKernel()
     launch = A.Launch(kernel, (1,), None, "axpy", BLOCK=64)
     x, y = _xy()
@@ -228,6 +231,21 @@ def test_a_first_fast_launch_that_disagrees_turns_the_fast_route_off(fast):
     assert A.set_fast_launch(True) is False and not A.fast_launch_on()  # off for the process
     launch(x, y, 37, 0.25)
     assert len(kernel.fast) == 1 and len(kernel.jit) == 3
+
+
+@pytest.mark.parametrize("copies", ["device", "host"])
+def test_a_first_fast_launch_that_agrees_keeps_the_fast_route(fast, copies, monkeypatch):
+    if copies == "host":
+        monkeypatch.setattr(A, "CHECK_ON_DEVICE_BYTES", 0)
+    kernel = FakeKernel()
+    launch = A.Launch(kernel, (1,), None, "axpy", BLOCK=64)
+    for seed in range(4):
+        x, y = _xy(seed=seed)
+        launch(x, y, 37, 0.75)
+        _check(x, y, 37, 0.75)
+    # the JIT route binds, then checks the first fast launch (twice on the JIT route), then fast
+    assert len(kernel.jit) == 2 and len(kernel.fast) == 3 and A.fast_launch_on()
+    assert all(b.checked for b in launch.bound.values())
 
 
 def test_a_launcher_that_raises_on_its_first_call_turns_the_fast_route_off(fast):

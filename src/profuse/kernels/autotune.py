@@ -54,6 +54,10 @@ AUTOTUNE_TRIALS = 15
 # the tuner picks the chunked kernel, 15.5 us.
 RUNOFF_MARGIN = 0.05
 
+# A first fast launch's check copies its tensors twice; above this many bytes of tensors the
+# copies are held in host memory instead of the device's (Launch._first_fast_launch).
+CHECK_ON_DEVICE_BYTES = 64 << 20
+
 # Set to a list to record (kind, config, registers, spills) of each launch (benchmarks do).
 LAUNCH_LOG: list | None = None
 
@@ -198,14 +202,21 @@ class Launch:
         can be compared; where the copies do not fit in memory, this launch stops binding.
 
         A kernel that skips an output whose memory already held the JIT route's answer passes;
-        one that writes wrong values, or in the wrong place, does not."""
+        one that writes wrong values, or in the wrong place, does not.
+
+        Where the tensors hold more than CHECK_ON_DEVICE_BYTES the copies are kept in host memory
+        (slower, once per binding): on the device they would sit on top of the step at its
+        fullest (Llama-3.2-1B's loss chunk: two copies of 525 MB in its first forward)."""
         tensors = list({id(t): t for t in b.layout.tensors(args)}.values())
         if capturing(tensors[0].device):
             return False
+        on_host = sum(t.numel() * t.element_size() for t in tensors) > CHECK_ON_DEVICE_BYTES
+        copy = (lambda t: t.to("cpu", copy=True)) if on_host else torch.clone
+        held = (lambda t: t.cpu()) if on_host else (lambda t: t)
         try:
-            before = [t.clone() for t in tensors]
+            before = [copy(t) for t in tensors]
             self.run(*args, **self.meta)
-            jit = [t.clone() for t in tensors]
+            jit = [copy(t) for t in tensors]
         except torch.cuda.OutOfMemoryError:
             self.bound = None
             return False
@@ -214,7 +225,7 @@ class Launch:
                 t.copy_(old)
         try:
             b.launch(args)
-            agree = all(fast_launch.same_bits(t, new) for t, new in zip(tensors, jit, strict=True))
+            agree = all(fast_launch.same_bits(held(t), new) for t, new in zip(tensors, jit, strict=True))
             error = "disagreed with triton's JIT route on its first call"
         except Exception as e:  # a launcher that refuses the arguments: the JIT route is right
             agree, error = False, f"failed on its first call ({type(e).__name__}: {e})"
@@ -222,7 +233,7 @@ class Launch:
             b.checked = True
         else:
             for t, new in zip(tensors, jit, strict=True):
-                if not fast_launch.same_bits(t, new):
+                if not fast_launch.same_bits(held(t), new):
                     t.copy_(new)
             _fast_launch_failed(self, error)
         log_launch(self, b.compiled)
