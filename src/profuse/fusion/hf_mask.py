@@ -27,7 +27,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from profuse.fusion.hf_modules import ORIGINAL, forward_owner, fused_class, fused_target, innermost, rebuilt
+from profuse.fusion.hf_modules import (
+    ORIGINAL,
+    forward_owner,
+    fused_class,
+    fused_target,
+    innermost,
+    parameter_names,
+    rebuilt,
+)
 
 _FULL, _SLIDING = "create_causal_mask", "create_sliding_window_causal_mask"
 _FORWARD = "_profuse_causal_forward"
@@ -107,12 +115,8 @@ def plan_mask(stack: nn.Module) -> MaskPlan:
         forward = rebuilt(owner.forward, {}, sites)
     except ValueError as e:
         return MaskPlan(None, f"{name}.forward cannot be rebuilt without its mask: {e}")
-    names = [
-        p.name
-        for p in inspect.signature(func).parameters.values()
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ][1:]
-    fused = fused_class(owner, "causal_mask", stack_forward, {_FORWARD: forward, _NAMES: tuple(names)})
+    names = tuple(parameter_names(owner.forward))
+    fused = fused_class(owner, "causal_mask", stack_forward, {_FORWARD: forward, _NAMES: names})
     target = fused_target(stack, owner, fused)
     if target is None:
         return MaskPlan(None, f"{name} is derived from {owner.__name__} by a class with a forward of its own")
