@@ -82,7 +82,7 @@ from profuse import amdahl as A
 from profuse import compile as _compile
 from profuse.amdahl import QK_NORM_ROPE, ROPE, Amdahl, OpTiming
 from profuse.bench.stats import Speedup, speedup_ci
-from profuse.bench.timing import REFEREE, Comparison, TrialDesign, compare
+from profuse.bench.timing import REFEREE, Comparison, TrialDesign, balanced_trials, compare
 from profuse.compiletime import CompileSplit, split_compile
 from profuse.env import check_fits, dtype_name, environment, interpreting
 from profuse.errors import UsageError
@@ -770,7 +770,7 @@ def budget(cfg: StepConfig, names: Sequence[str]) -> dict[str, int]:
     runs at least `warmup` steps a variant (on until steady: bench.timing)."""
     n, cuda = len(names), cfg.device.type == "cuda"
     design = trial_design(cfg.device)
-    rounds = -(-cfg.trials // n) * n if design.balanced and n else cfg.trials  # balanced: a multiple of n
+    rounds = balanced_trials(n, cfg.trials) if design.balanced and n else cfg.trials  # whole Williams designs
     ops = A.eager_impls(cfg.spec.family)  # a model has rope or qk_norm_rope, not both
     checked = [c for c in CHECKED_VARIANTS if c in names or (c == "fused" and "compile+fused" in names)]
     profiled = cfg.profile_steps > 0

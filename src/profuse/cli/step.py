@@ -85,7 +85,8 @@ def build_step_parser() -> argparse.ArgumentParser:
         "--trials",
         type=trial_count,
         default=12,
-        help="interleaved timed trials, rounded up to a multiple of the variants (default: 12; on CUDA up "
+        help="interleaved timed trials, rounded up to whole carry-over-balanced designs (n trials for n "
+        "variants, 2n where n is odd) (default: 12; on CUDA up "
         "to 30 where the two fastest are within 2%%, within 120 s of steps)",
     )
     p.add_argument(
