@@ -23,7 +23,8 @@
 is the design for whole training steps (Part C's referee): a trial of a variant is one clock or event pair
 around K >= 10 calls after one discarded call; orders balanced for position and carry-over (a
 Williams design: each variant in each position, and right after each other variant, equally
-often; the trials rounded up to whole designs, n trials for n variants, 2n where n is odd); warm-up until the last STEADY_BLOCKS blocks agree within 1% with no drift;
+often; the trials rounded up to whole designs, n trials for n variants, 2n where n is odd);
+warm-up until the last STEADY_BLOCKS blocks agree within 1% with no drift;
 up to 30 trials where the two fastest are within 2%; warnings on drift through the trials and on
 noise larger than a difference the verdict calls. On CUDA each trial's SM clock, power and
 throttling are read (bench/clocks.py), with a warning where any trial throttled.
@@ -31,7 +32,6 @@ throttling are read (bench/clocks.py), with a warning where any trial throttled.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
