@@ -33,6 +33,7 @@ from profuse.bench.timing import (
     balanced_trials,
     compare,
     design_rows,
+    saved_steady_rule,
     settled,
     warmup_note,
     williams_square,
@@ -295,6 +296,15 @@ def test_warm_up_runs_until_the_last_calls_agree():
     assert d["timings"]["compile"]["warmup_calls"] == 4 + STEADY_CALLS
     assert d["timings"]["compile"]["warmup_steady"] is True
     assert d["steady_rule"] == {"calls": STEADY_CALLS, "ratio": STEADY_RATIO}
+
+
+def test_a_saved_steady_rule_is_the_designs_own():
+    """A run warmed by blocks saves its blocks' rule, not Part B's calls within 1.5x."""
+    saved = saved_steady_rule(REFEREE)
+    assert saved["blocks"] == STEADY_BLOCKS and saved["spread"] == REFEREE.steady_spread == 0.01
+    assert saved["calls_per_block"] == REFEREE.warmup_block and saved["discard"] == REFEREE.discard
+    assert "ratio" not in saved
+    assert saved_steady_rule(TrialDesign()) == {"calls": STEADY_CALLS, "ratio": STEADY_RATIO}
 
 
 def test_warm_up_that_never_settles_stops_at_its_budget_and_says_so():

@@ -81,6 +81,7 @@ from profuse import __version__, fusion, samemath, stepstate
 from profuse import amdahl as A
 from profuse import compile as _compile
 from profuse.amdahl import QK_NORM_ROPE, ROPE, Amdahl, OpTiming
+from profuse.bench import DEFAULT_TRIALS
 from profuse.bench.stats import Speedup, speedup_ci
 from profuse.bench.timing import REFEREE, Comparison, TrialDesign, balanced_trials, compare
 from profuse.compiletime import CompileSplit, split_compile
@@ -146,7 +147,7 @@ class StepConfig:
     preset: str | None = None  # recorded with the results; with a spec, the spec's
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     variants: Sequence[str] | None = None  # eager, the baseline, is always in; None: the model's default
-    trials: int = 30  # interleaved trials of whole steps (and of each op, for Amdahl)
+    trials: int = DEFAULT_TRIALS  # interleaved trials of whole steps (and of each op, for Amdahl)
     warmup: int | None = None  # untimed steps after the first: 3 on CUDA, 1 on CPU (steps take ~1 s)
     seed: int = 0  # weights, the batch of random tokens, the trial order
     profile_steps: int = 3  # profiled steps per variant; 0: no profiles and no Amdahl prediction

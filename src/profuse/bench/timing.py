@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import torch
 
+from profuse.bench import DEFAULT_TRIALS
 from profuse.bench.clocks import ClockSample, monitor_for, throttle_warning
 from profuse.bench.host import HostTime, cpu_host_times, measure_host
 from profuse.bench.stats import (
@@ -308,7 +309,7 @@ class Comparison:
             "orders": self.orders,
             "not_timed": self.not_timed,
             "warmup_budget_s": self.warmup_budget_s,
-            "steady_rule": {"calls": STEADY_CALLS, "ratio": STEADY_RATIO},
+            "steady_rule": saved_steady_rule(self.design),
             "design": self.design.to_dict(),
             "trials_asked": self.trials_asked,
             "verdict": self.verdict().to_dict() if self.timings else None,
@@ -341,6 +342,21 @@ def warmup_note(
     if steady or (design is not None and design.checks and drifting is False):
         return None
     return warmup_warning(name, calls, budget_s, steady_rule(design))
+
+
+def saved_steady_rule(design: TrialDesign | None) -> dict:
+    """The warm-up rule a run used, as its file records it: blocks that agree within the
+    design's spread with no drift, or Part B's calls within STEADY_RATIO. (Files before this
+    recorded Part B's rule whatever the design; steady_rule reads the design instead.)"""
+    if design is None or design.steady_spread is None:
+        return {"calls": STEADY_CALLS, "ratio": STEADY_RATIO}
+    return {
+        "blocks": STEADY_BLOCKS,
+        "calls_per_block": design.warmup_design.calls,
+        "discard": design.discard,
+        "spread": design.steady_spread,
+        "no_drift": True,
+    }
 
 
 def steady_rule(design: TrialDesign | None, verb: str = "agreed") -> str | None:
@@ -392,7 +408,7 @@ def timed_call(
 def compare(
     variants: Mapping[str, Callable[[], object]],
     baseline: str,
-    trials: int = 30,
+    trials: int = DEFAULT_TRIALS,
     device: str | torch.device | None = "auto",
     *,
     warmup: int = 3,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from profuse.bench import DEFAULT_TRIALS
 from profuse.cli.common import (
     Parser,
     ProgressLines,
@@ -84,10 +85,11 @@ def build_step_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--trials",
         type=trial_count,
-        default=12,
+        default=DEFAULT_TRIALS,
         help="interleaved timed trials, rounded up to whole carry-over-balanced designs (n trials for n "
-        "variants, 2n where n is odd) (default: 12; on CUDA up "
-        "to 30 where the two fastest are within 2%%, within 120 s of steps)",
+        f"variants, 2n where n is odd) (default: {DEFAULT_TRIALS}; on CUDA up "
+        "to 30 where the two fastest are within 2%%, within 120 s of steps; under 30 trials each CI is a "
+        "distribution-free interval from order statistics, its exact coverage printed)",
     )
     p.add_argument(
         "--profile-steps", type=nonnegative_int, default=3,

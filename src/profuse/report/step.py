@@ -37,6 +37,7 @@ from profuse.report.stepchecks import (
     weights_line,
 )
 from profuse.report.sweep import (
+    ci_terms,
     few_trials_note,
     interpreter_note,
     render_table,
@@ -121,7 +122,8 @@ def _table(data: dict) -> list[str]:
     bounds = (verdict_of(data) or {}).get("bounds") or {}  # the run's decision (profuse.verdict)
     unit = time_unit(results[cmp["baseline"]]["median_s"])
     launches = next((p["launch_unit"] for p in profiles.values()), "kernels")
-    header = f"{'variant':>{W}}  {'median':>10}  {'vs eager (95% CI)':<38}  {'per trial':>9}"
+    ci = ci_terms(r["speedup"] for r in results.values())[0]  # '95% CI', or order statistics' coverage
+    header = f"{'variant':>{W}}  {'median':>10}  {f'vs eager ({ci})':<38}  {'per trial':>9}"
     if cuda:
         header += f"  {'host':>17}"
     old_first = first_step_in_table(data)  # dropped since the full-size check (first_step_line)
@@ -165,6 +167,22 @@ def _table(data: dict) -> list[str]:
             row += f"  {bounds[name]}"
         lines.append(row.rstrip())
     return lines
+
+
+def trial_words(cmp: dict) -> str:
+    """What one trial of a saved comparison is, from its saved design: 'each trial the mean of 3
+    steps back to back between two CUDA events, after 1 untimed step'. Files saved before the
+    design was recorded say what their timer did."""
+    design = TrialDesign.from_dict(cmp.get("design"))
+    cuda = str(cmp.get("device", "")).startswith("cuda")
+    if design is not None and design.blocks:
+        between = "two CUDA events" if cuda else "two clock reads"
+        discard = design.discard
+        after = f", after {discard} untimed step{'s' if discard != 1 else ''}" if discard else ""
+        return f"each trial the mean of {design.calls} steps back to back between {between}{after}"
+    if cmp.get("timing") == "loop":  # timers.LoopTimer: each trial the median of its `reps` calls
+        return "steps back to back as a training loop runs them, each trial the median of 3 single steps"
+    return "one step a trial, wall clock"
 
 
 def again_command(data: dict) -> str:
@@ -308,11 +326,7 @@ def format_step(data: dict) -> str:
     if cmp is None:
         lines.append("nothing timed: the eager step did not run")
         return "\n".join(lines)
-    how = (
-        "steps back to back as a training loop runs them, each trial the median of 3"
-        if cmp["timing"] == "loop"
-        else "wall clock"
-    )
+    how = trial_words(cmp)
     lines.append(f"step time: {cmp['trials']} interleaved trials, {how} ({cmp['timer']})")
     lines += _table(data)
     over = data.get("fusion_over_compile")
@@ -339,7 +353,8 @@ def format_step(data: dict) -> str:
     notes += [line for line in (first_step_line(data), weights_line(data)) if line]
     if _is_hf(data) and "precision_text" in cfg:  # files before the model's own loss computed profuse's
         notes.append(HF_LOSS_NOTE)
-    lines += notes + few_trials_note(cmp["trials"]) + interpreter_note(data["env"], fused_timed)
+    methods = ci_terms(r["speedup"] for r in data["results"].values())[2]
+    lines += notes + few_trials_note(cmp["trials"], methods) + interpreter_note(data["env"], fused_timed)
     lines += step_warnings(data)
     amdahl = amdahl_lines(data)
     if amdahl:
