@@ -586,6 +586,7 @@ def test_step_command_eager_and_compile(tmp_path, capsys, monkeypatch):
     assert lines[-1] == f"results: {tmp_path / 'step.json'}"
     data = json.loads((tmp_path / "step.json").read_text())
     assert data["kind"] == "step" and list(data["results"]) == ["eager", "compile"]
+    assert data["provenance"]["command"]["profuse_args"][0] == "step"  # files.write_result
     assert data["results"]["compile"]["speedup"]["low"] <= data["results"]["compile"]["speedup"]["high"]
     assert data["same_math"]["compile"]["passed"]  # the same step, compiled (fp32, against float64)
     assert data["check"] is None and data["amdahl"] is None and data["profiles"] == {}

@@ -146,7 +146,7 @@ def check_step(cfg) -> None:
 def run_part_c(cfgs) -> None:
     """Part C in each config (one per precision, one after the other), its progress as lines on
     stderr; one table each, then (two precisions) the ranks that moved; step.json holds it all."""
-    from profuse.files import write_json
+    from profuse.files import write_result
     from profuse.report.step import both_precisions, format_step
     from profuse.step import run_step
 
@@ -161,7 +161,7 @@ def run_part_c(cfgs) -> None:
         progress.close()
     data = runs[0] if len(runs) == 1 else both_precisions(runs)
     print(format_step(data))
-    path = write_json(Path(cfgs[0].out_dir) / "step.json", data)
+    path = write_result(Path(cfgs[0].out_dir) / "step.json", data)
     print(f"results: {path}")
 
 

@@ -29,9 +29,13 @@ from profuse.errors import UsageError
 from profuse.files import atomic_path
 from profuse.report.units import fmt_bandwidth, fmt_time, speedup_terms
 
+# The provenance each CSV row carries (the JSON beside it holds the whole of it): a table pasted
+# elsewhere still names its commit, card and run.
+PROVENANCE_CSV = ("commit", "dirty", "card", "card_uuid", "torch", "started_utc", "ended_utc")
 CSV_FIELDS = (
     "rows", "cols", "dtype", "backward", "variant", "median_s", "speedup", "ci_low", "ci_high",
     "verdict", "achieved_GBps", "fraction_of_copy", "passed", "host_s", "host_bound", "timing", "unsteady",
+    "ci_coverage", "ci_method", *PROVENANCE_CSV,
 )  # fmt: skip
 
 BASELINE_VERDICT = "baseline"
@@ -391,9 +395,9 @@ def ci_terms(speedups) -> tuple[str, str, set[str]]:
     methods = {str(sp.get("method", "")) for sp in sps}
     label = labels.pop() if len(labels) == 1 else "CI"
     if methods and all(m.startswith(ORDER_STATISTICS) for m in methods):
-        how = "a distribution-free interval from order statistics of the paired per-trial ratios"
+        how = "from order statistics of the paired per-trial ratios (distribution-free)"
     else:
-        how = "a paired bootstrap"
+        how = "from a paired bootstrap"
     return label, how, methods
 
 
@@ -465,7 +469,7 @@ def _notes(run: SavedRun) -> list[str]:
     bytes_model = {4: "3 inputs read + 1 output written", 11: "forward 4 tensors + backward 7 tensors"}
     label, how, _ = ci_terms(r.speedup for r in run.variant_rows)
     notes = [
-        f"speedup: median({run.baseline_label}) / median(variant) with a {label} from {how} "
+        f"speedup: median({run.baseline_label}) / median(variant), its CI ({label}) {how} "
         f"over {run.trials} interleaved trials; 'no measurable gain' where the CI holds 1.0",
     ]
     if run.model_tensors is not None:  # None: no size ran, so there is no byte model to name
@@ -552,9 +556,27 @@ def format_report(data: dict, markdown: bool = False) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def _provenance_columns(data: dict) -> dict:
+    """The PROVENANCE_CSV columns of a saved run ('' each where it recorded none)."""
+    prov = data.get("provenance") or {}
+    source, card = prov.get("source") or {}, prov.get("card") or {}
+    name = card.get("name") or (f"{card.get('cpu_model')} ({card.get('cpu_count')} cores)" if card else "")
+    values = {
+        "commit": source.get("commit"),
+        "dirty": source.get("dirty"),
+        "card": name,
+        "card_uuid": card.get("uuid"),
+        "torch": (prov.get("versions") or {}).get("torch"),
+        "started_utc": prov.get("started_utc"),
+        "ended_utc": prov.get("ended_utc"),
+    }
+    return {k: "" if v is None else v for k, v in values.items()}
+
+
 def csv_rows(data: dict) -> list[dict]:
     out = []
     run = parse(data)
+    provenance = _provenance_columns(data)
     timing = run.timing
     for r in run.variant_rows:
         sp = r.speedup or {}
@@ -579,6 +601,9 @@ def csv_rows(data: dict) -> list[dict]:
                 "host_bound": r.host_bound,
                 "timing": timing,
                 "unsteady": r.unsteady,
+                "ci_coverage": ci_label(sp).removesuffix(" CI") if sp else "",
+                "ci_method": sp.get("method", ""),
+                **provenance,
             }
         )
     return out
