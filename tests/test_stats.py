@@ -475,3 +475,57 @@ def test_the_verdict_prints_the_coverage_of_its_intervals():
     v = stats.tie_verdict(times, n_resamples=200)
     assert v.ratios["b"].method == stats.ORDER_STATISTICS
     assert f"{v.ratios['b'].coverage:.1%} CI" in v.text and v.ratios["b"].coverage == 0.9921875
+
+
+def test_refit_recomputes_a_saved_step_by_the_method_that_fits_its_count():
+    rng = np.random.default_rng()
+    n = 12
+    times = {"eager": 2.0 + 0.02 * rng.random(n), "compile": 1.6 + 0.02 * rng.random(n),
+             "compile+fused": 1.5 + 0.02 * rng.random(n)}  # fmt: skip
+    old = speedup_ci(times["eager"], times["compile"], n_resamples=200, method="BCa").to_dict()
+    data = {
+        "kind": "step",
+        "comparison": {
+            "baseline": "eager",
+            "trials": n,
+            "timings": {k: {"times_s": list(v)} for k, v in times.items()},
+            "speedups": {"compile": old},
+            "verdict": {"text": "saved"},
+        },  # fmt: skip
+        "results": {
+            "eager": {"speedup": None},
+            "compile": {"speedup": old},
+            "compile+fused": {"speedup": old},
+        },  # fmt: skip
+        "fusion_over_compile": old,
+        "verdict": {"text": "saved"},
+    }
+    new, methods = stats.refit(data)
+    assert methods == ["BCa"] and data["results"]["compile"]["speedup"] is old  # the file left alone
+    for name in ("compile", "compile+fused"):
+        sp = new["results"][name]["speedup"]
+        assert sp["method"].startswith(stats.ORDER_STATISTICS) and sp["coverage"] == pytest.approx(
+            0.96142578125
+        )
+        ratios = np.sort(times["eager"] / times[name])
+        assert (sp["per_trial"]["low"], sp["per_trial"]["high"]) == (ratios[2], ratios[9])
+    over = new["fusion_over_compile"]
+    assert over["median"] == pytest.approx(np.median(times["compile"]) / np.median(times["compile+fused"]))
+    assert new["verdict"] is None  # decided again from the trials by the report
+
+
+def test_report_refit_recomputes_a_saved_sweep_and_says_so(saved, tmp_path):
+    out, _ = saved["a"]
+    data = json.loads((out / "results.json").read_text())
+    for run in data["runs"]:
+        for res in run["results"].values():
+            if res.get("speedup"):
+                res["speedup"].update(method="BCa")
+                res["speedup"].pop("coverage", None)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    code, as_saved, _ = run_cli("report", str(path))
+    assert code == 0 and "(95% CI)" in as_saved  # reported with the method it was made with
+    code, text, _ = run_cli("report", str(path), "--refit")
+    assert code == 0 and "(75% CI)" in text and "(95% CI)" not in text  # 3 trials: min-max, 75%
+    assert "CIs recomputed from the saved paired trials" in text and "made by: BCa" in text

@@ -351,18 +351,23 @@ def speedup_ci(
         how = ORDER_STATISTICS if low <= point <= high else f"{ORDER_STATISTICS}, widened to its point"
         return Speedup(point, min(low, point), max(high, point), confidence, how, paired, coverage, n)
     low, high, how = bootstrap_ratio_ci(base, var, _ratio_of_medians, True, confidence, n_resamples, seed)
-    paired = _per_trial_ci(base, var, confidence, n_resamples, seed) if per_trial else None
+    paired = _per_trial_ci(base, var, confidence, n_resamples, seed, BOOTSTRAP) if per_trial else None
     return Speedup(point, low, high, confidence, how, paired, trials=n)
 
 
 def _per_trial_ci(
-    base: np.ndarray, var: np.ndarray, confidence: float, n_resamples: int, seed: int
+    base: np.ndarray,
+    var: np.ndarray,
+    confidence: float,
+    n_resamples: int,
+    seed: int,
+    method: str | None = None,
 ) -> Speedup:
-    """The median of per-trial ratios base_i / var_i with its CI: order statistics below
-    BCA_LEAST_TRIALS, the paired bootstrap from there on."""
+    """The median of per-trial ratios base_i / var_i with its CI: by `method`, by default order
+    statistics below BCA_LEAST_TRIALS and the paired bootstrap from there on."""
     point = float(_median_per_trial_ratio(base, var))
     n = int(base.size)
-    if ci_method(n) == ORDER_STATISTICS:
+    if (method or ci_method(n)) == ORDER_STATISTICS:
         low, high, coverage = order_statistic_ci(base, var, confidence)
         return Speedup(point, low, high, confidence, ORDER_STATISTICS, coverage=coverage, trials=n)
     low, high, method = bootstrap_ratio_ci(
@@ -744,3 +749,63 @@ def rebase(data: dict, baseline: str, only: list[str] | None = None) -> dict:
             if sp:
                 comp["speedups"][key] = sp
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# A saved run's CIs made again by the method that fits their count (profuse report --refit)
+# --------------------------------------------------------------------------------------------
+
+
+def refit(data: dict) -> tuple[dict, list[str]]:
+    """(a copy of a saved run with every speedup's CI recomputed from its saved paired trials by
+    the method that fits their count (ci_method), the methods the file had used). For files
+    saved when every count got a bootstrap: a Part B or sweep results.json (each size over its
+    own baseline, as rebase does) or a Part C step.json (each variant over eager, compile+fused
+    over compile, and the verdict decided again from the same trials)."""
+    methods = sorted({m for m in _saved_methods(data)})
+    if data.get("kind") == "step":
+        return _refit_step(data), methods
+    entries = [data] if data.get("kind") == "tail" else list(data.get("runs", []))
+    out = copy.deepcopy(data)
+    kept = [out] if out.get("kind") == "tail" else out.get("runs", [])
+    for entry, new in zip(entries, kept):
+        comp = entry.get("comparison") or {}
+        if not comp.get("timings") or comp.get("baseline") not in comp["timings"]:
+            continue
+        single = {**entry, "kind": "tail"}
+        redone = rebase(single, comp["baseline"])
+        new["comparison"], new["results"] = redone["comparison"], redone["results"]
+    return out, methods
+
+
+def _refit_step(data: dict) -> dict:
+    out = copy.deepcopy(data)
+    cmp = out.get("comparison")
+    if not cmp or not cmp.get("timings"):
+        return out
+    times = {n: t["times_s"] for n, t in cmp["timings"].items()}
+    base = cmp["baseline"]
+    cmp["speedups"] = {}
+    for name, res in out.get("results", {}).items():
+        if res.get("speedup") and name in times and name != base:
+            res["speedup"] = speedup_ci(times[base], times[name]).to_dict()
+            cmp["speedups"][name] = res["speedup"]
+    if out.get("fusion_over_compile") and {"compile", "compile+fused"} <= set(times):
+        out["fusion_over_compile"] = speedup_ci(times["compile"], times["compile+fused"]).to_dict()
+    out["verdict"] = None  # decided again from the same trials (profuse.verdict.decide)
+    cmp["verdict"] = None
+    return out
+
+
+def _saved_methods(data) -> list[str]:
+    """Every CI method named in a saved file's speedups."""
+    found = []
+    if isinstance(data, dict):
+        if "method" in data and "low" in data and "high" in data:
+            found.append(str(data["method"]))
+        for value in data.values():
+            found += _saved_methods(value)
+    elif isinstance(data, list):
+        for value in data:
+            found += _saved_methods(value)
+    return found

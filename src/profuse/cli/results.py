@@ -65,6 +65,10 @@ def build_report_parser() -> argparse.ArgumentParser:
         "profile.json or profile_ddp.json (Part A), step.json (profuse step)",
     )  # fmt: skip
     p.add_argument("--markdown", action="store_true", help="a markdown table, for an issue or a README")
+    p.add_argument("--refit", action="store_true",
+                   help="every CI recomputed from the saved paired trials by the method that fits their "
+                   "count (order statistics with their exact coverage under 30 trials, BCa from 30), for "
+                   "files saved when every count got a bootstrap; the report says so")  # fmt: skip
     p.add_argument("--vs", default=None, metavar="VARIANT",
                    help="speedups over this variant (e.g. compile, compile-max) instead of eager, "
                    "from the saved per-trial times")  # fmt: skip
@@ -207,8 +211,13 @@ def cmd_report(argv: list[str]) -> int:
     step = load_step(args.results)  # Part C's step.json prints as the run printed it
     if step is not None:
         if args.markdown or args.vs or args.variants or args.plots is not None:
-            raise UsageError(f"{args.results} is a Part C step file: it prints as it is, without options")
-        print(format_step(step))
+            raise UsageError(
+                f"{args.results} is a Part C step file: it prints as it is, with --refit as its only option"
+            )
+        refitted = _refit(step) if args.refit else step
+        print(format_step(refitted))
+        if args.refit:
+            print(_refit_note(step))
         print("\n".join(["", *provenance_lines(step)]))
         return 0
     from profuse.bench.stats import rebase
@@ -226,6 +235,9 @@ def cmd_report(argv: list[str]) -> int:
         print("\n".join(["", *provenance_lines(data)]))
         return 0
     parse(data, str(args.results))  # one line for a file that is not a results file, before any work
+    original = data
+    if args.refit:
+        data = _refit(data)
     if args.vs:
         data = rebase(data, args.vs, only=args.variants)
     run = parse(data, str(args.results))
@@ -235,6 +247,8 @@ def cmd_report(argv: list[str]) -> int:
     if data.get("partial"):
         done = len(data.get("runs", [])) + len(data.get("skipped", []))
         print(f"(a partial sweep: it stopped after {done} sizes)")
+    if args.refit:
+        print(_refit_note(original))
     print("\n".join(["", *provenance_lines(data)]))
     if args.plots is not None:
         written = plots.write_plots(run, args.plots)
@@ -246,6 +260,25 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
+def _refit(data: dict) -> dict:
+    from profuse.bench.stats import refit
+
+    return refit(data)[0]
+
+
+def _refit_note(data: dict) -> str:
+    """What --refit did: the CIs recomputed, and the methods the file itself had used."""
+    from profuse.bench.stats import BCA_LEAST_TRIALS, refit
+
+    methods = refit(data)[1] if isinstance(data, dict) else []
+    saved = ", ".join(methods) if methods else "none recorded"
+    return (
+        f"CIs recomputed from the saved paired trials (profuse report --refit): order statistics with "
+        f"their exact coverage under {BCA_LEAST_TRIALS} trials, BCa from {BCA_LEAST_TRIALS}; the file's "
+        f"own CIs were made by: {saved}"
+    )
+
+
 def _print_part_a(data, args) -> bool:
     """Print a saved Part A summary (profile.json, profile_ddp.json); False for anything else."""
     from profuse.report.profile import DDP_SUMMARY, format_saved_profile, part_a_file
@@ -253,7 +286,8 @@ def _print_part_a(data, args) -> bool:
     name = part_a_file(data)
     if name is None:
         return False
-    flags = {"--vs": args.vs, "--variants": args.variants, "--plots": args.plots, "--markdown": args.markdown}
+    flags = {"--vs": args.vs, "--variants": args.variants, "--plots": args.plots, "--markdown": args.markdown,
+             "--refit": args.refit}  # fmt: skip
     given = ", ".join(flag for flag, value in flags.items() if value)
     if given:
         verb = "applies" if "," not in given else "apply"
