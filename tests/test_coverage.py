@@ -38,7 +38,8 @@ def test_shrink_sets_every_size_field_it_knows_and_keeps_token_ids_inside_the_vo
     out = hf_families.shrink(fields)
     tiny = hf_families.TINY_SIZES
     assert out["hidden_size"] == tiny["hidden_size"] and out["num_hidden_layers"] == tiny["num_hidden_layers"]
-    assert out["bos_token_id"] < tiny["vocab_size"] and all(t < tiny["vocab_size"] for t in out["eos_token_id"])
+    vocab = tiny["vocab_size"]
+    assert out["bos_token_id"] < vocab and all(t < vocab for t in out["eos_token_id"])
     assert out["pad_token_id"] is None
     assert out["layer_types"] == ["full_attention"] * tiny["num_hidden_layers"]
     assert "rope_theta" not in out  # not a size: the family's own value stays
@@ -49,7 +50,8 @@ def test_shrink_sets_every_size_field_it_knows_and_keeps_token_ids_inside_the_vo
 def test_a_llama_fuses_every_op_and_the_check_passes():
     row = C.family_coverage("llama")
     assert row.status == "fused", row
-    assert row.counts == {"silu_mul": 2, "add_rms_norm": 4, "rms_norm": 1, "rope": 2, "linear_cross_entropy": 1}
+    every = {"silu_mul": 2, "add_rms_norm": 4, "rms_norm": 1, "rope": 2, "linear_cross_entropy": 1}
+    assert row.counts == every
     assert row.left_unfused == []
     assert row.params < hf_families.MAX_TINY_PARAMS
     assert row.passed and set(row.check) == {"loss", "gradients", "logits"}
