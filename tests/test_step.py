@@ -675,7 +675,7 @@ def test_variants_share_one_set_of_parameters():
 def test_default_variants_by_model():
     assert S.StepConfig(model=TINY).variants == S.VARIANTS
     hf = S.StepConfig(model=hf_tiny())
-    assert hf.variants == S.ALL_VARIANTS and hf.preset == "tiny"
+    assert hf.variants == S.HF_VARIANTS and hf.preset == "tiny"
     runs, skipped = S.plan(hf, None)
     assert runs[0] == "eager" and "compile" in runs
     assert skipped["liger"].startswith("needs CUDA and liger-kernel")

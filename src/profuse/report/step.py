@@ -78,6 +78,35 @@ def load_step(path: str | Path) -> dict | None:
     return data if isinstance(data, dict) and data.get("kind") == KIND else None
 
 
+def mask_lines(data: dict) -> list[str]:
+    """How each compiled variant's plain causal call reaches attention, and what compile+fused vs
+    compile then measures: the fusion alone where both take the same route."""
+    masks = data.get("masks") or {}
+    if not masks:
+        return []
+    fixed = [n for n, m in masks.items() if m["fixed"]]
+    own = {n: m["note"] for n, m in masks.items() if not m["fixed"]}
+    lines = []
+    if fixed:
+        lines.append(
+            f"causal mask under torch.compile: {', '.join(fixed)} with profuse's fix (a plain causal call "
+            "reaches SDPA as is_causal, no (B, 1, T, T) mask built while compiling)"
+        )
+    for name, note in own.items():
+        lines.append(f"causal mask under torch.compile: {name} as the model builds it ({note})")
+    pair = [masks.get(n) for n in ("compile", "compile+fused")]
+    if data.get("fusion_over_compile") and all(pair):
+        if pair[0]["fixed"] == pair[1]["fixed"]:
+            lines.append(
+                "compile+fused vs compile: both build their mask alike, so the ratio is the fusion alone"
+            )
+        else:
+            lines.append(
+                "compile+fused vs compile: NOT the fusion alone: one has the mask fix and the other not"
+            )
+    return lines
+
+
 def _speedup(sp: dict | None) -> str:
     return speedup_words(sp)
 
@@ -320,6 +349,7 @@ def format_step(data: dict) -> str:
         lines.append(
             f"{'':>{W}}  fusion on top of torch.compile (compile+fused vs compile): {_speedup(over)}"
         )
+    lines += mask_lines(data)
     notes = [f"statistic: {STATISTIC}"]
     if kind == "cuda":
         notes.append("host = CPU time to issue one step; " + memory_note(data))
