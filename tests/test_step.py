@@ -309,6 +309,8 @@ def test_run_times_checks_and_profiles_every_variant(eager_vs_fused, capsys):
     same = res.same_math["fused"]  # blockops' eager ops: the model's own math, the same rounding
     assert same.passed and all(err == unfused for err, unfused, _ in same.errors.values())
     assert res.memory == {}  # CPU: not measured
+    assert res.math["fused"].sizes == ["full size", "small copy"] and res.math["fused"].passed
+    assert res.math["eager"].checked and not res.verdict.unchecked
     for name in ("eager", "fused"):
         p = res.profiles[name]
         assert p.launch_unit == "operators" and p.launches_per_step > 0 and 0 < p.memory_bound_pct < 100

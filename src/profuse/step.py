@@ -457,11 +457,14 @@ def check_same_math(cfg: StepConfig, ops: fusion.BlockOps) -> MathCheck:
     return check_variant_math(cfg, "fused", ops)
 
 
-def _math_stage(cfg, names, block_ops, failed, tell) -> tuple[dict[str, MathCheck], list[str]]:
+def _math_stage(
+    cfg, names, block_ops, failed, tell, todo: Sequence[str] | None = None
+) -> tuple[dict[str, MathCheck], list[str]]:
     """Step 2: the same-math check of each checked variant that is to run (compile+fused rides
-    on fused's); the variants that fail it go to `failed` and leave `names`."""
+    on fused's), or of `todo`; the variants that fail it go to `failed` and leave `names`."""
     checks: dict[str, MathCheck] = {}
-    todo = [n for n in CHECKED_VARIANTS if n in names or (n == "fused" and "compile+fused" in names)]
+    if todo is None:
+        todo = [n for n in CHECKED_VARIANTS if n in names or (n == "fused" and "compile+fused" in names)]
     for i, name in enumerate(todo):
         tell(f"checking the {name} step against float64", i, len(todo))
         check = (
@@ -870,6 +873,8 @@ class StepResult:
     weights: WeightsCheck | None = None  # the shared weights through the timed steps
     # each compiled variant's causal mask: profuse's fix (SDPA's is_causal) or the model's own
     masks: dict[str, MaskRoute] = field(default_factory=dict)
+    # each variant's row: its math checked or not, at which size, against what (samemath.status)
+    math: dict[str, samemath.MathStatus] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         cmp = self.comparison
@@ -910,8 +915,31 @@ class StepResult:
             "same_math_note": self.same_math_note,
             "weights": self.weights.to_dict() if self.weights else None,
             "masks": {k: v.to_dict() for k, v in self.masks.items()},
+            "math": {k: v.to_dict() for k, v in self.math.items()},
             "comparison": cmp.to_dict() if cmp else None,
         }
+
+
+def math_rows(
+    names: Sequence[str],
+    skipped: dict[str, str],
+    failed: dict[str, str],
+    small: dict[str, MathCheck],
+    full: dict[str, FullCheck],
+    full_note: str,
+) -> dict[str, samemath.MathStatus]:
+    """Every variant that ran (skipped ones did not): its own checks, small and full size (a
+    variant counts only checks of itself: compile+fused's small gate is fused's, so it counts its
+    full-size check, or its own small one where the full one could not run)."""
+    rows = {}
+    for name in names:
+        if name in skipped:
+            continue
+        why = failed.get(name) or full_note or "no check ran for it"
+        rows[name] = samemath.status(
+            name, small.get(name), full.get(name), baseline=name == BASELINE, why_not=why
+        )
+    return rows
 
 
 def _op_dtypes(cfg: StepConfig) -> A.OpDtypes:
@@ -1004,6 +1032,13 @@ def run_step(
         before = stepstate.fingerprint(params)
         with phase("reference"):
             refs, same_math_note = _references(cfg, variants, params, batch, tell)
+        if not refs:  # the timed shapes go unchecked: a small copy checks every variant step 2 did not
+            with phase("check"):
+                todo = [v.name for v in variants if v.name != BASELINE and v.name not in checks]
+                more, _ = _math_stage(cfg, todo, block_ops, failed, tell, todo)
+                checks.update(more)
+                _release(dev)
+            variants = [v for v in variants if v.name not in failed]
         first_steps, memory, same_math = _first_steps(
             cfg, variants, optimizer, batch, refs, failed, tell, splits, phase
         )
@@ -1055,6 +1090,7 @@ def run_step(
         same_math_note=same_math_note,
         weights=weights,
         masks=masks,
+        math=math_rows(cfg.variants, skipped, failed, checks, same_math, same_math_note),
     )
     result.phases["total"] = clock() - start
     result.verdict = decide(result.to_dict())

@@ -16,6 +16,9 @@ The rules, bench's own, so that Part A, Part B and Part C say the same things th
   a step (on a CPU: host-bound).
 The speedups over eager (faster, level, slower) are kept beside it, read from each variant's
 ratio-of-medians CI: they say how each variant stands against eager, the verdict who wins.
+A timed variant whose math no check covered (step.json's `math`: the full-size check could not
+run and no small copy checked it, or a file from before the rows) is named in `unchecked`, and the
+verdict's sentence says so: only checked variants are called faster without that caveat.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ class StepVerdict:
     bound: str = ""  # "device-bound", "host-bound", "launch-bound", or "" where not known
     bound_why: str = ""  # the evidence, in words
     bounds: dict[str, str] = field(default_factory=dict)  # every timed variant's bound, by the same rule
+    unchecked: list[str] = field(default_factory=list)  # timed, but no same-math check covered them
 
     @property
     def tie(self) -> list[str]:
@@ -90,10 +94,14 @@ def decide(data: dict) -> StepVerdict | None:
     slower = sorted(n for n, sp in speedups.items() if sp["high"] < 1.0)
     level = sorted(n for n in speedups if n not in slower and n not in faster)
     bound_word, why = step_bound(data)
+    unchecked = unchecked_variants(data)
+    text = tie.text
+    if unchecked:
+        text += f" ({', '.join(unchecked)}: math NOT checked, timed all the same)"
     return StepVerdict(
         winner=tie.winner,
         tied_with=list(tie.tied_with),
-        text=tie.text,
+        text=text,
         ratios={k: v.to_dict() for k, v in tie.ratios.items()},
         warnings=list(tie.warnings),
         band=tie.band,
@@ -104,4 +112,13 @@ def decide(data: dict) -> StepVerdict | None:
         bound=bound_word,
         bound_why=why,
         bounds={name: step_bound(data, name)[0] for name in data["results"]},
+        unchecked=unchecked,
     )
+
+
+def unchecked_variants(data: dict) -> list[str]:
+    """The timed variants, eager aside, whose row says no check covered their math (none for a
+    file written before the rows: it cannot say)."""
+    rows = data.get("math") or {}
+    base = (data.get("comparison") or {}).get("baseline", "eager")
+    return [n for n in data.get("results") or {} if n != base and n in rows and not rows[n]["checked"]]

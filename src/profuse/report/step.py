@@ -31,6 +31,8 @@ from profuse.report.stepchecks import (
     first_step_in_table,
     first_step_line,
     full_check_lines,
+    math_lines,
+    math_mark,
     memory_note,
     small_check_lines,
     speedup_words,
@@ -151,6 +153,9 @@ def _table(data: dict) -> list[str]:
     unit = time_unit(results[cmp["baseline"]]["median_s"])
     launches = next((p["launch_unit"] for p in profiles.values()), "kernels")
     header = f"{'variant':>{W}}  {'median':>10}  {'vs eager (95% CI)':<38}  {'per trial':>9}"
+    checked = bool(data.get("math"))  # the math column: full, small or NO (math_lines says how)
+    if checked:
+        header += f"  {'math':>5}"
     if cuda:
         header += f"  {'host':>17}"
     old_first = first_step_in_table(data)  # dropped since the full-size check (first_step_line)
@@ -172,6 +177,8 @@ def _table(data: dict) -> list[str]:
             m = pt["median"]
             paired = f"{m:.2f}x" if m >= 0.5 else f"{1 / m:.3g}x slower" if m > 0 else "-"
         row += f"  {paired:>9}"
+        if checked:
+            row += f"  {math_mark(data, name) or '-':>5}"
         if cuda:
             host, timing = r["host_s"], cmp["timings"].get(name) or {}
             shown = fmt_time(host, unit).strip() if host is not None else "-"
@@ -328,6 +335,7 @@ def format_step(data: dict) -> str:
     for name, c in data.get("checks", {}).items():
         lines += small_check_lines(data, c, name)
     lines += full_check_lines(data)
+    lines += math_lines(data)
     for name, why in data["skipped"].items():
         lines.append(f"{name:>{W}}: skipped ({why})")
     for name, why in data["failed"].items():
