@@ -111,7 +111,7 @@ from profuse.models.spec import (
 )
 from profuse.profiling import BACKWARD, FORWARD, OPTIMIZER
 from profuse.samemath import CHECK_FACTOR, FullCheck, MathCheck
-from profuse.stepprofile import VariantProfile, profile_variant
+from profuse.stepprofile import VariantProfile, agreement, profile_variant
 from profuse.stepstate import StepMemory, WeightsCheck
 from profuse.verdict import StepVerdict, decide
 
@@ -786,6 +786,7 @@ def _profile_stage(cfg, variants, optimizer, batch, tell, phase) -> dict[str, Va
                 tag=cfg.trace_tag,
                 label_error=label_error,
                 say=say,
+                timed_step=_train_step(v, optimizer, batch, cfg.device),
             )
         del target, step
     return profiles
@@ -1061,6 +1062,9 @@ def run_step(
             timed_variants = [v for v in variants if v.name in timed]
             profiles = _profile_stage(cfg, timed_variants, optimizer, batch, tell, phase)
             del timed_variants
+        for name, p in profiles.items():  # the unsynchronised profile beside the timed trials
+            if p.steady is not None:
+                agreement(p.steady, comparison.timings[name].times_s)
     del steps, variants, optimizer, params
     _release(dev)
     with phase("ops"):

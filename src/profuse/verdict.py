@@ -11,9 +11,13 @@ The rules, bench's own, so that Part A, Part B and Part C say the same things th
   median of per-trial ratios with a paired bootstrap interval each, Bonferroni-corrected over the
   comparisons, a tie where an interval reaches within the band of 1). Its sentence is the
   verdict's text;
-- what bounds a variant's step: bench.stats.bound from its profile's GPU idle share, the held host
-  time a step (bench.host: "at least" where the launch queue filled) and the profile's kernel time
-  a step (on a CPU: host-bound).
+- what bounds a variant's step: bench.stats.bound from the GPU idle share of its consecutive
+  unsynchronised profiled steps (stepprofile.steady_steps) where their step time falls within the
+  timed trials' range, the held host time a step (bench.host: "at least" where the launch queue
+  filled) and the kernel time a step (on a CPU: host-bound). Where that profile's step time is
+  outside the trials' range its idle share is not used (the host and kernel times decide, and the
+  evidence says why); a file from before it reads its synchronised profile's idle share, and says
+  that it did.
 The speedups over eager (faster, level, slower) are kept beside it, read from each variant's
 ratio-of-medians CI: they say how each variant stands against eager, the verdict who wins.
 A timed variant whose math no check covered (step.json's `math`: the full-size check could not
@@ -55,6 +59,10 @@ class StepVerdict:
         return asdict(self)
 
 
+# The bound's source in a file with no unsynchronised profile (written before it).
+SYNCED_SOURCE = "a synchronised profiled step, no unsynchronised one saved: "
+
+
 def step_bound(data: dict, name: str | None = None) -> tuple[str, str]:
     """What bounds variant `name`'s step (default the baseline, eager): ('device-bound' |
     'host-bound' | 'launch-bound' | '', the evidence), by bench.stats.bound from its profile's
@@ -67,16 +75,27 @@ def step_bound(data: dict, name: str | None = None) -> tuple[str, str]:
     device = None
     if profile.get("basis") == "GPU kernel time" and profile.get("time_per_step_us") is not None:
         device = profile["time_per_step_us"] * 1e-6
-    b = bound(
-        profile.get("gpu_idle_pct"),
-        host,
-        bool(timing.get("host_is_lower_bound")),
-        device,
-        on_cpu=not data["config"]["device"].startswith("cuda"),
-    )
+    on_cpu = not data["config"]["device"].startswith("cuda")
+    idle, source = profile.get("gpu_idle_pct"), ""
+    steady = profile.get("steady")
+    if steady and not on_cpu:
+        device = steady["busy_ms"] / steady["steps"] / 1e3
+        n, low, high = steady["steps"], steady.get("timed_low_ms"), steady.get("timed_high_ms")
+        if steady.get("agrees") is False:
+            idle = None
+            source = (
+                f"{n} unsynchronised profiled steps took {steady['step_ms']:.3g} ms a step, outside the "
+                f"timed trials' {low:.3g}-{high:.3g} ms, so their idle share is not used; "
+            )
+        else:
+            idle = steady["gpu_idle_pct"]
+            source = f"{n} unsynchronised profiled steps, as fast as the timed loop: "
+    elif profile.get("gpu_idle_pct") is not None and not on_cpu:
+        source = SYNCED_SOURCE
+    b = bound(idle, host, bool(timing.get("host_is_lower_bound")), device, on_cpu=on_cpu)
     if not b.word and not profile:
         return "", "no profile to say what bounds it (--profile-steps 0)"
-    return b.word, b.why
+    return b.word, source + b.why
 
 
 def decide(data: dict) -> StepVerdict | None:

@@ -80,6 +80,45 @@ def load_step(path: str | Path) -> dict | None:
     return data if isinstance(data, dict) and data.get("kind") == KIND else None
 
 
+def _idle(profile: dict) -> float | None:
+    """A variant's GPU idle share: its unsynchronised steps' where they match the timed loop,
+    none where they do not (steady_lines says so), the synchronised step's in older files."""
+    steady = profile.get("steady")
+    if steady:
+        return steady["gpu_idle_pct"] if steady.get("agrees") is not False else None
+    return profile["gpu_idle_pct"]
+
+
+def steady_lines(data: dict) -> list[str]:
+    """Where the GPU idle column and the bound come from, and the agreement they rest on: each
+    variant's unsynchronised profiled step beside its timed median and the trials' range."""
+    profiles = data.get("profiles") or {}
+    steady = {n: p["steady"] for n, p in profiles.items() if p.get("steady")}
+    if not data["config"]["device"].startswith("cuda") or not profiles:
+        return []
+    if not steady:
+        return ["GPU idle and the bound: from one synchronised profiled step (this file has no "
+                "unsynchronised profile; such a step runs longer than the timed loop)"]  # fmt: skip
+    n = next(iter(steady.values()))["steps"]
+    lines = [
+        f"GPU idle and the bound: from {n} consecutive unsynchronised profiled steps (GPU activity "
+        "alone), used where their step time is within the timed trials' range; profiled step vs "
+        "timed median:"
+    ]
+    for name, st in steady.items():
+        median = st.get("timed_median_ms")
+        if median is None:
+            lines.append(f"{name:>{W}}  {st['step_ms']:.3g} ms (no timed trials to set it beside)")
+            continue
+        off = st["step_ms"] / median - 1
+        word = "within" if st["agrees"] else "OUTSIDE (idle share not used)"
+        lines.append(
+            f"{name:>{W}}  {st['step_ms']:.3g} ms vs {median:.3g} ms ({off:+.1%}), {word} the trials' "
+            f"{st['timed_low_ms']:.3g}-{st['timed_high_ms']:.3g} ms; GPU idle {st['gpu_idle_pct']:.1f}%"
+        )
+    return lines
+
+
 def mask_lines(data: dict) -> list[str]:
     """How each compiled variant's plain causal call reaches attention, and what compile+fused vs
     compile then measures: the fusion alone where both take the same route."""
@@ -195,8 +234,9 @@ def _table(data: dict) -> list[str]:
             row += (
                 f"  {p['launches_per_step']:>14.0f}  {p['memory_bound_pct']:>11.1f}%" if p else f"  {'-':>14}"
             )
-            if cuda and p and p["gpu_idle_pct"] is not None:
-                row += f"  {p['gpu_idle_pct']:>7.1f}%"
+            idle = _idle(p) if cuda and p else None
+            if idle is not None:
+                row += f"  {idle:>7.1f}%"
         if cuda and bounds.get(name):
             row += f"  {bounds[name]}"
         lines.append(row.rstrip())
@@ -366,6 +406,7 @@ def format_step(data: dict) -> str:
     if data["profiles"]:
         basis = next(iter(data["profiles"].values()))["basis"]
         notes.append(f"per step and memory-bound share: from a short profile of each variant ({basis})")
+    notes += steady_lines(data)
     triton_ops = "Triton" in data["block_ops"]  # not the eager stand-ins (fusion.EAGER)
     fused_timed = [n for n in ("fused", "compile+fused") if triton_ops and n in data["results"]]
     warmed = {name: t["warmup_calls"] for name, t in cmp["timings"].items() if "warmup_calls" in t}
