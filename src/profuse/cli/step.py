@@ -25,7 +25,9 @@ from profuse.cli.common import (
 # Part C: the whole training step
 # --------------------------------------------------------------------------------------------
 
-STEP_VARIANTS = ("eager", "fused", "liger-ops", "liger", "compile", "compile+fused", "cudagraphs")
+STEP_VARIANTS = (
+    "eager", "fused", "liger-ops", "liger", "compile", "compile-stock", "compile+fused", "cudagraphs"
+)  # fmt: skip
 # The sizes --preset names: the built-in GPT's, then the Hugging Face models' (profuse.models).
 GPT_STEP_PRESETS = ("lab", "small", "medium")
 HF_STEP_PRESETS = ("tiny", "Llama-3.2-1B", "Qwen2.5-0.5B", "Qwen3-0.6B")
@@ -76,10 +78,17 @@ def build_step_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (any model)")
     p.add_argument(
         "--variants", type=variant_keys, default=None, metavar="LIST",
-        help=f"comma-separated, from: {', '.join(STEP_VARIANTS)} (default: for gpt eager, fused, "
-        "compile, compile+fused; for hf:ARCH all. eager, the baseline, is always in; a variant that "
-        "cannot run here is skipped with the reason: fused where no Triton kernels run, liger and "
-        "liger-ops without CUDA and liger-kernel, cudagraphs without CUDA)",
+        help=f"comma-separated, from: {', '.join(STEP_VARIANTS)}. eager: the model as written; fused: "
+        "profuse's fused block ops; liger-ops: Liger-Kernel's RMSNorm and SwiGLU alone; liger: Liger's "
+        "full patch (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy); compile: torch.compile of "
+        "the unfused model with the causal-mask fix profuse.fuse makes for itself (a plain causal call "
+        "reaches SDPA as is_causal, no mask built while compiling), so compile+fused vs compile is the "
+        "fusion alone; compile-stock: torch.compile of the model as transformers ships it (hf:ARCH); "
+        "compile+fused: the fused model compiled; cudagraphs: compile replayed as CUDA graphs. "
+        "Default: for gpt eager, fused, compile, compile+fused; for hf:ARCH all but compile-stock. "
+        "eager, the baseline, is always in; a variant that cannot run here is skipped with the reason: "
+        "fused where no Triton kernels run, liger and liger-ops without CUDA and liger-kernel, "
+        "cudagraphs without CUDA, compile-stock for gpt (no mask to fix)",
     )  # fmt: skip
     add_precision_arg(p, "the whole run (every variant, its check, trials and profiles)")
     p.add_argument(

@@ -261,6 +261,20 @@ class HFSpec(ModelSpec):
 
         return fuse(model, ops, label=label)
 
+    def fix_causal_mask(self, model: nn.Module) -> str:
+        """The decoder stack (transformers' base_model) takes hf_mask's class, as profuse.fuse
+        installs it, and nothing else changes; '' where done, else hf_mask's reason."""
+        from profuse.fusion.hf_mask import plan_mask
+
+        stack = getattr(model, "base_model", None)
+        if not isinstance(stack, nn.Module) or stack is model:
+            return f"{type(model).__name__} has no decoder stack apart from its head"
+        plan = plan_mask(stack)
+        if plan.target is None:
+            return plan.reason or "hf_mask found no way to skip the mask"
+        stack.__class__ = plan.target
+        return ""
+
     def label(self, model: nn.Module) -> nn.Module:
         """The fused structure with the model's own eager math (profuse.fusion.HF_EAGER: bitwise
         what the unfused model computes), each op in its profiler range."""
