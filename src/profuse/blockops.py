@@ -104,18 +104,25 @@ def _explain_silu_mul_args(gate, up) -> None:
     raise ValueError("gate and up do not fit together")  # a safety net
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul(
+    gate: torch.Tensor, up: torch.Tensor | None = None, *, inplace_backward: bool = False
+) -> torch.Tensor:
     """silu(gate) * up in one Triton kernel forward and one backward, fp32 inside.
 
     `silu_mul(gate, up)`: two (..., F) tensors (strided rows are read in place), their own
     gradients. `silu_mul(gate_up)`: the packed (..., 2F) matmul output; its gradient is one
     (..., 2F) tensor. Differentiable; compiled ops under torch.compile (no graph break).
+
+    `inplace_backward=True` is the caller's promise that gate and up (gate_up) are intermediates
+    nothing else reads after this op (a fused model's projections): the backward then writes
+    their gradients over them, a leaf or a shared or strided buffer excepted, and refuses a second
+    backward through the graph. The default never writes to its inputs.
     """
     check_silu_mul_args(gate, up)
     swiglu = _SWIGLU or _load_kernels()[0]
     if up is None:
-        return swiglu.silu_mul_packed(gate)
-    return swiglu.silu_mul_pair(gate, up)
+        return swiglu.silu_mul_packed(gate, inplace_backward)
+    return swiglu.silu_mul_pair(gate, up, inplace_backward)
 
 
 # The kernel modules, imported on the first call: importing them builds their Triton wrappers
@@ -196,15 +203,25 @@ def _explain_add_rms_norm_args(x, residual, weight) -> None:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = DEFAULT_EPS,
+    *,
+    inplace_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h): h = x + residual, y = rms_norm(h) * weight, in one Triton kernel forward and one
     backward, fp32 inside. Gradients flow through both outputs; dweight is bitwise repeatable.
     x and residual may differ in dtype (see the module's docstring). Custom ops under
-    torch.compile (no graph break)."""
+    torch.compile (no graph break).
+
+    `inplace_backward=True` is the caller's promise that the gradients reaching y and h are
+    autograd's own intermediates (not a `gradient=` tensor the caller holds): the backward then
+    writes dx over dy's buffer (and dresidual of its own dtype over dh's) where they fit, as
+    Liger-Kernel's RMSNorm does. A second backward stays correct: it gets new gradients."""
     check_add_rms_norm_args(x, residual, weight)
     kernel = _ADD_RMS_NORM or _load_kernels()[1]
-    return kernel.add_rms_norm_fused(x, residual, weight, float(eps))
+    return kernel.add_rms_norm_fused(x, residual, weight, float(eps), inplace_backward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -241,12 +258,15 @@ def check_rms_norm_args(x, weight) -> None:
         raise ValueError(f"weight is on {weight.device}, x is on {x.device}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS, *, inplace_backward: bool = False
+) -> torch.Tensor:
     """y = rms_norm(x) * weight in one Triton kernel forward and one backward, fp32 inside; y in
-    x's dtype; dweight bitwise repeatable. Custom ops under torch.compile (no graph break)."""
+    x's dtype; dweight bitwise repeatable. Custom ops under torch.compile (no graph break).
+    `inplace_backward=True`: dx is written over dy's buffer, as add_rms_norm's."""
     if not HAS_TRITON:
         raise RuntimeError(TRITON_MISSING)
     check_rms_norm_args(x, weight)
     from profuse.kernels import rms_norm as kernel
 
-    return kernel.rms_norm_fused(x, weight, float(eps))
+    return kernel.rms_norm_fused(x, weight, float(eps), inplace_backward)

@@ -42,7 +42,7 @@ from profuse.kernels import configs as C
 from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing, compiled_op, scratch_key
 from profuse.kernels.colsum import col_sum_launch
 from profuse.kernels.configs import KernelConfig
-from profuse.kernels.rows import as_rows, check_runnable, double_backward_error
+from profuse.kernels.rows import as_rows, check_runnable, double_backward_error, fits
 
 MAX_COLS = C.ADD_RMS_NORM_MAX_COLS
 
@@ -222,14 +222,18 @@ class _BackwardPlan:
         self.col_sum = col_sum_launch(n_cols) if need_w else None
         self.partials: dict = {}  # scratch_key -> the (programs, N) fp32 dw partials
 
-    def __call__(self, dy, dh, h, w, rstd, like) -> tuple[torch.Tensor | None, ...]:
+    def __call__(self, dy, dh, h, w, rstd, like, over=(None, None)) -> tuple[torch.Tensor | None, ...]:
         """(dx, dresidual, dweight) over 2-D row views: dx and dresidual shaped and strided as
         `like` (the saved h itself), one tensor where their dtypes agree and both are asked
-        for; None where not asked for."""
+        for; None where not asked for. `over`: buffers to write D1 and D2 into instead of new
+        ones (inplace_backward; the caller checked they fit: rows.fits)."""
         n_rows, n_cols = h.shape
         cf, d1_dtype, d2_dtype = torch.contiguous_format, self.d1_dtype, self.d2_dtype
-        d1 = torch.empty_like(like, dtype=d1_dtype, memory_format=cf) if d1_dtype is not None else None
-        d2 = torch.empty_like(like, dtype=d2_dtype, memory_format=cf) if d2_dtype is not None else None
+        d1 = d2 = None
+        if d1_dtype is not None:
+            d1 = over[0] if over[0] is not None else torch.empty_like(like, dtype=d1_dtype, memory_format=cf)
+        if d2_dtype is not None:
+            d2 = over[1] if over[1] is not None else torch.empty_like(like, dtype=d2_dtype, memory_format=cf)
         partial = None
         if self.col_sum is not None:
             key = scratch_key(h.device)
@@ -323,12 +327,16 @@ def add_rms_norm_backward(
     residual_dtype: torch.dtype,
     needs: tuple[bool, bool, bool],
     config: KernelConfig | None = None,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(dx, dresidual, dweight) from dy (required), dh (None: h needs no gradient), the saved h
     and rstd; None where `needs` says no. Where x and residual share a dtype and both gradients
     are asked for, dx and dresidual are the same tensor (autograd hands it to both).
 
     `config` runs that launch shape; without it the shape's plan runs (tuned on its first call).
+    `inplace`: the first gradient (dx, or dresidual alone) is written over dy and a dresidual of
+    its own dtype over dh, each where it fits (rows.fits); a program reads its rows of
+    dy and dh before it stores them, so the same math.
     """
     n_cols = h.shape[-1]
     hr = as_rows(h, n_cols)
@@ -353,7 +361,12 @@ def add_rms_norm_backward(
             plan = _backward_plan(key, (dyr, dhr, hr, w, rstd, h))
             if not capturing(h.device):  # a plan made inside a graph capture is untuned: not kept
                 _BWD_PLANS.add(key, plan)
-    return plan(dyr, dhr, hr, w, rstd, h)
+    over = (None, None)
+    if inplace:
+        d1 = dy if plan.d1_dtype is not None and fits(dy, h.shape, plan.d1_dtype) else None
+        d2 = dh if plan.d2_dtype is not None and fits(dh, h.shape, plan.d2_dtype) else None
+        over = (d1, d2)
+    return plan(dyr, dhr, hr, w, rstd, h, over)
 
 
 def _backward_plan(key: tuple, args: tuple) -> _BackwardPlan:
@@ -432,7 +445,8 @@ class AddRMSNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps):
+    def forward(ctx, x, residual, weight, eps, inplace=False):
+        ctx.inplace = inplace
         if torch.compiler.is_compiling():
             ctx.set_materialize_grads(False)  # the call Dynamo knows
             y, h, rstd = _forward_compiled(x)(x, residual, weight, eps)
@@ -452,8 +466,14 @@ class AddRMSNormFunction(torch.autograd.Function):
             # y fed nothing that needs a gradient: dh passes through the add (as add's backward
             # does it, no kernel), and dweight is zero (None).
             if dh is None:
-                return None, None, None, None
-            return (dh.to(x_dtype) if need_x else None), (dh.to(r_dtype) if need_r else None), None, None
+                return None, None, None, None, None
+            return (
+                (dh.to(x_dtype) if need_x else None),
+                (dh.to(r_dtype) if need_r else None),
+                None,
+                None,
+                None,
+            )
         if torch.compiler.is_compiling():
             has_dh = dh is not None
             dx, dr, dw = _backward_compiled(h)(
@@ -461,22 +481,26 @@ class AddRMSNormFunction(torch.autograd.Function):
             )
             if need_x and need_r and x_dtype == r_dtype:
                 dr = dx
-            return (dx if need_x else None), (dr if need_r else None), (dw if need_w else None), None
+            return (dx if need_x else None), (dr if need_r else None), (dw if need_w else None), None, None
         if torch.is_grad_enabled():  # create_graph=True: the kernel's gradients have no grad_fn
             raise double_backward_error("add_rms_norm", "profuse.blockops.add_rms_norm_eager")
+        needs = (need_x, need_r, need_w)
         return (
-            *add_rms_norm_backward(dy, dh, h, weight, rstd, x_dtype, r_dtype, (need_x, need_r, need_w)),
+            *add_rms_norm_backward(dy, dh, h, weight, rstd, x_dtype, r_dtype, needs, inplace=ctx.inplace),
+            None,
             None,
         )
 
 
-def add_rms_norm_fused(x, residual, weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_fused(
+    x, residual, weight, eps: float, inplace_backward: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h) on checked inputs: through autograd where a gradient is wanted, else the forward
     launch alone (no autograd node, no rstd stored). Rows wider than MAX_COLS: ValueError."""
     if x.shape[-1] > MAX_COLS:
         raise _too_wide(x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
-        return AddRMSNormFunction.apply(x, residual, weight, eps)
+        return AddRMSNormFunction.apply(x, residual, weight, eps, inplace_backward)
     if torch.compiler.is_compiling():
         y, h, _ = _forward_compiled(x)(x, residual, weight, eps)
         return y, h

@@ -163,11 +163,13 @@ def rms_norm_backward(
     rstd: torch.Tensor,
     needs: tuple[bool, bool] = (True, True),
     config: KernelConfig | None = None,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(dx, dweight), None where `needs` says no: add_rms_norm's backward with h = x, no dh."""
+    """(dx, dweight), None where `needs` says no: add_rms_norm's backward with h = x, no dh
+    (`inplace`: dx over dy where it fits)."""
     need_x, need_w = needs
     dx, _, dw = add_rms_norm_backward(
-        dy, None, x, weight, rstd, x.dtype, x.dtype, (need_x, False, need_w), config
+        dy, None, x, weight, rstd, x.dtype, x.dtype, (need_x, False, need_w), config, inplace
     )
     return dx, dw
 
@@ -210,7 +212,8 @@ class RMSNormFunction(torch.autograd.Function):
     the launchers; a traced call, to the compiled ops. Double backward is refused in one line."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, inplace=False):
+        ctx.inplace = inplace
         if torch.compiler.is_compiling():
             y, rstd = _forward_compiled(x)(x, weight, eps)
         else:
@@ -224,19 +227,21 @@ class RMSNormFunction(torch.autograd.Function):
         need_x, need_w = ctx.needs_input_grad[:2]
         if torch.compiler.is_compiling():
             dx, dw = _backward_compiled(x)(dy, x, weight, rstd, need_x, need_w)
-            return (dx if need_x else None), (dw if need_w else None), None
+            return (dx if need_x else None), (dw if need_w else None), None, None
         if torch.is_grad_enabled():  # create_graph=True: the kernel's gradients have no grad_fn
             raise double_backward_error("rms_norm", "profuse.blockops.rms_norm_eager")
-        return (*rms_norm_backward(dy, x, weight, rstd, (need_x, need_w)), None)
+        return (*rms_norm_backward(dy, x, weight, rstd, (need_x, need_w), inplace=ctx.inplace), None, None)
 
 
-def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_fused(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, inplace_backward: bool = False
+) -> torch.Tensor:
     """y on checked inputs: through autograd where a gradient is wanted, else the forward launch
     alone (no autograd node, no rstd stored). Rows wider than MAX_COLS: ValueError."""
     if x.shape[-1] > MAX_COLS:
         raise _too_wide(x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return RMSNormFunction.apply(x, weight, eps)
+        return RMSNormFunction.apply(x, weight, eps, inplace_backward)
     if torch.compiler.is_compiling():
         return _forward_compiled(x)(x, weight, eps)[0]
     return rms_norm_forward(x, weight, eps, store_rstd=False)[0]
