@@ -270,3 +270,115 @@ def rms_norm(
     from profuse.kernels import rms_norm as kernel
 
     return kernel.rms_norm_fused(x, weight, float(eps), inplace_backward)
+
+
+# --------------------------------------------------------------------------------------------
+# gelu_mul (GeGLU) and clamped_swiglu (gpt-oss's experts)
+# --------------------------------------------------------------------------------------------
+
+GELU_APPROXIMATIONS = ("tanh", "none")
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
+
+
+def _interleaved(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's packed layout: gate in the even columns, up in the odd ones (views)."""
+    return gate_up[..., 0::2], gate_up[..., 1::2]
+
+
+def gelu_mul_eager(
+    gate: torch.Tensor, up: torch.Tensor | None = None, approximate: str = "tanh"
+) -> torch.Tensor:
+    """gelu(gate) * up one op at a time, in the input dtype (Gemma's GeGLU with "tanh")."""
+    if up is None:
+        gate, up = _halves(gate)
+    return F.gelu(gate, approximate=approximate) * up
+
+
+def gelu_mul_reference(
+    gate: torch.Tensor, up: torch.Tensor | None = None, approximate: str = "tanh"
+) -> torch.Tensor:
+    """The oracle: the same math in float64."""
+    if up is None:
+        gate, up = _halves(gate)
+    return gelu_mul_eager(gate.double(), up.double(), approximate)
+
+
+def gelu_mul(
+    gate: torch.Tensor, up: torch.Tensor | None = None, *, approximate: str = "tanh"
+) -> torch.Tensor:
+    """gelu(gate) * up in one Triton kernel forward and one backward, fp32 inside; `approximate`
+    "tanh" (gelu_pytorch_tanh, Gemma's) or "none" (the exact erf form). Two (..., F) tensors, or
+    the packed (..., 2F) gate_up whose halves they are (its gradient one tensor), as silu_mul."""
+    check_silu_mul_args(gate, up)
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
+    gated = _gated_kernels()
+    act = gated.ACT_GELU_TANH if approximate == "tanh" else gated.ACT_GELU_ERF
+    if up is None:
+        return gated.gated_packed(gate, act)
+    return gated.gated_pair(gate, up, act)
+
+
+def clamped_swiglu_eager(
+    gate: torch.Tensor,
+    up: torch.Tensor | None = None,
+    alpha: float = GPT_OSS_ALPHA,
+    limit: float = GPT_OSS_LIMIT,
+    interleaved: bool = True,
+) -> torch.Tensor:
+    """gpt-oss's expert activation as transformers' GptOssExperts computes it, one op at a time:
+    g = gate.clamp(max=limit), u = up.clamp(-limit, limit), (u + 1) * g * sigmoid(alpha * g).
+    A packed gate_up is interleaved (gpt-oss's layout) unless `interleaved` is False (halves)."""
+    if up is None:
+        gate, up = _interleaved(gate) if interleaved else _halves(gate)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def clamped_swiglu_reference(
+    gate: torch.Tensor,
+    up: torch.Tensor | None = None,
+    alpha: float = GPT_OSS_ALPHA,
+    limit: float = GPT_OSS_LIMIT,
+    interleaved: bool = True,
+) -> torch.Tensor:
+    """The oracle: the same math in float64."""
+    if up is None:
+        gate, up = _interleaved(gate) if interleaved else _halves(gate)
+    return clamped_swiglu_eager(gate.double(), up.double(), alpha, limit)
+
+
+def clamped_swiglu(
+    gate: torch.Tensor,
+    up: torch.Tensor | None = None,
+    *,
+    alpha: float = GPT_OSS_ALPHA,
+    limit: float = GPT_OSS_LIMIT,
+    interleaved: bool = True,
+) -> torch.Tensor:
+    """gpt-oss's clamped, biased gated activation in one Triton kernel forward and one backward:
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit); fp32 inside.
+    Two (..., F) tensors, or the packed (..., 2F) gate_up (interleaved, gpt-oss's layout, unless
+    `interleaved=False`: halves), whose gradient is one tensor in the same layout."""
+    check_silu_mul_args(gate, up)
+    if not (limit > 0 and alpha == alpha):
+        raise ValueError(f"limit must be > 0 and alpha a number, got limit={limit}, alpha={alpha}")
+    gated = _gated_kernels()
+    if up is None:
+        return gated.gated_packed(gate, gated.ACT_CLAMPED, float(alpha), float(limit), bool(interleaved))
+    return gated.gated_pair(gate, up, gated.ACT_CLAMPED, float(alpha), float(limit))
+
+
+_GATED = None
+
+
+def _gated_kernels():
+    global _GATED
+    if _GATED is None:
+        if not HAS_TRITON:
+            raise RuntimeError(TRITON_MISSING)
+        from profuse.kernels import gated
+
+        _GATED = gated
+    return _GATED
