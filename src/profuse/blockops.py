@@ -147,20 +147,31 @@ def _load_kernels():
 
 
 def add_rms_norm_eager(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = DEFAULT_EPS,
+    weight_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """h = x + residual, then F.rms_norm(h) * weight, in torch ops; y in x's dtype. -> (y, h)"""
+    """h = x + residual, then F.rms_norm(h) * weight, in torch ops; y in x's dtype. -> (y, h)
+    With a weight_offset (Gemma's 1.0), Gemma's order: fp32 throughout, one cast at the end."""
     h = x + residual
+    if weight_offset:
+        return rms_norm_eager(h, weight, eps, weight_offset).to(x.dtype), h
     y = F.rms_norm(h, (h.shape[-1],), weight, eps)
     return y.to(x.dtype), h
 
 
 def add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = DEFAULT_EPS,
+    weight_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle: h and y in float64, written out (no fused norm kernel)."""
     h = x.double() + residual.double()
-    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (weight.double() + weight_offset)
     return y, h
 
 
@@ -208,6 +219,7 @@ def add_rms_norm(
     weight: torch.Tensor,
     eps: float = DEFAULT_EPS,
     *,
+    weight_offset: float = 0.0,
     inplace_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h): h = x + residual, y = rms_norm(h) * weight, in one Triton kernel forward and one
@@ -218,10 +230,13 @@ def add_rms_norm(
     `inplace_backward=True` is the caller's promise that the gradients reaching y and h are
     autograd's own intermediates (not a `gradient=` tensor the caller holds): the backward then
     writes dx over dy's buffer (and dresidual of its own dtype over dh's) where they fit, as
-    Liger-Kernel's RMSNorm does. A second backward stays correct: it gets new gradients."""
+    Liger-Kernel's RMSNorm does. A second backward stays correct: it gets new gradients.
+
+    `weight_offset=1.0`: the norm scales by (1 + weight), Gemma's RMSNorm, in its order (fp32,
+    then one cast); the weight's gradient is unchanged by the offset."""
     check_add_rms_norm_args(x, residual, weight)
     kernel = _ADD_RMS_NORM or _load_kernels()[1]
-    return kernel.add_rms_norm_fused(x, residual, weight, float(eps), inplace_backward)
+    return kernel.add_rms_norm_fused(x, residual, weight, float(eps), inplace_backward, float(weight_offset))
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,18 +244,25 @@ def add_rms_norm(
 # --------------------------------------------------------------------------------------------
 
 
-def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+def rms_norm_eager(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS, weight_offset: float = 0.0
+) -> torch.Tensor:
     """y = rms_norm(x) * weight as Hugging Face's Llama RMSNorm computes it: fp32 inside, the
-    normalised value cast back to x's dtype, then times the weight; y in x's dtype."""
+    normalised value cast back to x's dtype, then times the weight; y in x's dtype. With a
+    weight_offset, Gemma's RMSNorm: y = (x_f32 * rstd * (offset + w_f32)).to(x.dtype)."""
     x32 = x.to(torch.float32)
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_offset:
+        return (y * (weight_offset + weight.float())).to(x.dtype)
     return (weight * y.to(x.dtype)).to(x.dtype)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS, weight_offset: float = 0.0
+) -> torch.Tensor:
     """The oracle: float64, written out."""
     x = x.double()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (weight.double() + weight_offset)
 
 
 def check_rms_norm_args(x, weight) -> None:
@@ -259,17 +281,23 @@ def check_rms_norm_args(x, weight) -> None:
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS, *, inplace_backward: bool = False
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = DEFAULT_EPS,
+    *,
+    weight_offset: float = 0.0,
+    inplace_backward: bool = False,
 ) -> torch.Tensor:
     """y = rms_norm(x) * weight in one Triton kernel forward and one backward, fp32 inside; y in
     x's dtype; dweight bitwise repeatable. Custom ops under torch.compile (no graph break).
+    `weight_offset=1.0`: y = x * rstd * (1 + weight) in fp32, one cast (Gemma's RMSNorm).
     `inplace_backward=True`: dx is written over dy's buffer, as add_rms_norm's."""
     if not HAS_TRITON:
         raise RuntimeError(TRITON_MISSING)
     check_rms_norm_args(x, weight)
     from profuse.kernels import rms_norm as kernel
 
-    return kernel.rms_norm_fused(x, weight, float(eps), inplace_backward)
+    return kernel.rms_norm_fused(x, weight, float(eps), inplace_backward, float(weight_offset))
 
 
 # --------------------------------------------------------------------------------------------
