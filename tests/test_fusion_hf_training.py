@@ -272,3 +272,28 @@ def test_torch_save_of_a_fused_model_says_why_in_one_line(tmp_path):
     unfuse(model)
     torch.save(model, tmp_path / "model.pt")  # and the model, once unfused
 
+
+# --------------------------------------------------------------------------------------------
+# Issue point 8: a CPU model fused without Triton's interpreter
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_cpu_model_fused_without_the_interpreter_runs_the_fused_structure_in_plain_torch(monkeypatch):
+    """Without TRITON_INTERPRET=1 the Triton kernels cannot take CPU tensors: fuse keeps the
+    structure, each op runs the model's own eager math (bitwise the unfused model), and the
+    summary says so. A GPU would run the kernels."""
+    model = tiny("qwen3", seed=231, layers=2)
+    ids = tokens(232)
+    labels = labels_for(ids, 233)
+    want_loss, want = loss_and_grads(model, ids, labels)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    summary = fuse(model)
+    assert summary.ops == fusion.FUSED.name and summary.counts
+    assert len(summary.notes) == 1 and "TRITON_INTERPRET=1 is not set" in summary.notes[0]
+    assert "note: the model is on the CPU" in str(summary)
+    got_loss, got = loss_and_grads(model, ids, labels)
+    assert torch.equal(got_loss, want_loss)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert fuse(tiny("llama", seed=234, layers=1), dry_run=True).notes == ()

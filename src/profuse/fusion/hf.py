@@ -101,7 +101,14 @@ from profuse.fusion.hf_layer import (
 )
 from profuse.fusion.hf_mask import plan_mask
 from profuse.fusion.hf_modules import STATE, forward_owner, fused_class, fused_target, is_fused, unfused_class
-from profuse.fusion.hf_ops import HF_EAGER, add_rms_norm_hf, bound_op, unavailable
+from profuse.fusion.hf_ops import (
+    HF_EAGER,
+    add_rms_norm_hf,
+    bound_op,
+    interpreted,
+    runs_kernels,
+    unavailable,
+)
 
 TRANSFORMERS_MISSING = "transformers is not installed: pip install 'profuse[hf]'"
 
@@ -135,6 +142,7 @@ class FuseSummary:
     # A plain causal call's attention runs with SDPA's is_causal, under torch.compile too
     # (profuse.fusion.hf_mask); False where the stack builds its mask as before.
     causal_mask: bool = False
+    notes: tuple[str, ...] = ()  # how the ops run where it is not as `ops` says (a CPU model)
 
     def __str__(self) -> str:
         lines = [f"fused {self.model} ({self.layers} decoder layers) with {self.ops}:"]
@@ -142,6 +150,7 @@ class FuseSummary:
         if self.causal_mask:
             lines.append(f"  {'causal mask':<26} {_CAUSAL_MASK}")
         lines += [f"  left unfused: {item}" for item in self.left_unfused]
+        lines += [f"  note: {note}" for note in self.notes]
         if self.labelled:
             lines.append(
                 "  each call labelled: " + ", ".join(repr(BLOCK_OP_RANGES[op]) for op in self.counts)
@@ -453,7 +462,16 @@ def _plan(
     mask = plan_mask(stack) if causal_mask else None
     if mask is not None and mask.target is not None:
         installs.append((stack, mask.target, None))
-    summary = FuseSummary(what, len(layers), impl.name, counts, left, label, bool(mask and mask.target))
+    notes = ()
+    on_cpu = any(p.device.type == "cpu" for p in model.parameters())
+    if on_cpu and not interpreted() and any(runs_kernels(impl, op) for op in counts):
+        notes = (
+            "the model is on the CPU and TRITON_INTERPRET=1 is not set: each Triton op runs Hugging Face's "
+            "eager math in the fused structure on CPU tensors (the kernels run on a CUDA GPU)",
+        )
+    summary = FuseSummary(
+        what, len(layers), impl.name, counts, left, label, bool(mask and mask.target), notes
+    )
     return _Plan(stack, installs, ADD_RMS_NORM in counts, summary)
 
 
