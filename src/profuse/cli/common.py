@@ -247,6 +247,7 @@ def build_profile_parser() -> argparse.ArgumentParser:
         "candidates by the module that issued the work.",
     )
     add_device_args(p)
+    add_threads_arg(p)  # what the busy-CPU warning advises
     _add_model_args(p)
     g = p.add_argument_group("what to profile")
     g.add_argument(

@@ -35,7 +35,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from profuse.errors import UnsupportedModel
-from profuse.fusion.hf_modules import STATE, forward_owner, is_fused, observed, runs_as, stand_in
+from profuse.fusion.hf_modules import (
+    PROBE_MODES,
+    STATE,
+    forward_owner,
+    is_fused,
+    observed,
+    runs_as,
+    seeded,
+    stand_in,
+)
 
 _MLP_CHILDREN = frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})
 _CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")  # one thing, by version
@@ -236,11 +245,12 @@ def probe_norm(norm: nn.Module, where: str) -> NormSpec:
     )
     want = F.rms_norm(x, (n,), weight, eps)
     try:
-        with torch.no_grad():
-            got = cls.forward(stand_in(norm, cls, {}, weight=weight), x)
-        ok = got.shape == want.shape and bool(
-            ((got - want).abs() <= PROBE_TOL * want.abs().amax(-1, True)).all()
-        )
+        model, ok = stand_in(norm, cls, {}, weight=weight), True
+        for training in PROBE_MODES:
+            with torch.no_grad(), seeded(5):
+                got = cls.forward(model.train(training), x)
+            ok = ok and got.shape == want.shape
+            ok = ok and bool(((got - want).abs() <= PROBE_TOL * want.abs().amax(-1, True)).all())
     except Exception as e:  # any failure of the stand-in is a layout profuse does not know
         raise UnsupportedModel(f"{where} ({type(norm).__name__}) could not be checked: {e}") from None
     if not ok:
@@ -276,16 +286,25 @@ def probe_mlp(mlp: nn.Module, where: str) -> tuple[type, type]:
     x = 2 * torch.randn(5, n, generator=gen, dtype=torch.float64)
     with torch.no_grad():
         want = down(F.silu(gate(x)) * up(x))
-        try:
-            got = cls.forward(stand_in(mlp, cls, modules), x)
-            ok = got.shape == want.shape and bool(((got - want).abs() <= PROBE_TOL * want.abs().max()).all())
-        except Exception as e:
-            raise UnsupportedModel(f"{where} ({type(mlp).__name__}) could not be checked: {e}") from None
-    if not ok:
-        raise UnsupportedModel(
-            f"{where} ({type(mlp).__name__}) does not compute down(silu(gate(x)) * up(x)) "
-            f"(its act_fn is {type(act).__name__}): only a SiLU MLP fuses into silu_mul"
-        )
+        model = stand_in(mlp, cls, modules)
+        for training in PROBE_MODES:  # silu_mul's place calls down_proj(silu_mul(...)), nothing more
+            try:
+                with seeded(5):
+                    got = cls.forward(model.train(training), x)
+                ok = got.shape == want.shape
+                ok = ok and bool(((got - want).abs() <= PROBE_TOL * want.abs().max()).all())
+            except Exception as e:
+                raise UnsupportedModel(f"{where} ({type(mlp).__name__}) could not be checked: {e}") from None
+            if not ok and training:
+                raise UnsupportedModel(
+                    f"{where} ({type(mlp).__name__}) computes down(silu(gate(x)) * up(x)) only in eval mode: "
+                    "in training it does more (dropout?), which silu_mul's place would skip"
+                )
+            if not ok:
+                raise UnsupportedModel(
+                    f"{where} ({type(mlp).__name__}) does not compute down(silu(gate(x)) * up(x)) "
+                    f"(its act_fn is {type(act).__name__}): only a SiLU MLP fuses into silu_mul"
+                )
     return cls, type(act)
 
 
@@ -365,9 +384,11 @@ def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> None:
     named["probe_extra"] = _Sentinel("probe_extra")  # **kwargs pass through to attention too
     try:
         with torch.no_grad():
-            for kwargs in (named, {}):
+            for training, kwargs in ((False, named), (False, {}), (True, named)):
                 calls.clear()
-                want = cls.forward(model, x + r, **kwargs)
+                model.train(training)
+                with seeded(6):
+                    want = cls.forward(model, x + r, **kwargs)
                 if not isinstance(want, torch.Tensor):
                     raise UnsupportedModel(
                         f"{where} ({type(layer).__name__}) returns a {type(want).__name__}, not the "
@@ -377,14 +398,16 @@ def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> None:
                 for state, pair in ((fused, True), (fused, False), (unfused, False)):
                     model.__dict__[STATE] = state
                     for first, rest in ((x + r, None), (x, r)):  # layer 0's form, the others'
-                        out = layer_body(model, first, rest, pair=pair, **kwargs)
+                        with seeded(6):
+                            out = layer_body(model, first, rest, pair=pair, **kwargs)
                         got.append(out[0] + out[1] if pair else out)
                 same_args = len(calls) == 1 + len(got) and all(c == calls[0] for c in calls)
                 for out in got:
                     if not same_args or not (out - want).abs().max() <= PROBE_TOL * want.abs().max():
+                        mode = " in training (dropout?)" if training else ""
                         raise UnsupportedModel(
                             f"{where} ({type(layer).__name__}) is not the pre-norm layer "
-                            "x + attn(norm(x)), then h + mlp(norm(h)): profuse cannot fuse it exactly"
+                            f"x + attn(norm(x)), then h + mlp(norm(h)){mode}: profuse cannot fuse it exactly"
                         )
     except UnsupportedModel:
         raise

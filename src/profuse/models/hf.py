@@ -324,8 +324,18 @@ def hf_spec(
     seq_len: int | None = None,
 ) -> HFSpec:
     """The spec for `--model hf:ARCH` with `--preset` (default tiny) or `--hf-config PATH`."""
+    if arch not in ARCHS and "/" in arch:  # a Hub model id: profuse builds a shape, it downloads nothing
+        preset = next((p for p in PRESETS if arch.endswith("/" + p)), None)
+        same = f"--model hf:{PRESETS[preset][0]} --preset {preset}, or " if preset else ""
+        raise UsageError(
+            f"hf:{arch} is a Hub model id, and hf: takes an architecture ({', '.join(ARCHS)}): for its "
+            f"shape with random weights use {same}--model hf:ARCH --hf-config with its config.json"
+        )
     if arch not in ARCHS:
-        raise UsageError(f"unknown Hugging Face architecture {arch!r}: choose from {', '.join(ARCHS)}")
+        raise UsageError(
+            f"unknown Hugging Face architecture {arch!r}: choose from {', '.join(ARCHS)} "
+            "(another size of one: --hf-config PATH to its config.json)"
+        )
     require_transformers()
     if config_path is not None:
         if preset is not None:
