@@ -229,8 +229,9 @@ def _probe(head: nn.Module, fused: type, stack: nn.Module, st: HeadState, name: 
         config = copy.copy(head.config)
         config.vocab_size = v
         attrs = {"config": config, **({"vocab_size": v} if "vocab_size" in head.__dict__ else {})}
-        moe = hf_moe_head.is_moe_head(parameter_names(owner.forward))
-        fields = hf_moe_head.stack_fields(head, hidden) if moe else {}
+        moe = hf_moe_head.takes_router_flag(parameter_names(owner.forward))
+        reads = hf_moe_head.reads_router_logits(owner.forward)
+        fields = hf_moe_head.stack_fields(head, hidden) if reads else {}
         model = stand_in(head, fused, {base: _Base(hidden, fields), "lm_head": lm_head}, **attrs)
         model.__dict__[STATE] = HeadState(counted, st.loss_function, st.labels_index)
         shifted = torch.cat((labels[:, 1:], torch.full((2, 1), -100)), dim=1)

@@ -20,10 +20,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from profuse.fusion.hf_modules import innermost
+
 ROUTER_FLAG = "output_router_logits"
 
 
-def is_moe_head(params: list[str]) -> bool:
+def reads_router_logits(forward) -> bool:
+    """Whether a causal LM's forward (the function under its decorators) reads router_logits
+    from the stack's output: MoE heads do, to pass them on (DeepSeek-V3, GLM-4-MoE) and to add
+    the aux loss (those that take output_router_logits)."""
+    return "router_logits" in innermost(forward).__code__.co_names
+
+
+def takes_router_flag(params: list[str]) -> bool:
     """Whether a causal LM's forward (its parameter names) takes output_router_logits."""
     return ROUTER_FLAG in params
 
@@ -34,10 +43,11 @@ def _num_experts(head: nn.Module) -> int:
         getattr(head, "num_experts", None),
         getattr(config, "num_experts", None),
         getattr(config, "num_local_experts", None),
+        getattr(config, "n_routed_experts", None),
     ):
         if isinstance(n, int) and n > 0:
             return n
-    raise ValueError("its number of experts is not num_experts or num_local_experts")
+    return 4  # a head that only passes router logits on: any expert count
 
 
 def stack_fields(head: nn.Module, hidden: torch.Tensor) -> dict:
@@ -92,9 +102,10 @@ def same_scalar(got, want, tol: float) -> bool:
 __all__ = [
     "ROUTER_FLAG",
     "cases",
-    "is_moe_head",
+    "reads_router_logits",
     "same_scalar",
     "stack_fields",
     "stack_output",
+    "takes_router_flag",
     "tuple_logits_index",
 ]
