@@ -1151,7 +1151,6 @@ def test_sweep_and_diff_show_the_warnings_too(saved):
     assert "A: note: 3 trials, under 30" in text and "B: note: 3 trials, under 30" in text
 
 
-
 def test_every_file_the_commands_write_by_default_is_git_ignored():
     """The main job and `profuse profile` write into the current folder by default: a checkout
     run from its root stays clean (profile.json was once left out)."""
