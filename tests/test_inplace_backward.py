@@ -202,3 +202,38 @@ def test_compile_with_inplace_flag_gives_the_same_gradients(device):
         results.append([leaf.grad for leaf in leaves])
     for c, e in zip(*results):
         assert T.relative_error(c, e) <= 1e-6
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_tuner_launching_every_candidate_on_a_new_shape_leaves_inplace_gradients_right(
+    packed, device, monkeypatch
+):
+    """On a GPU the first backward of a new shape times every launch config on its arguments,
+    several times; with gradients written over gate and up, each later launch would read the
+    one before's gradients (a card caught it: gate_proj's gradient off by 100% in the layer whose
+    backward ran first). Forced here with a timer that runs each call."""
+    from profuse.kernels import autotune as A
+    from profuse.kernels import configs as C
+    from profuse.kernels import swiglu
+
+    class RunsEach:
+        def time_calls(self, calls):
+            for call in calls:
+                call()
+            return [1.0 + i for i in range(len(calls))]
+
+    monkeypatch.setattr(A, "autotune_enabled", lambda device: True)
+    monkeypatch.setattr(swiglu, "TUNER", A.Autotuner(make_timer=lambda d: RunsEach(), trials=2))
+    monkeypatch.setattr(swiglu, "_BWD_PLANS", A.PlanCache())
+    rows, cols = 67, 256
+    shape = (rows, 2 * cols) if packed else (rows, cols)
+    assert len(C.silu_mul_candidates(rows, cols, True)) > 1  # the tuner has several to launch
+    gate = _randn(shape, FP32, 11, device).requires_grad_()
+    up = None if packed else _randn(shape, FP32, 12, device).requires_grad_()
+    dout = _randn((rows, cols), FP32, 13, device)
+    want, _ = _silu_grads(gate, up, dout, inplace=False, packed=packed)
+    monkeypatch.setattr(swiglu, "_BWD_PLANS", A.PlanCache())
+    monkeypatch.setattr(swiglu, "TUNER", A.Autotuner(make_timer=lambda d: RunsEach(), trials=2))
+    got, _ = _silu_grads(gate, up, dout, inplace=True, packed=packed)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

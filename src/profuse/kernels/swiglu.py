@@ -216,8 +216,25 @@ def _backward(da, g, u, u_offset, dg, du, d_row_stride, du_offset, n_cols, needs
     launch = _BWD_PLANS.get(key)
     if launch is None:
         tune_key = ("silu_mul_bwd", C.pow2_rows(n_rows), n_cols, g.dtype, needs)
-        launch = _plan(_BWD_PLANS, key, tune_key, args, True, needs, packed)
+        launch = _plan(_BWD_PLANS, key, tune_key, _tuning_args(args, dg, du, packed), True, needs, packed)
     launch(*args)
+
+
+def _tuning_args(args: tuple, dg, du, packed: bool) -> tuple:
+    """`args` for the tuner, which launches every candidate on them, several times: gradients
+    written over their inputs (inplace_backward) go to scratch there, or the second launch would
+    read the first one's gradients as its gate and up."""
+    g, u = args[1], args[2]
+    inputs = {t.untyped_storage().data_ptr() for t in (args[0], g, u)}
+    over = [d is not None and d.untyped_storage().data_ptr() in inputs for d in (dg, du)]
+    if not any(over):
+        return args
+    out = list(args)
+    if dg is not None and (over[0] or packed):
+        out[3] = torch.empty_like(dg)
+    if du is not None and over[1] and not packed:
+        out[4] = torch.empty_like(du)
+    return tuple(out)
 
 
 def silu_mul_backward(
