@@ -127,7 +127,13 @@ def test_threads_flag_sets_torchs_threads_and_is_recorded(tmp_path, capsys):
         assert env["cores_available"] >= 1 and "load_1m" in env
     finally:
         torch.set_num_threads(before)
-    for parser in (cli.build_parser(), cli.build_sweep_parser(), cli.build_step_parser()):
+    parsers = (
+        cli.build_parser(),
+        cli.build_sweep_parser(),
+        cli.build_step_parser(),
+        cli.build_profile_parser(),
+    )
+    for parser in parsers:  # profile too: its busy-CPU warning advises --threads 1
         assert parser.parse_args(["--threads", "3"]).threads == 3
         assert "torch.set_num_threads" in parser.format_help()
 
@@ -1143,3 +1149,24 @@ def test_sweep_and_diff_show_the_warnings_too(saved):
     code, text, _ = run_cli("diff", path, path)
     assert code == 0
     assert "A: note: 3 trials, under 30" in text and "B: note: 3 trials, under 30" in text
+
+
+def test_every_file_the_commands_write_by_default_is_git_ignored():
+    """The main job and `profuse profile` write into the current folder by default: a checkout
+    run from its root stays clean (profile.json was once left out)."""
+    import fnmatch
+    from pathlib import Path
+
+    from profuse.cli.common import DDP_FILES, PARTIAL_JSON, RESULTS_JSON, part_a_files
+
+    ignored = [
+        line.strip().lstrip("/")
+        for line in (Path(__file__).parents[1] / ".gitignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    written = {RESULTS_JSON, PARTIAL_JSON, *DDP_FILES}
+    for compile_step in (False, True):
+        for precision in ("amp", "both"):
+            written.update(part_a_files(compile_step, precision))
+    for name in written:
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in ignored), name

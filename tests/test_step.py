@@ -26,7 +26,7 @@ from profuse.errors import UsageError
 from profuse.model import GPT, AddRMSNorm, GPTConfig, SwiGLU, random_batch
 from profuse.report.step import format_step, load_step, trial_words, verdict_line
 from profuse.tail import BACKWARD_TOL, FORWARD_TOL
-from profuse.verdict import decide
+from profuse.verdict import SYNCED_SOURCE, decide
 
 TINY = GPTConfig(n_layer=2, d_model=64, n_head=2, vocab_size=128, seq_len=16, batch_size=2)
 # A width that is not a power of two, and a hidden size that is not a multiple of 64.
@@ -309,6 +309,8 @@ def test_run_times_checks_and_profiles_every_variant(eager_vs_fused, capsys):
     same = res.same_math["fused"]  # blockops' eager ops: the model's own math, the same rounding
     assert same.passed and all(err == unfused for err, unfused, _ in same.errors.values())
     assert res.memory == {}  # CPU: not measured
+    assert res.math["fused"].sizes == ["full size", "small copy"] and res.math["fused"].passed
+    assert res.math["eager"].checked and not res.verdict.unchecked
     for name in ("eager", "fused"):
         p = res.profiles[name]
         assert p.launch_unit == "operators" and p.launches_per_step > 0 and 0 < p.memory_bound_pct < 100
@@ -706,7 +708,7 @@ def test_variants_share_one_set_of_parameters():
 def test_default_variants_by_model():
     assert S.StepConfig(model=TINY).variants == S.VARIANTS
     hf = S.StepConfig(model=hf_tiny())
-    assert hf.variants == S.ALL_VARIANTS and hf.preset == "tiny"
+    assert hf.variants == S.HF_VARIANTS and hf.preset == "tiny"
     runs, skipped = S.plan(hf, None)
     assert runs[0] == "eager" and "compile" in runs
     assert skipped["liger"].startswith("needs CUDA and liger-kernel")
@@ -943,10 +945,11 @@ def test_the_verdict_is_tie_verdict_over_the_saved_trials(eager_vs_fused, fused_
 )  # fmt: skip
 def test_the_bound_is_bench_bound_from_the_saved_profile_and_host_time(eager_vs_fused, kw, words):
     data = _verdict_data(eager_vs_fused, 0.77, cuda=True, **kw)
-    line = verdict_line(data)
+    line = verdict_line(data).replace(SYNCED_SOURCE, "")  # a file with no unsynchronised profile
     assert words in line, line
     b = bound(kw["idle"], kw["host_s"], kw.get("at_least", False), kw["kernel_s"])
-    assert (data["verdict"]["bound"], data["verdict"]["bound_why"]) == (b.word, b.why)
+    assert data["verdict"]["bound"] == b.word
+    assert data["verdict"]["bound_why"] == SYNCED_SOURCE + b.why
 
 
 def test_old_step_files_still_read(eager_vs_fused):

@@ -247,12 +247,13 @@ def build_profile_parser() -> argparse.ArgumentParser:
         "candidates by the module that issued the work.",
     )
     add_device_args(p)
+    add_threads_arg(p)  # what the busy-CPU warning advises
     _add_model_args(p)
     g = p.add_argument_group("what to profile")
     g.add_argument(
         "--model", default=None,
-        help="gpt (the built-in, default) or hf:ARCH, ARCH one of llama, mistral, qwen2, qwen3 (a Hugging "
-        "Face model with random weights: pip install 'profuse[hf]')",
+        help="gpt (the built-in, default) or hf:ARCH, ARCH one of llama, mistral, qwen2, qwen3, olmoe, "
+        "qwen3_moe (a Hugging Face model with random weights: pip install 'profuse[hf]')",
     )  # fmt: skip
     g.add_argument(
         "--preset", default=None,

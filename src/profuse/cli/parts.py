@@ -253,6 +253,7 @@ def cmd_profile(argv: list[str]) -> int:
         with contextlib.suppress(OSError):
             Path(args.out).mkdir(parents=True, exist_ok=True)
     check_out(args, DDP_FILES if args.nproc is not None else part_a_files(args.compile_step, args.precision))
+    set_threads(args)
     # --nproc N launches N ranks; a process that torchrun started is one of them already
     # (torchrun would read a --nproc after the module name as its own flag, so none is given).
     if args.nproc is not None or started_by_launcher():
