@@ -44,6 +44,7 @@ import time
 import torch
 
 from profuse import crossentropy as CE
+from profuse.bench import DEFAULT_TRIALS
 from profuse.bench.stats import speedup_ci
 from profuse.bench.timing import compare
 from profuse.compile import compile_fn
@@ -375,7 +376,7 @@ def main() -> int:
                    help=f"of {', '.join(SHAPES)} (default {DEFAULT_SHAPES})")  # fmt: skip
     p.add_argument("--precisions", type=names(("bf16", "amp")), default=["bf16", "amp"], help="bf16, amp")
     p.add_argument("--variants", type=names(VARIANTS), default=list(VARIANTS), help=", ".join(VARIANTS))
-    p.add_argument("--trials", type=int, default=10, help="interleaved trials per comparison")
+    p.add_argument("--trials", type=int, default=DEFAULT_TRIALS, help="interleaved trials per comparison")
     p.add_argument("--chunks", type=int_list, default=int_list(CHUNKS), help="the sweep's chunks, in tokens")
     p.add_argument("--no-sweep", dest="sweep", action="store_false", help="skip the chunk sweep")
     p.add_argument("--no-forward", dest="forward", action="store_false", help="skip the forward-alone timing")

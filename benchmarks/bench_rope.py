@@ -44,6 +44,7 @@ import torch
 from profuse import blockops as B
 from profuse import rotary as R
 from profuse import tail as T
+from profuse.bench import DEFAULT_TRIALS
 from profuse.bench.stats import speedup_ci
 from profuse.bench.timing import compare
 from profuse.bench.traffic import copy_ceiling
@@ -336,7 +337,7 @@ def main() -> int:
     )
     p.add_argument("--ops", default="rope,qk_norm_rope,rms_norm", help="comma-separated ops to run")
     p.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated variants (eager always)")
-    p.add_argument("--trials", type=int, default=20, help="interleaved timed trials per mode")
+    p.add_argument("--trials", type=int, default=DEFAULT_TRIALS, help="interleaved timed trials per mode")
     p.add_argument("--no-amp", action="store_true", help="leave out the amp cases")
     p.add_argument("--small", action="store_true", help="a few tokens a case: a smoke run")
     p.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke run (Triton's interpreter)")

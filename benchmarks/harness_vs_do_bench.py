@@ -15,6 +15,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
+from profuse.bench import DEFAULT_TRIALS
 from profuse.bench.tail_bench import DEFAULT_VARIANTS, TailBenchConfig, make_inputs, runner, variants
 from profuse.bench.timing import compare
 from profuse.files import write_json
@@ -24,7 +25,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", type=int, default=8192)
     p.add_argument("--cols", type=int, default=4096)
-    p.add_argument("--trials", type=int, default=30)
+    p.add_argument("--trials", type=int, default=DEFAULT_TRIALS)
     p.add_argument("--backward", action="store_true")
     p.add_argument("--out", default=None, help="write the figures to this JSON file")
     args = p.parse_args()

@@ -47,6 +47,7 @@ from triton.testing import do_bench
 
 from profuse import blockops
 from profuse import tail as T
+from profuse.bench import DEFAULT_TRIALS
 from profuse.bench.tail_bench import (
     HAS_LIGER,
     TailBenchConfig,
@@ -333,7 +334,7 @@ def main() -> int:
     p.add_argument("--cols", type=int, default=4096)
     p.add_argument("--rounds", type=int, default=60, help="interleaved rounds of host timing")
     p.add_argument("--per-round", type=int, default=8, help="calls in a row per variant and round")
-    p.add_argument("--trials", type=int, default=30, help="--modes' trials")
+    p.add_argument("--trials", type=int, default=DEFAULT_TRIALS, help="--modes' trials")
     p.add_argument("--modes", action="store_true", help="also every timing mode and do_bench at --rows")
     p.add_argument("--compile", action="store_true", help="also torch.compile's tail in the host table")
     p.add_argument("--out", default=None, help="a folder to write host_overhead.json in (or a .json path)")

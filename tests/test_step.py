@@ -556,7 +556,12 @@ def test_results_round_trip_through_json_and_the_report(eager_vs_fused, tmp_path
     assert "peak memory: not measured on a CPU" in text
     code, out, err = run(["report", str(path)], capsys)
     assert code == 0, err
-    assert out.rstrip("\n") == text
+    # the run's own text, then where it came from (this file was saved without provenance)
+    assert (
+        out.rstrip("\n")
+        == text
+        + "\n\nprovenance: no provenance recorded (saved before profuse recorded commit, card and command)"
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -797,7 +802,9 @@ def test_hf_step_command(tmp_path, capsys, monkeypatch):
     assert data["same_math"]["compile"]["passed"]  # the same step, compiled (fp32, against float64)
     assert data["tokens_per_step"] == 128 and data["n_params"] == hf_tiny().param_count()
     code, again, _ = run(["report", str(tmp_path / "step.json")], capsys)
+    again, provenance = again.split("\n\nprovenance:\n")  # the run's text, then where it came from
     assert code == 0 and again.rstrip("\n") == out.rstrip("\n").rsplit("\n", 1)[0]  # all but 'results:'
+    assert "profuse step --device cpu --model hf:llama" in provenance
 
 
 def test_hf_fused_step_with_eager_ops(tmp_path):

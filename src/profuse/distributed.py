@@ -59,7 +59,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from profuse.errors import UsageError
-from profuse.files import write_result
+from profuse.files import PROVENANCE, write_result
 from profuse.profiling import (
     BACKWARD,
     HOST_CATS,
@@ -222,7 +222,8 @@ class DDPProfile:
 
     @classmethod
     def from_dict(cls, d: dict) -> DDPProfile:
-        fields = {k: v for k, v in d.items() if k != "job"}
+        # "job" is derived; the provenance is the file's (files.write_result), not the profile's
+        fields = {k: v for k, v in d.items() if k not in ("job", PROVENANCE)}
         return cls(**{**fields, "ranks": [RankProfile.from_dict(r) for r in d["ranks"]]})
 
 
