@@ -841,7 +841,8 @@ def budget(cfg: StepConfig, names: Sequence[str]) -> dict[str, int]:
         "builds": 1 + (1 if profiled else 0),  # the model, and eager's labelled copy for its profile
         "checks": len(checked),  # each: a small copy's step as the variant, unfused and in float64
         "references": 1 if BASELINE in names else 0,  # the full-size fp32 / float64 step (samemath)
-        "first_steps": n * (stepstate.MEMORY_STEPS if cuda else 1),  # each variant's own (stepstate)
+        # each variant's own (stepstate), and on CUDA its steady-state memory steps
+        "first_steps": n * (stepstate.MEMORY_STEPS + stepstate.STEADY_STEPS if cuda else 1),
         "warmup_steps_at_least": n * cfg.warmup * (design.warmup_block or design.calls),
         "trial_rounds": rounds,
         "trial_rounds_at_most": max(rounds, design.max_trials),  # more where the top two are close

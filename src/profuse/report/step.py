@@ -202,6 +202,9 @@ def _table(data: dict) -> list[str]:
         header += f"  {'first step':>10}"
     if cuda:
         header += f"  {'peak memory':>11}"
+    steady = cuda and any(m.get("steady_reserved_bytes") is not None for m in memory.values())
+    if steady:  # the steady state's peak reserved, beside the first steps' (memory_note says how)
+        header += f"  {'steady peak':>11}"
     if profiles:
         header += f"  {launches + '/step':>14}  {'memory-bound':>12}"
         if cuda:
@@ -229,6 +232,9 @@ def _table(data: dict) -> list[str]:
         if cuda:
             mem = memory.get(name)
             row += f"  {fmt_bytes(mem['peak_bytes']) if mem else '-':>11}"
+            if steady:
+                value = (mem or {}).get("steady_reserved_bytes")
+                row += f"  {fmt_bytes(value) if value is not None else '-':>11}"
         p = profiles.get(name)
         if profiles:
             row += (

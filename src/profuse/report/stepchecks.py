@@ -181,6 +181,22 @@ def memory_note(data: dict) -> str:
         f"emptied allocator (empty_cache, reset_peak_memory_stats) with the shared parameters and AdamW "
         f"state resident ({fmt_bytes(m['resident_bytes'])}, in every figure alike); allocated at peak: "
         f"{allocated}"
+    ) + steady_memory_note(memory)
+
+
+def steady_memory_note(memory: dict) -> str:
+    """The steady state's peaks beside the first steps' ('' for files from before them)."""
+    steady = {n: v for n, v in memory.items() if v.get("steady_reserved_bytes") is not None}
+    if not steady:
+        return ""
+    m = next(iter(steady.values()))
+    each = ", ".join(
+        f"{n} {fmt_bytes(v['steady_reserved_bytes'])} / {fmt_bytes(v['steady_allocated_bytes'])}"
+        for n, v in steady.items()
+    )
+    return (
+        f"; steady peak = over {m['steady_steps']} later steps, the cache emptied of the first steps' "
+        f"transients and the peaks reset, reserved / allocated: {each}"
     )
 
 
