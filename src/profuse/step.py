@@ -112,7 +112,7 @@ from profuse.models.spec import (
 )
 from profuse.profiling import BACKWARD, FORWARD, OPTIMIZER
 from profuse.samemath import CHECK_FACTOR, FullCheck, MathCheck
-from profuse.stepprofile import VariantProfile, agreement, profile_variant
+from profuse.stepprofile import UNSYNCED_STEPS, VariantProfile, agreement, profile_variant
 from profuse.stepstate import StepMemory, WeightsCheck
 from profuse.verdict import StepVerdict, decide
 
@@ -850,6 +850,8 @@ def budget(cfg: StepConfig, names: Sequence[str]) -> dict[str, int]:
         "host_rounds": (design.host_rounds or cfg.trials) if cuda else 0,  # each variant once a round
         "profiled_steps": n * cfg.profile_steps if profiled else 0,
         "profile_warmup_steps": (n + compiled) if profiled else 0,
+        # CUDA: each variant's unsynchronised steps for the bound, one more first (stepprofile)
+        "steady_profiled_steps": n * (UNSYNCED_STEPS + 1) if profiled and cuda else 0,
         "op_timings": 0,  # Amdahl reads the ops' in-step times from the profiles: none timed alone
     }
 

@@ -11,7 +11,7 @@ reads to say why a variant's rank moved between the precisions.
 The profiled steps above each end in a synchronisation, so the GPU drains between them and the
 next step's first launches run on an idle card: their idle share and wall time are not the timed
 loop's (3-10% longer for Llama-3.2-1B on an H100, 35-60% for the small preset). What bounds a
-step is read instead from STEADY_STEPS consecutive steps with no synchronisation between them
+step is read instead from UNSYNCED_STEPS consecutive steps with no synchronisation between them
 (`steady_steps`, CUDA only): the profiler records the GPU's activity alone (no host events, the
 least overhead it can add), one synchronisation ends the run, and the kernels' timeline gives the
 GPU's idle share between the first kernel and the last, and the time a step there. That step
@@ -40,7 +40,7 @@ PROFILE_WARMUP = 1
 TOP_OPS = 8  # the operator table's rows kept a step
 # Consecutive unsynchronised steps profiled for the idle share: enough that the first step's
 # start from a drained queue is a tenth of the window.
-STEADY_STEPS = 10
+UNSYNCED_STEPS = 10
 _BUSY = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -102,7 +102,7 @@ def agreement(steady: SteadySteps, trial_times_s: list[float]) -> SteadySteps:
 
 
 def steady_steps(
-    step: Callable[[], object], device: torch.device, path: Path, steps: int = STEADY_STEPS
+    step: Callable[[], object], device: torch.device, path: Path, steps: int = UNSYNCED_STEPS
 ) -> SteadySteps:
     """`steps` consecutive steps under torch.profiler recording the GPU's activity alone, one
     synchronisation at the end; the trace written to `path` and read (read_steady)."""
@@ -170,7 +170,7 @@ def profile_variant(
 ) -> VariantProfile:
     """Profile `steps` of variant `name`'s `step` (warm already). `regions`: profiler range
     names to measure; `block_ops` (op -> its range) the ones whose shares the eager profile
-    reports. On CUDA, then STEADY_STEPS of `timed_step` (the step as it was timed, no profiler
+    reports. On CUDA, then UNSYNCED_STEPS of `timed_step` (the step as it was timed, no profiler
     ranges; default `step`) unsynchronised (steady_steps)."""
     result = profile(
         step,

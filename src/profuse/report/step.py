@@ -391,8 +391,20 @@ def format_step(data: dict) -> str:
     if cmp is None:
         lines.append("nothing timed: the eager step did not run")
         return "\n".join(lines)
+    design = cmp.get("design") or {}
+    k, discard = design.get("calls", 1), design.get("discard", 0)
+    per_trial = (
+        f"each trial the mean of {k} steps between two clock readings"
+        + (
+            f", after {discard} untimed step{'s' if discard != 1 else ''} filling the queue"
+            if discard
+            else ""
+        )
+        if k > 1
+        else "each trial one step"
+    )
     how = (
-        "steps back to back as a training loop runs them, each trial the median of 3"
+        f"steps back to back as a training loop runs them, {per_trial}"
         if cmp["timing"] == "loop"
         else "wall clock"
     )
@@ -610,7 +622,7 @@ def verdict_line(data: dict) -> str:
 # "memory" is older files' (a step apart per variant; now inside each variant's own first steps).
 PHASES = (("check", "check"), ("build", "build"), ("reference", "reference"), ("first", "first steps"),
           ("trials", "trials"), ("memory", "memory"), ("profiles", "profiles"),
-          ("ops", "op timings"))  # fmt: skip
+          ("ops", "Amdahl"))  # fmt: skip
 
 
 def time_lines(data: dict) -> list[str]:
