@@ -25,7 +25,7 @@ from profuse import step as S
 from profuse.bench.stats import FEW_TRIALS, bound, speedup_ci, tie_verdict
 from profuse.errors import UsageError
 from profuse.model import GPT, AddRMSNorm, GPTConfig, SwiGLU, random_batch
-from profuse.report.step import format_step, load_step, verdict_line
+from profuse.report.step import format_step, load_step, trial_words, verdict_line
 from profuse.tail import BACKWARD_TOL, FORWARD_TOL
 from profuse.verdict import SYNCED_SOURCE, decide
 
@@ -376,12 +376,37 @@ def test_few_trials_carry_a_caveat_in_the_step_report(eager_vs_fused):
     res, _, _ = eager_vs_fused
     data = res.to_dict()
     trials = data["comparison"]["trials"]
-    caveats = [line for line in format_step(data).splitlines() if "trials: a bootstrap over so few" in line]
+    caveats = [line for line in format_step(data).splitlines() if f"trials, under {FEW_TRIALS}:" in line]
     assert len(caveats) == (1 if trials < FEW_TRIALS else 0)
+    assert trials < FEW_TRIALS and "order statistics" in caveats[0]
+    # the table's column names the intervals' exact coverage (4 trials: the min and max, 87.5%)
+    assert (
+        "vs eager (87.5% CI)" in format_step(data)
+        and "95% CI" not in format_step(data).split("statistic:")[0]
+    )
     data["comparison"]["trials"] = FEW_TRIALS
-    assert "a bootstrap over so few" not in format_step(data)
+    assert "under 30:" not in format_step(data)
+    # a file saved with BCa intervals at 3 trials: said as saved, with the warning
     data["comparison"]["trials"] = 3
+    for r in data["results"].values():
+        if r["speedup"]:
+            r["speedup"].update(method="BCa")
+            r["speedup"].pop("coverage")
     assert any(line.startswith("WARNING only 3 trials") for line in format_step(data).splitlines())
+
+
+def test_the_report_says_what_a_trial_is_from_the_saved_design(eager_vs_fused):
+    res, _, _ = eager_vs_fused
+    data = res.to_dict()
+    cmp = data["comparison"]
+    cmp["design"] = {**cmp["design"], "calls": 7, "discard": 2}
+    text = format_step(data)
+    assert (
+        "each trial the mean of 7 steps back to back between two clock reads, after 2 untimed steps" in text
+    )
+    assert "median of 3" not in text
+    cmp["device"] = "cuda"
+    assert "between two CUDA events" in trial_words(cmp)
 
 
 def _steady(data: dict) -> dict:
@@ -583,6 +608,7 @@ def test_step_command_eager_and_compile(tmp_path, capsys, monkeypatch):
     assert lines[-1] == f"results: {tmp_path / 'step.json'}"
     data = json.loads((tmp_path / "step.json").read_text())
     assert data["kind"] == "step" and list(data["results"]) == ["eager", "compile"]
+    assert data["provenance"]["command"]["profuse_args"][0] == "step"  # files.write_result
     assert data["results"]["compile"]["speedup"]["low"] <= data["results"]["compile"]["speedup"]["high"]
     assert data["same_math"]["compile"]["passed"]  # the same step, compiled (fp32, against float64)
     assert data["check"] is None and data["amdahl"] is None and data["profiles"] == {}

@@ -89,8 +89,9 @@ from profuse import __version__, fusion, samemath, stepstate
 from profuse import amdahl as A
 from profuse import compile as _compile
 from profuse.amdahl import Amdahl, OpTiming
+from profuse.bench import DEFAULT_TRIALS
 from profuse.bench.stats import Speedup, speedup_ci
-from profuse.bench.timing import REFEREE, Comparison, TrialDesign, compare
+from profuse.bench.timing import REFEREE, Comparison, TrialDesign, balanced_trials, compare
 from profuse.compiletime import CompileSplit, split_compile
 from profuse.env import check_fits, dtype_name, environment, interpreting
 from profuse.errors import UsageError
@@ -161,7 +162,7 @@ class StepConfig:
     preset: str | None = None  # recorded with the results; with a spec, the spec's
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     variants: Sequence[str] | None = None  # eager, the baseline, is always in; None: the model's default
-    trials: int = 30  # interleaved trials of whole steps (and of each op, for Amdahl)
+    trials: int = DEFAULT_TRIALS  # interleaved trials of whole steps (and of each op, for Amdahl)
     warmup: int | None = None  # untimed steps after the first: 3 on CUDA, 1 on CPU (steps take ~1 s)
     seed: int = 0  # weights, the batch of random tokens, the trial order
     profile_steps: int = 3  # profiled steps per variant; 0: no profiles and no Amdahl prediction
@@ -831,7 +832,7 @@ def budget(cfg: StepConfig, names: Sequence[str]) -> dict[str, int]:
     runs at least `warmup` steps a variant (on until steady: bench.timing)."""
     n, cuda = len(names), cfg.device.type == "cuda"
     design = trial_design(cfg.device)
-    rounds = -(-cfg.trials // n) * n if design.balanced and n else cfg.trials  # balanced: a multiple of n
+    rounds = balanced_trials(n, cfg.trials) if design.balanced and n else cfg.trials  # whole Williams designs
     checked = [c for c in CHECKED_VARIANTS if c in names or (c == "fused" and "compile+fused" in names)]
     profiled = cfg.profile_steps > 0
     compiled = sum(name in COMPILED_VARIANTS for name in names)

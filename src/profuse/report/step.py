@@ -39,6 +39,7 @@ from profuse.report.stepchecks import (
     weights_line,
 )
 from profuse.report.sweep import (
+    ci_terms,
     few_trials_note,
     interpreter_note,
     render_table,
@@ -191,7 +192,8 @@ def _table(data: dict) -> list[str]:
     bounds = (verdict_of(data) or {}).get("bounds") or {}  # the run's decision (profuse.verdict)
     unit = time_unit(results[cmp["baseline"]]["median_s"])
     launches = next((p["launch_unit"] for p in profiles.values()), "kernels")
-    header = f"{'variant':>{W}}  {'median':>10}  {'vs eager (95% CI)':<38}  {'per trial':>9}"
+    ci = ci_terms(r["speedup"] for r in results.values())[0]  # '95% CI', or order statistics' coverage
+    header = f"{'variant':>{W}}  {'median':>10}  {f'vs eager ({ci})':<38}  {'per trial':>9}"
     checked = bool(data.get("math"))  # the math column: full, small or NO (math_lines says how)
     if checked:
         header += f"  {'math':>5}"
@@ -247,6 +249,22 @@ def _table(data: dict) -> list[str]:
             row += f"  {bounds[name]}"
         lines.append(row.rstrip())
     return lines
+
+
+def trial_words(cmp: dict) -> str:
+    """What one trial of a saved comparison is, from its saved design: 'each trial the mean of 3
+    steps back to back between two CUDA events, after 1 untimed step'. Files saved before the
+    design was recorded say what their timer did."""
+    design = TrialDesign.from_dict(cmp.get("design"))
+    cuda = str(cmp.get("device", "")).startswith("cuda")
+    if design is not None and design.blocks:
+        between = "two CUDA events" if cuda else "two clock reads"
+        discard = design.discard
+        after = f", after {discard} untimed step{'s' if discard != 1 else ''}" if discard else ""
+        return f"each trial the mean of {design.calls} steps back to back between {between}{after}"
+    if cmp.get("timing") == "loop":  # timers.LoopTimer: each trial the median of its `reps` calls
+        return "steps back to back as a training loop runs them, each trial the median of 3 single steps"
+    return "one step a trial, wall clock"
 
 
 def again_command(data: dict) -> str:
@@ -391,23 +409,7 @@ def format_step(data: dict) -> str:
     if cmp is None:
         lines.append("nothing timed: the eager step did not run")
         return "\n".join(lines)
-    design = cmp.get("design") or {}
-    k, discard = design.get("calls", 1), design.get("discard", 0)
-    per_trial = (
-        f"each trial the mean of {k} steps between two clock readings"
-        + (
-            f", after {discard} untimed step{'s' if discard != 1 else ''} filling the queue"
-            if discard
-            else ""
-        )
-        if k > 1
-        else "each trial one step"
-    )
-    how = (
-        f"steps back to back as a training loop runs them, {per_trial}"
-        if cmp["timing"] == "loop"
-        else "wall clock"
-    )
+    how = trial_words(cmp)
     lines.append(f"step time: {cmp['trials']} interleaved trials, {how} ({cmp['timer']})")
     lines += _table(data)
     over = data.get("fusion_over_compile")
@@ -436,7 +438,8 @@ def format_step(data: dict) -> str:
     notes += [line for line in (first_step_line(data), weights_line(data)) if line]
     if _is_hf(data) and "precision_text" in cfg:  # files before the model's own loss computed profuse's
         notes.append(HF_LOSS_NOTE)
-    lines += notes + few_trials_note(cmp["trials"]) + interpreter_note(data["env"], fused_timed)
+    methods = ci_terms(r["speedup"] for r in data["results"].values())[2]
+    lines += notes + few_trials_note(cmp["trials"], methods) + interpreter_note(data["env"], fused_timed)
     lines += step_warnings(data)
     amdahl = amdahl_lines(data)
     if amdahl:
