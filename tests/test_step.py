@@ -25,6 +25,7 @@ from profuse import step as S
 from profuse.bench.stats import FEW_TRIALS, bound, speedup_ci, tie_verdict
 from profuse.errors import UsageError
 from profuse.model import GPT, AddRMSNorm, GPTConfig, SwiGLU, random_batch
+from profuse.report.provenance import provenance_lines
 from profuse.report.step import format_step, load_step, trial_words, verdict_line
 from profuse.tail import BACKWARD_TOL, FORWARD_TOL
 from profuse.verdict import SYNCED_SOURCE, decide
@@ -576,7 +577,9 @@ def test_results_round_trip_through_json_and_the_report(eager_vs_fused, tmp_path
     assert "peak memory: not measured on a CPU" in text
     code, out, err = run(["report", str(path)], capsys)
     assert code == 0, err
-    assert out.rstrip("\n") == text
+    assert out.rstrip("\n") == "\n".join(
+        [text, "", *provenance_lines(saved)]
+    )  # the report adds the provenance
 
 
 # --------------------------------------------------------------------------------------------
@@ -817,7 +820,8 @@ def test_hf_step_command(tmp_path, capsys, monkeypatch):
     assert data["same_math"]["compile"]["passed"]  # the same step, compiled (fp32, against float64)
     assert data["tokens_per_step"] == 128 and data["n_params"] == hf_tiny().param_count()
     code, again, _ = run(["report", str(tmp_path / "step.json")], capsys)
-    assert code == 0 and again.rstrip("\n") == out.rstrip("\n").rsplit("\n", 1)[0]  # all but 'results:'
+    step_text = out.rstrip("\n").rsplit("\n", 1)[0]  # all but 'results:', then the file's provenance
+    assert code == 0 and again.rstrip("\n") == "\n".join([step_text, "", *provenance_lines(data)])
 
 
 def test_hf_fused_step_with_eager_ops(tmp_path):
