@@ -175,3 +175,21 @@ def test_the_steady_state_peak_leaves_out_the_first_steps_transients(monkeypatch
     assert note.startswith(f"; steady peak = over {stepstate.STEADY_STEPS} later steps")
     assert "fused" in note and "liger" not in note  # a variant with no steady figure says none
     assert steady_memory_note({"fused": {**saved, "steady_reserved_bytes": None}}) == ""
+
+
+def test_an_unsynchronised_profile_that_fails_costs_the_run_nothing_but_says_so(monkeypatch, tmp_path):
+    import torch
+
+    from profuse import stepprofile
+
+    def no_cupti(step, device, path, steps=stepprofile.UNSYNCED_STEPS):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED\nmore")
+
+    monkeypatch.setattr(stepprofile, "steady_steps", no_cupti)
+    steady, why = stepprofile.steady_or_why(lambda: None, torch.device("cuda"), tmp_path / "t.json")
+    assert steady is None and why == "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"
+    data = _cuda_run(40.0, None)
+    data["profiles"]["eager"]["steady_error"] = why
+    lines = steady_lines(data)
+    assert "one synchronised profiled step" in lines[0] and "failed: RuntimeError: CUPTI" in lines[1]
+    assert decide(data).bound_why.startswith(SYNCED_SOURCE)  # said, not hidden

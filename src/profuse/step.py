@@ -765,7 +765,7 @@ def _labelled(
             cfg.spec.label(model)
         else:
             cfg.spec.fuse(model, ops, label=True)
-    except ValueError as err:  # a model fusion cannot fuse
+    except Exception as err:  # a model fusion cannot fuse (or label): profiled as timed, no Amdahl
         return target, _first_line(err)
     if {id(p) for p in model.parameters()} != shared.keys():
         return target, "labelling it replaced the model's parameters"

@@ -139,6 +139,7 @@ class VariantProfile:
     steps: int = 0  # profiled steps
     step_times_ms: list[float] = field(default_factory=list)  # each profiled step, synchronised
     steady: SteadySteps | None = None  # CUDA: consecutive unsynchronised steps (steady_steps)
+    steady_error: str = ""  # why there are none, where their profile could not be read
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -151,6 +152,19 @@ def trace_name(variant: str, tag: str = "") -> str:
     'trace-step-compile-fused-bf16.json'."""
     suffix = f"-{tag}" if tag else ""
     return f"trace-step-{variant.replace('+', '-')}{suffix}.json"
+
+
+def steady_or_why(
+    step: Callable[[], object], device: torch.device, path: Path
+) -> tuple[SteadySteps | None, str]:
+    """steady_steps, or None and why (one line) where its profile cannot be taken or read (no
+    CUPTI, a trace with no kernel): the run keeps its trials, and the bound says it has no idle
+    share from them."""
+    try:
+        return steady_steps(step, device, path), ""
+    except Exception as err:  # a profile that fails must not cost the run its timed trials
+        text = str(err).strip().splitlines()
+        return None, f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def profile_variant(
@@ -186,6 +200,11 @@ def profile_variant(
     )
     s = result.summary
     n = max(s.steps, 1)
+    steady, steady_error = None, ""
+    if device.type == "cuda":
+        steady, steady_error = steady_or_why(
+            timed_step or step, device, out_dir / trace_name(f"{name}-steady", tag)
+        )
     per_step_ms = s.total_us / n / 1e3
     return VariantProfile(
         step_ms=result.step_ms,
@@ -206,9 +225,6 @@ def profile_variant(
         top_ops={row.name: row.self_us / n / 1e3 for row in result.rows[:TOP_OPS]},
         steps=s.steps,
         step_times_ms=list(result.step_times_ms),
-        steady=(
-            steady_steps(timed_step or step, device, out_dir / trace_name(f"{name}-steady", tag))
-            if device.type == "cuda"
-            else None
-        ),
+        steady=steady,
+        steady_error=steady_error,
     )

@@ -99,13 +99,21 @@ def steady_lines(data: dict) -> list[str]:
         return []
     if not steady:
         return ["GPU idle and the bound: from one synchronised profiled step (this file has no "
-                "unsynchronised profile; such a step runs longer than the timed loop)"]  # fmt: skip
+                "unsynchronised profile; such a step runs longer than the timed loop)"] + [
+            f"{n:>{W}}  the unsynchronised profile failed: {p['steady_error']}"
+            for n, p in profiles.items() if p.get("steady_error")
+        ]  # fmt: skip
     n = next(iter(steady.values()))["steps"]
     lines = [
         f"GPU idle and the bound: from {n} consecutive unsynchronised profiled steps (GPU activity "
         "alone), used where their step time is within the timed trials' range; profiled step vs "
         "timed median:"
     ]
+    for name, p in profiles.items():
+        if p.get("steady_error"):
+            lines.append(
+                f"{name:>{W}}  no unsynchronised profile ({p['steady_error']}); idle from its synchronised step"
+            )
     for name, st in steady.items():
         median = st.get("timed_median_ms")
         if median is None:
