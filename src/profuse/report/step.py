@@ -111,9 +111,8 @@ def steady_lines(data: dict) -> list[str]:
     ]
     for name, p in profiles.items():
         if p.get("steady_error"):
-            lines.append(
-                f"{name:>{W}}  no unsynchronised profile ({p['steady_error']}); idle from its synchronised step"
-            )
+            why = p["steady_error"]
+            lines.append(f"{name:>{W}}  no unsynchronised profile ({why}); idle from its synchronised step")
     for name, st in steady.items():
         median = st.get("timed_median_ms")
         if median is None:
