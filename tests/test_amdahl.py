@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import math
+import statistics
 
 import pytest
 import torch
@@ -228,19 +229,21 @@ def test_a_run_reads_every_profiled_step_and_counts_the_calls(run):
     a = run.amdahl
     assert a.calls == {"silu_mul": TINY.n_layer, "add_rms_norm": 2 * TINY.n_layer}  # fusion's places
     assert all(len(ts) == 2 for ts in a.op_s.values())  # one time per profiled step
-    assert set(a.in_step()) == {"silu_mul", "add_rms_norm"}
-    assert a.eager_call_s == {op: t.eager_s for op, t in run.ops.items()}
+    assert a.speedup_source == "in-step" and run.ops == {} and a.eager_call_s == {}  # none timed alone
+    assert set(a.op_speedups) == {"silu_mul", "add_rms_norm"}
     assert a.gpu_idle_pct is None and a.caveat() == ""  # a CPU run
     text = format_step(run.to_dict())
-    assert "the eager ops a call, alone vs inside the eager step" in text
-    assert "over the ops' CIs and the shares' spread over the profiled steps" in text
+    assert "their speedups inside the step: each op's self CPU time under its range" in text
+    assert "in 2 profiled eager steps over 2 profiled fused steps" in text
+    assert "over the ops' in-step intervals and the shares' spread over the profiled steps" in text
 
 
 def test_a_file_from_before_the_step_by_step_shares_still_reads(run):
     data = copy.deepcopy(run.to_dict())
     a = data["amdahl"]
     a["op_s"] = {op: ts[0] for op, ts in a["op_s"].items()}
-    for key in ("in_step_check", "disagree", "caveat", "thresholds", "not_timed", "calls", "eager_call_s"):
+    for key in ("in_step_check", "disagree", "caveat", "thresholds", "not_timed", "calls", "eager_call_s",
+                "speedup_source"):  # fmt: skip
         del a[key]
     for key in ("ops_low", "ops_high", "in_step"):
         del a["predicted"][key]
@@ -303,3 +306,51 @@ def test_every_labelled_op_gets_its_share_and_its_own_speedup_in_the_amdahl_rows
             line for line in lines if line.strip().startswith(f"{op} ") and "at the step's shapes" in line
         ]
         assert f"{speedups[op]['median']:.2f}x" in row  # and its own speedup
+
+
+def _varying_ops_trace(op_us: dict[str, list[float]]) -> dict:
+    """One ProfilerStep a profiled step, each op's labelled call taking its step's duration."""
+    events = []
+    steps = len(next(iter(op_us.values())))
+    for i in range(steps):
+        start = 5000.0 * i
+        events.append(_span(f"ProfilerStep#{i}", "user_annotation", start, 1000.0))
+        t = start + 10
+        for op, ds in op_us.items():
+            events.append(_span(A.op_range(op), "user_annotation", t, ds[i]))
+            events.append(_span("aten::mul", "cpu_op", t + 2, ds[i] - 4))
+            t += ds[i] + 5
+    return {"traceEvents": events}
+
+
+def test_the_ops_speedups_come_from_their_own_time_inside_the_eager_and_the_fused_step():
+    """s_i from the kernels (here operators) under each op's range in the eager steps over the
+    fused ones, its interval the least and most favourable pairing of steps; the prediction's
+    interval then carries both sides' spread and the shares'."""
+    rng = torch.Generator().manual_seed(23)
+    jitter = lambda: (1 + 0.05 * torch.rand(3, generator=rng)).tolist()  # noqa: E731
+    eager_us = {"silu_mul": [80 * j for j in jitter()], "add_rms_norm": [60 * j for j in jitter()],
+                "rope": [30 * j for j in jitter()]}  # fmt: skip
+    fused_us = {"silu_mul": [40 * j for j in jitter()], "add_rms_norm": [50 * j for j in jitter()]}
+    eager = A.step_shares(_varying_ops_trace(eager_us), "cpu")
+    fused = A.step_shares(_varying_ops_trace(fused_us), "cpu")
+    speedups, missing = A.in_step_speedups(eager, fused)
+    assert set(speedups) == {"silu_mul", "add_rms_norm"} and "rope" in missing  # not in the fused step
+    for op, s in speedups.items():
+        e = [u * 1e-6 for u in eager_us[op]]
+        f = [u * 1e-6 for u in fused_us[op]]
+        assert s["median"] == pytest.approx(statistics.median(e) / statistics.median(f))
+        assert s["low"] == pytest.approx(min(e) / max(f)) and s["high"] == pytest.approx(max(e) / min(f))
+        assert s["low"] < s["median"] < s["high"]
+    assert speedups["silu_mul"]["verdict"] == "faster"  # 1.9x-2.1x: the whole interval over 1
+    a = A.Amdahl(
+        eager_step_s=1000e-6,
+        op_s={op: sh.step_s for op, sh in eager.ops.items() if op in speedups},
+        op_speedups=speedups,
+        measured=None,
+        speedup_source="in-step",
+    )
+    low, high = a.interval()
+    assert low < a.predict("low") <= a.predict() <= a.predict("high") < high  # the shares' spread too
+    text = "\n".join(amdahl_lines({"amdahl": a.to_dict(), "profiles": {}, "config": {"device": "cpu"}}))
+    assert "their speedups inside the step" in text and "3 profiled eager steps over 3 profiled fused" in text

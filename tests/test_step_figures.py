@@ -104,3 +104,92 @@ def test_a_profile_slower_than_the_timed_loop_does_not_decide_the_bound():
     old = decide(_cuda_run(40.0, None))  # a file from before: the synchronised share, said so
     assert old.bound_why.startswith(SYNCED_SOURCE)
     assert "one synchronised profiled step" in steady_lines(_cuda_run(40.0, None))[0]
+
+
+# --------------------------------------------------------------------------------------------
+# Steady-state peak memory beside the first steps' (a fake allocator: no GPU)
+# --------------------------------------------------------------------------------------------
+
+
+class FakeAllocator:
+    """CUDA's caching allocator as far as own_steps sees it: a step's transient stays cached
+    (reserved) after it is freed, until empty_cache; the peaks reset to what is held now."""
+
+    def __init__(self, resident: int):
+        self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = resident
+
+    def step(self, transient: int) -> None:
+        self.peak_allocated = max(self.peak_allocated, self.allocated + transient)
+        self.reserved = max(self.reserved, self.allocated + transient)
+        self.peak_reserved = max(self.peak_reserved, self.reserved)
+
+    def install(self, monkeypatch) -> None:
+        import torch
+
+        def empty_cache():
+            self.reserved = self.allocated
+
+        def reset(device=None):
+            self.peak_allocated, self.peak_reserved = self.allocated, self.reserved
+
+        for name, fn in {
+            "synchronize": lambda device=None: None,
+            "empty_cache": empty_cache,
+            "reset_peak_memory_stats": reset,
+            "memory_allocated": lambda device=None: self.allocated,
+            "max_memory_allocated": lambda device=None: self.peak_allocated,
+            "max_memory_reserved": lambda device=None: self.peak_reserved,
+        }.items():
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+
+def test_the_steady_state_peak_leaves_out_the_first_steps_transients(monkeypatch):
+    import torch
+
+    from profuse import stepstate
+
+    MB = 2**20
+    rng = random.Random(5)
+    resident = rng.randint(50, 150) * MB
+    first = [rng.randint(700, 900) * MB, rng.randint(500, 600) * MB, rng.randint(300, 400) * MB]
+    steady = [rng.randint(250, 300) * MB for _ in range(stepstate.STEADY_STEPS)]
+    fake = FakeAllocator(resident)
+    fake.install(monkeypatch)
+    transients = iter(first + steady)
+
+    def step():
+        fake.step(next(transients))
+        return torch.tensor(1.0)
+
+    own = stepstate.own_steps(step, torch.device("cuda"), steps=3, clock=iter([0.0, 2.0]).__next__)
+    m = own.memory
+    assert (m.reserved_bytes, m.allocated_bytes) == (resident + max(first), resident + max(first))
+    assert m.steady_reserved_bytes == m.steady_allocated_bytes == resident + max(steady)
+    assert m.steady_steps == stepstate.STEADY_STEPS and next(transients, None) is None  # every step ran
+    saved = m.to_dict()
+    assert saved["steady_reserved_bytes"] < saved["peak_bytes"] and saved["accounting"] == "reserved"
+
+    from profuse.report.stepchecks import steady_memory_note
+
+    note = steady_memory_note({"fused": saved, "liger": {**saved, "steady_reserved_bytes": None}})
+    assert note.startswith(f"; steady peak = over {stepstate.STEADY_STEPS} later steps")
+    assert "fused" in note and "liger" not in note  # a variant with no steady figure says none
+    assert steady_memory_note({"fused": {**saved, "steady_reserved_bytes": None}}) == ""
+
+
+def test_an_unsynchronised_profile_that_fails_costs_the_run_nothing_but_says_so(monkeypatch, tmp_path):
+    import torch
+
+    from profuse import stepprofile
+
+    def no_cupti(step, device, path, steps=stepprofile.UNSYNCED_STEPS):
+        raise RuntimeError("CUPTI_ERROR_NOT_INITIALIZED\nmore")
+
+    monkeypatch.setattr(stepprofile, "steady_steps", no_cupti)
+    steady, why = stepprofile.steady_or_why(lambda: None, torch.device("cuda"), tmp_path / "t.json")
+    assert steady is None and why == "RuntimeError: CUPTI_ERROR_NOT_INITIALIZED"
+    data = _cuda_run(40.0, None)
+    data["profiles"]["eager"]["steady_error"] = why
+    lines = steady_lines(data)
+    assert "one synchronised profiled step" in lines[0] and "failed: RuntimeError: CUPTI" in lines[1]
+    assert decide(data).bound_why.startswith(SYNCED_SOURCE)  # said, not hidden

@@ -185,7 +185,11 @@ def test_a_file_of_both_precisions_prints_a_table_each_then_the_moves(one_run, t
     path = tmp_path / "step.json"
     path.write_text(json.dumps(data))
     code, out, err = run(["report", str(path)], capsys)
-    assert code == 0 and out.rstrip("\n") == text
+    from profuse.report.provenance import provenance_lines
+
+    assert code == 0 and out.rstrip("\n") == "\n".join(
+        [text, "", *provenance_lines(data)]
+    )  # and the provenance
     code, out, err = run(["diff", str(path), str(path)], capsys)  # precision by precision
     assert code == 0, err
     assert f"A: {path} [amp] (" in out and f"B: {path} [bf16] (" in out

@@ -186,12 +186,13 @@ def test_the_budget_counts_what_a_run_will_do():
     assert (b["compiles"], b["checks"], b["first_steps"], b["trial_rounds"], b["host_rounds"]) == (
         3,
         1,
-        5 * S.stepstate.MEMORY_STEPS,
+        5 * (S.stepstate.MEMORY_STEPS + S.stepstate.STEADY_STEPS),  # and the steady-state memory steps
         30,
         30,
     )
     assert (b["steps_per_trial"], b["trial_rounds_at_most"], b["references"]) == (11, 30, 1)
-    assert b["profiled_steps"] == 15 and b["profile_warmup_steps"] == 5 + 3 and b["op_timings"] == 2
+    assert b["profiled_steps"] == 15 and b["profile_warmup_steps"] == 5 + 3 and b["op_timings"] == 0
+    assert b["steady_profiled_steps"] == 5 * (S.UNSYNCED_STEPS + 1)  # the unsynchronised ones, for the bound
     assert S.budget(S.StepConfig(model=TINY, profile_steps=0), ["eager"])["builds"] == 1
 
 

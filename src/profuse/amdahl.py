@@ -4,8 +4,16 @@
 
 f_i is op i's share of the eager step: its time in the labelled eager profile (forward and
 backward, its backward kernels traced through autograd's sequence numbers) over the timed eager
-step. s_i is its own speedup, fused vs the model's own unfused op, forward + backward, timed like
-Part B (interleaved trials of device time, the L2 flushed).
+step. s_i is its own speedup inside the step (in_step_speedups): its time in each profiled eager
+step over its time in each profiled fused step, the fused step profiled through a labelled copy
+(the same ranges around the fused ops: the kernels under each op's range, forward and backward).
+Both sides are the op as the step runs it, in the step's caches and call forms; the interval
+pairs the fastest and slowest profiled steps of each side (the two profiles' steps are not
+paired), and with the shares' spread gives the prediction's interval.
+
+Before in-step speedups, s_i came from the op timed alone like Part B (time_ops: interleaved
+trials of device time, the L2 flushed), which the sections below still describe and a caller may
+still use; a saved file says which (Amdahl.speedup_source).
 
 Like for like, because a prediction from unlike inputs is wrong by more than the gains it
 predicts (Llama-3.2-1B on an H200, 2026-12-05: silu_mul timed alone on one packed (n, 2F) input
@@ -45,7 +53,7 @@ import torch
 from profuse import blockops, crossentropy, fusion, rotary
 from profuse import model as M
 from profuse.attribution import HOST_CATS, STEP_PREFIX, analyze_trace
-from profuse.bench.stats import Speedup
+from profuse.bench.stats import FASTER, NO_GAIN, SLOWER, Speedup
 from profuse.bench.timing import Comparison, compare
 from profuse.env import dtype_name
 
@@ -444,6 +452,34 @@ def step_shares(trace: dict | list, device: str, ops: Sequence[str] = OPS) -> St
     return StepShares(basis, step_s, idle, found)
 
 
+def in_step_speedups(eager: StepShares, fused: StepShares) -> tuple[dict[str, dict], dict[str, str]]:
+    """Each op's speedup inside the step: its time in the profiled eager steps over its time in
+    the profiled fused steps (the kernels under its range, forward and backward), as a
+    Speedup.to_dict()-shaped dict: the medians' ratio, and from the least favourable pairing
+    (fastest eager step over slowest fused) to the most (slowest eager over fastest fused).
+    Returns (op -> speedup, op -> why none)."""
+    speedups: dict[str, dict] = {}
+    missing: dict[str, str] = {}
+    for op, e in eager.ops.items():
+        f = fused.ops.get(op)
+        if f is None or not all(t > 0 for t in f.step_s):
+            missing[op] = "the labelled fused step's profile holds no time under its range"
+            continue
+        low, high = min(e.step_s) / max(f.step_s), max(e.step_s) / min(f.step_s)
+        verdict = FASTER if low > 1.0 else SLOWER if high < 1.0 else NO_GAIN
+        speedups[op] = {
+            "median": e.median_s / f.median_s,
+            "low": low,
+            "high": high,
+            "verdict": verdict,
+            "eager_step_s": list(e.step_s),  # the op's time in each profiled step, each side
+            "fused_step_s": list(f.step_s),
+            "eager_calls": e.calls,
+            "fused_calls": f.calls,
+        }
+    return speedups, missing
+
+
 def read_step_shares(path: str, device: str, ops: Sequence[str] = OPS) -> StepShares:
     """step_shares of a trace file (the eager profile's)."""
     import json
@@ -476,6 +512,9 @@ class Amdahl:
     host_s: float | None = None  # the eager step's host time (the harness's)
     device_s: float | None = None  # the eager step's kernel time (median profiled step; CUDA)
     not_timed: dict[str, str] = field(default_factory=dict)  # op -> why its speedup is missing
+    # where op_speedups come from: "in-step" (in_step_speedups: the ops' own time inside the eager
+    # and the fused step) or "alone" (time_ops: each op timed by itself, the L2 flushed)
+    speedup_source: str = "alone"
 
     def __post_init__(self) -> None:
         self.op_s = {

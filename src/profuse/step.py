@@ -56,10 +56,11 @@ both` runs the whole of it once in each. In order:
    eager one runs through a labelled copy (ModelSpec.label), so the trace says how much of the
    step is in each op fusion replaces, forward and backward.
 5. Amdahl (profuse.amdahl): those ops' time in each profiled eager step (their spread carried
-   into the interval), their own speedups timed like Part B in the call forms, shapes and dtypes
-   the fused step uses (forward + backward, device time), each eager op's time alone checked
-   against its time in the step's trace, the gain 1 / ((1 - sum f) + sum f / s) printed beside
-   the gain measured in 3, with a caveat where the eager step is not device-bound.
+   into the interval), their own speedups inside the step (each op's time under its range in the
+   profiled eager steps over the profiled fused steps, the fused one profiled through a copy
+   labelled the same way: forward + backward, the profile's basis), the gain 1 / ((1 - sum f) +
+   sum f / s) printed beside the gain measured in 3, with a caveat where the eager step is not
+   device-bound.
 6. The verdict (profuse.verdict): the winner, or the variants tied with it (bench.stats.
    tie_verdict over the paired trials), and what bounds each step (bench.stats.bound), decided
    once and saved; the report prints it.
@@ -87,7 +88,7 @@ from torch.profiler import record_function
 from profuse import __version__, fusion, samemath, stepstate
 from profuse import amdahl as A
 from profuse import compile as _compile
-from profuse.amdahl import QK_NORM_ROPE, ROPE, Amdahl, OpTiming
+from profuse.amdahl import Amdahl, OpTiming
 from profuse.bench import DEFAULT_TRIALS
 from profuse.bench.stats import Speedup, speedup_ci
 from profuse.bench.timing import REFEREE, Comparison, TrialDesign, balanced_trials, compare
@@ -112,7 +113,7 @@ from profuse.models.spec import (
 )
 from profuse.profiling import BACKWARD, FORWARD, OPTIMIZER
 from profuse.samemath import CHECK_FACTOR, FullCheck, MathCheck
-from profuse.stepprofile import VariantProfile, agreement, profile_variant
+from profuse.stepprofile import UNSYNCED_STEPS, VariantProfile, agreement, profile_variant
 from profuse.stepstate import StepMemory, WeightsCheck
 from profuse.verdict import StepVerdict, decide
 
@@ -748,30 +749,39 @@ def _release(device: torch.device) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _labelled(cfg: StepConfig, eager: _Variant) -> tuple[_Variant, str]:
+def _labelled(
+    cfg: StepConfig, eager: _Variant, v: _Variant | None = None, ops: fusion.BlockOps | None = None
+) -> tuple[_Variant, str]:
     """A copy of the eager model over the same parameters, the ops fusion replaces in profiler
-    ranges (ModelSpec.label, the math unchanged); or the eager variant itself and why, where the
-    model cannot be labelled (profiled unlabelled: no Amdahl prediction)."""
+    ranges (ModelSpec.label, the math unchanged), or with `ops` the fused variant `v` made again
+    from it with the same ranges around its fused ops (ModelSpec.fuse(label=True)); or the
+    variant itself and why, where the model cannot be labelled (profiled unlabelled: no Amdahl
+    prediction)."""
+    target = v or eager
     shared = {id(p): p for p in eager.model.parameters()}
     model = copy.deepcopy(eager.model, memo=dict(shared))
     try:
-        cfg.spec.label(model)
-    except ValueError as err:  # a model fusion cannot fuse
-        return eager, _first_line(err)
+        if v is None:
+            cfg.spec.label(model)
+        else:
+            cfg.spec.fuse(model, ops, label=True)
+    except Exception as err:  # a model fusion cannot fuse (or label): profiled as timed, no Amdahl
+        return target, _first_line(err)
     if {id(p) for p in model.parameters()} != shared.keys():
-        return eager, "labelling it replaced the model's parameters"
-    return _Variant(BASELINE, model, model, eager.loss, eager.ref_loss, eager.autocast, eager.globals), ""
+        return target, "labelling it replaced the model's parameters"
+    return replace(target, model=model, net=model), ""
 
 
-def _profile_stage(cfg, variants, optimizer, batch, tell, phase) -> dict[str, VariantProfile]:
+def _profile_stage(cfg, variants, optimizer, batch, tell, phase, ops) -> dict[str, VariantProfile]:
     """Step 5: each timed variant's step profiled as it was timed (nothing built or compiled
-    again); eager through its labelled copy."""
+    again); eager and fused (block ops `ops`) through labelled copies, for Amdahl's in-step times."""
     profiles: dict[str, VariantProfile] = {}
+    eager = next((v for v in variants if v.name == BASELINE), None)
     for i, v in enumerate(variants):
         say = lambda msg, i=i, name=v.name: tell(f"profile: {name}: {msg}", i, len(variants))
         target, label_error, block_ops = v, "", {}
-        if v.name == BASELINE:
-            target, label_error = _labelled(cfg, v)
+        if v.name == BASELINE or (v.name == "fused" and eager is not None):  # Amdahl's two sides
+            target, label_error = _labelled(cfg, v) if v is eager else _labelled(cfg, eager, v, ops)
             block_ops = {} if label_error else {op: fusion.BLOCK_OP_RANGES[op] for op in OPS}
         with phase(f"profile:{v.name}"):
             step = _train_step(target, optimizer, batch, cfg.device, ranges=True)
@@ -823,18 +833,17 @@ def budget(cfg: StepConfig, names: Sequence[str]) -> dict[str, int]:
     n, cuda = len(names), cfg.device.type == "cuda"
     design = trial_design(cfg.device)
     rounds = balanced_trials(n, cfg.trials) if design.balanced and n else cfg.trials  # whole Williams designs
-    ops = A.eager_impls(cfg.spec.family)  # a model has rope or qk_norm_rope, not both
     checked = [c for c in CHECKED_VARIANTS if c in names or (c == "fused" and "compile+fused" in names)]
     profiled = cfg.profile_steps > 0
     compiled = sum(name in COMPILED_VARIANTS for name in names)
-    fused_timed = profiled and any(name in FUSED_VARIANTS for name in names)
     return {
         "variants": n,
         "compiles": compiled,  # torch.compile of the whole model, forward and backward, once each
         "builds": 1 + (1 if profiled else 0),  # the model, and eager's labelled copy for its profile
         "checks": len(checked),  # each: a small copy's step as the variant, unfused and in float64
         "references": 1 if BASELINE in names else 0,  # the full-size fp32 / float64 step (samemath)
-        "first_steps": n * (stepstate.MEMORY_STEPS if cuda else 1),  # each variant's own (stepstate)
+        # each variant's own (stepstate), and on CUDA its steady-state memory steps
+        "first_steps": n * (stepstate.MEMORY_STEPS + stepstate.STEADY_STEPS if cuda else 1),
         "warmup_steps_at_least": n * cfg.warmup * (design.warmup_block or design.calls),
         "trial_rounds": rounds,
         "trial_rounds_at_most": max(rounds, design.max_trials),  # more where the top two are close
@@ -842,8 +851,9 @@ def budget(cfg: StepConfig, names: Sequence[str]) -> dict[str, int]:
         "host_rounds": (design.host_rounds or cfg.trials) if cuda else 0,  # each variant once a round
         "profiled_steps": n * cfg.profile_steps if profiled else 0,
         "profile_warmup_steps": (n + compiled) if profiled else 0,
-        # at most: each op the labelled eager profile finds, trial_rounds of it fused and eager
-        "op_timings": (len(ops) - (ROPE in ops and QK_NORM_ROPE in ops)) if fused_timed else 0,
+        # CUDA: each variant's unsynchronised steps for the bound, one more first (stepprofile)
+        "steady_profiled_steps": n * (UNSYNCED_STEPS + 1) if profiled and cuda else 0,
+        "op_timings": 0,  # Amdahl reads the ops' in-step times from the profiles: none timed alone
     }
 
 
@@ -944,19 +954,11 @@ def math_rows(
     return rows
 
 
-def _op_dtypes(cfg: StepConfig) -> A.OpDtypes:
-    """The step's dtypes as its ops see them: the parameters' (the residual stream's), the
-    compute dtype, and autocast where the two differ (amp)."""
-    stream = cfg.param_dtype
-    return A.OpDtypes(stream=stream, compute=cfg.dtype, autocast=stream != cfg.dtype)
-
-
-def _amdahl_stage(
-    cfg, block_ops, comparison, profiles, timed, tell
-) -> tuple[dict[str, OpTiming], Amdahl | None, str]:
-    """Step 5 (profuse.amdahl): the labelled eager profile read step by step, the ops found in it
-    timed in the step's call forms, shapes and dtypes (where a fused variant was timed), and the
-    prediction; or why there is none."""
+def _amdahl_stage(cfg, comparison, profiles) -> tuple[dict[str, OpTiming], Amdahl | None, str]:
+    """Step 5 (profuse.amdahl): the labelled eager profile read step by step, each op's speedup
+    from its own time inside the eager and the labelled fused step (amdahl.in_step_speedups,
+    where fused was timed and profiled), and the prediction; or why there is none. No op is
+    timed alone: the first element stays empty (older files hold such timings)."""
     eager_profile = profiles.get(BASELINE)
     if eager_profile is None or comparison is None:
         return {}, None, ""
@@ -966,32 +968,34 @@ def _amdahl_stage(
     shares = A.read_step_shares(eager_profile.trace_path, cfg.device.type)
     if not shares.ops:
         return {}, None, f"{no_labels} (the eager profile has no labelled block ops)"
-    ops_timed: dict[str, OpTiming] = {}
+    speedups: dict[str, dict] = {}
     not_timed: dict[str, str] = {}
-    if any(n in timed for n in FUSED_VARIANTS):
-        spec, dtypes = cfg.spec, _op_dtypes(cfg)
-        dims = A.OpDims.from_dims(spec.dims(), spec.op_shapes().eps)
-        impls = A.fused_impls(block_ops)
-        cases = A.op_cases(shares.ops, spec.family, dims, dtypes, cfg.device, cfg.seed, impls)
-        ops_timed, not_timed = A.time_ops(
-            cases, device=cfg.device, dtypes=dtypes, trials=cfg.trials, warmup=cfg.warmup, seed=cfg.seed,
-            progress=tell,
-        )  # fmt: skip
+    fused_profile = profiles.get("fused")
+    if fused_profile is not None and fused_profile.label_error:
+        why = f"the fused step could not be labelled ({fused_profile.label_error})"
+        not_timed = dict.fromkeys(shares.ops, why)
+    elif fused_profile is not None:
+        fused_shares = A.read_step_shares(fused_profile.trace_path, cfg.device.type)
+        speedups, not_timed = A.in_step_speedups(shares, fused_shares)
     cuda = cfg.device.type == "cuda"
     fused_sp = comparison.speedups.get("fused")
+    steady = eager_profile.steady
+    idle = shares.idle_pct  # the synchronised profile's, where no unsynchronised one matches the loop
+    if steady is not None and steady.agrees is not False:
+        idle = steady.gpu_idle_pct
     amdahl = Amdahl(
         eager_step_s=comparison.median_s(BASELINE),
         op_s={op: share.step_s for op, share in shares.ops.items()},
-        op_speedups={op: t.speedup.to_dict() for op, t in ops_timed.items()},
+        op_speedups=speedups,
         measured=fused_sp.to_dict() if fused_sp else None,
         calls={op: share.calls for op, share in shares.ops.items()},
-        eager_call_s={op: t.eager_s for op, t in ops_timed.items()},
-        gpu_idle_pct=shares.idle_pct,
+        gpu_idle_pct=idle,
         host_s=comparison.timings[BASELINE].host_s if cuda else None,
         device_s=shares.device_s if cuda else None,
         not_timed=not_timed,
+        speedup_source="in-step",
     )
-    return ops_timed, amdahl, ""
+    return {}, amdahl, ""
 
 
 def run_step(
@@ -1061,7 +1065,7 @@ def run_step(
     if cfg.profile_steps > 0 and timed:  # step 4
         with phase("profiles"):
             timed_variants = [v for v in variants if v.name in timed]
-            profiles = _profile_stage(cfg, timed_variants, optimizer, batch, tell, phase)
+            profiles = _profile_stage(cfg, timed_variants, optimizer, batch, tell, phase, block_ops)
             del timed_variants
         for name, p in profiles.items():  # the unsynchronised profile beside the timed trials
             if p.steady is not None:
@@ -1069,7 +1073,7 @@ def run_step(
     del steps, variants, optimizer, params
     _release(dev)
     with phase("ops"):
-        ops_timed, amdahl, amdahl_note = _amdahl_stage(cfg, block_ops, comparison, profiles, timed, tell)
+        ops_timed, amdahl, amdahl_note = _amdahl_stage(cfg, comparison, profiles)
 
     result = StepResult(
         config=cfg,

@@ -11,7 +11,7 @@ reads to say why a variant's rank moved between the precisions.
 The profiled steps above each end in a synchronisation, so the GPU drains between them and the
 next step's first launches run on an idle card: their idle share and wall time are not the timed
 loop's (3-10% longer for Llama-3.2-1B on an H100, 35-60% for the small preset). What bounds a
-step is read instead from STEADY_STEPS consecutive steps with no synchronisation between them
+step is read instead from UNSYNCED_STEPS consecutive steps with no synchronisation between them
 (`steady_steps`, CUDA only): the profiler records the GPU's activity alone (no host events, the
 least overhead it can add), one synchronisation ends the run, and the kernels' timeline gives the
 GPU's idle share between the first kernel and the last, and the time a step there. That step
@@ -40,7 +40,7 @@ PROFILE_WARMUP = 1
 TOP_OPS = 8  # the operator table's rows kept a step
 # Consecutive unsynchronised steps profiled for the idle share: enough that the first step's
 # start from a drained queue is a tenth of the window.
-STEADY_STEPS = 10
+UNSYNCED_STEPS = 10
 _BUSY = ("kernel", "gpu_memcpy", "gpu_memset")
 
 
@@ -102,7 +102,7 @@ def agreement(steady: SteadySteps, trial_times_s: list[float]) -> SteadySteps:
 
 
 def steady_steps(
-    step: Callable[[], object], device: torch.device, path: Path, steps: int = STEADY_STEPS
+    step: Callable[[], object], device: torch.device, path: Path, steps: int = UNSYNCED_STEPS
 ) -> SteadySteps:
     """`steps` consecutive steps under torch.profiler recording the GPU's activity alone, one
     synchronisation at the end; the trace written to `path` and read (read_steady)."""
@@ -139,6 +139,7 @@ class VariantProfile:
     steps: int = 0  # profiled steps
     step_times_ms: list[float] = field(default_factory=list)  # each profiled step, synchronised
     steady: SteadySteps | None = None  # CUDA: consecutive unsynchronised steps (steady_steps)
+    steady_error: str = ""  # why there are none, where their profile could not be read
 
     def to_dict(self) -> dict:
         out = asdict(self)
@@ -151,6 +152,19 @@ def trace_name(variant: str, tag: str = "") -> str:
     'trace-step-compile-fused-bf16.json'."""
     suffix = f"-{tag}" if tag else ""
     return f"trace-step-{variant.replace('+', '-')}{suffix}.json"
+
+
+def steady_or_why(
+    step: Callable[[], object], device: torch.device, path: Path
+) -> tuple[SteadySteps | None, str]:
+    """steady_steps, or None and why (one line) where its profile cannot be taken or read (no
+    CUPTI, a trace with no kernel): the run keeps its trials, and the bound says it has no idle
+    share from them."""
+    try:
+        return steady_steps(step, device, path), ""
+    except Exception as err:  # a profile that fails must not cost the run its timed trials
+        text = str(err).strip().splitlines()
+        return None, f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def profile_variant(
@@ -170,7 +184,7 @@ def profile_variant(
 ) -> VariantProfile:
     """Profile `steps` of variant `name`'s `step` (warm already). `regions`: profiler range
     names to measure; `block_ops` (op -> its range) the ones whose shares the eager profile
-    reports. On CUDA, then STEADY_STEPS of `timed_step` (the step as it was timed, no profiler
+    reports. On CUDA, then UNSYNCED_STEPS of `timed_step` (the step as it was timed, no profiler
     ranges; default `step`) unsynchronised (steady_steps)."""
     result = profile(
         step,
@@ -186,6 +200,11 @@ def profile_variant(
     )
     s = result.summary
     n = max(s.steps, 1)
+    steady, steady_error = None, ""
+    if device.type == "cuda":
+        steady, steady_error = steady_or_why(
+            timed_step or step, device, out_dir / trace_name(f"{name}-steady", tag)
+        )
     per_step_ms = s.total_us / n / 1e3
     return VariantProfile(
         step_ms=result.step_ms,
@@ -206,9 +225,6 @@ def profile_variant(
         top_ops={row.name: row.self_us / n / 1e3 for row in result.rows[:TOP_OPS]},
         steps=s.steps,
         step_times_ms=list(result.step_times_ms),
-        steady=(
-            steady_steps(timed_step or step, device, out_dir / trace_name(f"{name}-steady", tag))
-            if device.type == "cuda"
-            else None
-        ),
+        steady=steady,
+        steady_error=steady_error,
     )

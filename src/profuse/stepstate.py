@@ -21,6 +21,10 @@ variant leaves the others something different:
   is what runs out), with the peak allocated beside it as information (`own_steps`). What is
   resident when they start, the shared parameters and AdamW state, is in every variant's peak
   alike. A variant's CUDA graph pool lives as long as its graphs, so graph variants go last.
+  That peak holds the first steps' transients (compilation, autotuning, a first launch's checks,
+  graph capture); the steady state is measured beside it: after them the allocator's cache is
+  emptied again and the peaks reset, and STEADY_STEPS more steps give the peak reserved and
+  allocated of steps as a training loop runs them once started (what a memory target is set on).
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ import torch
 # variant's warm-up run), the second (its graphs captured), the third (replayed, as every later
 # step): its memory over warm-up, capture and steady state.
 MEMORY_STEPS = 3
+# Steps after those, from an emptied cache: the steady-state peak (a step's own high-water mark,
+# twice, so a step that frees what the previous one left counts too).
+STEADY_STEPS = 2
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -84,6 +91,10 @@ class StepMemory:
     reserved_bytes: int  # peak max_memory_reserved over its steps: what can run out
     allocated_bytes: int  # peak max_memory_allocated over them: tensors alone, for information
     steps: int  # its steps measured (MEMORY_STEPS)
+    # over STEADY_STEPS later steps, from an emptied cache and reset peaks (None: not measured)
+    steady_reserved_bytes: int | None = None
+    steady_allocated_bytes: int | None = None
+    steady_steps: int = 0
 
     @property
     def peak_bytes(self) -> int:
@@ -122,9 +133,11 @@ def own_steps(
     device: torch.device,
     steps: int = MEMORY_STEPS,
     clock: Callable[[], float] = time.perf_counter,
+    steady: int = STEADY_STEPS,
 ) -> OwnSteps:
     """`steps` whole steps of one variant from an emptied allocator (CUDA): the first timed
-    alone, the peak memory over all of them."""
+    alone, the peak memory over all of them; then (CUDA) `steady` more from an emptied cache,
+    their peak the steady state's."""
     if steps < 1:
         raise ValueError(f"steps must be at least 1, got {steps}")
     cuda = device.type == "cuda"
@@ -146,6 +159,15 @@ def own_steps(
             allocated_bytes=torch.cuda.max_memory_allocated(device),
             steps=steps,
         )
+        if steady > 0:  # the cache emptied of the first steps' transients, the peaks reset
+            loss = None
+            empty_allocator(device)
+            for _ in range(steady):
+                loss = step()
+            _sync(device)
+            memory.steady_reserved_bytes = torch.cuda.max_memory_reserved(device)
+            memory.steady_allocated_bytes = torch.cuda.max_memory_allocated(device)
+            memory.steady_steps = steady
     return OwnSteps(first_s, memory, loss)
 
 

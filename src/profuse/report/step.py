@@ -99,13 +99,20 @@ def steady_lines(data: dict) -> list[str]:
         return []
     if not steady:
         return ["GPU idle and the bound: from one synchronised profiled step (this file has no "
-                "unsynchronised profile; such a step runs longer than the timed loop)"]  # fmt: skip
+                "unsynchronised profile; such a step runs longer than the timed loop)"] + [
+            f"{n:>{W}}  the unsynchronised profile failed: {p['steady_error']}"
+            for n, p in profiles.items() if p.get("steady_error")
+        ]  # fmt: skip
     n = next(iter(steady.values()))["steps"]
     lines = [
         f"GPU idle and the bound: from {n} consecutive unsynchronised profiled steps (GPU activity "
         "alone), used where their step time is within the timed trials' range; profiled step vs "
         "timed median:"
     ]
+    for name, p in profiles.items():
+        if p.get("steady_error"):
+            why = p["steady_error"]
+            lines.append(f"{name:>{W}}  no unsynchronised profile ({why}); idle from its synchronised step")
     for name, st in steady.items():
         median = st.get("timed_median_ms")
         if median is None:
@@ -204,6 +211,9 @@ def _table(data: dict) -> list[str]:
         header += f"  {'first step':>10}"
     if cuda:
         header += f"  {'peak memory':>11}"
+    steady = cuda and any(m.get("steady_reserved_bytes") is not None for m in memory.values())
+    if steady:  # the steady state's peak reserved, beside the first steps' (memory_note says how)
+        header += f"  {'steady peak':>11}"
     if profiles:
         header += f"  {launches + '/step':>14}  {'memory-bound':>12}"
         if cuda:
@@ -231,6 +241,9 @@ def _table(data: dict) -> list[str]:
         if cuda:
             mem = memory.get(name)
             row += f"  {fmt_bytes(mem['peak_bytes']) if mem else '-':>11}"
+            if steady:
+                value = (mem or {}).get("steady_reserved_bytes")
+                row += f"  {fmt_bytes(value) if value is not None else '-':>11}"
         p = profiles.get(name)
         if profiles:
             row += (
@@ -619,7 +632,7 @@ def verdict_line(data: dict) -> str:
 # "memory" is older files' (a step apart per variant; now inside each variant's own first steps).
 PHASES = (("check", "check"), ("build", "build"), ("reference", "reference"), ("first", "first steps"),
           ("trials", "trials"), ("memory", "memory"), ("profiles", "profiles"),
-          ("ops", "op timings"))  # fmt: skip
+          ("ops", "Amdahl"))  # fmt: skip
 
 
 def time_lines(data: dict) -> list[str]:

@@ -7,6 +7,8 @@ existed print what they hold.
 
 from __future__ import annotations
 
+import statistics
+
 from profuse.report.units import fmt_bytes, fmt_time, speedup_terms
 
 W = 14  # variant column: fits "compile+fused"
@@ -179,6 +181,22 @@ def memory_note(data: dict) -> str:
         f"emptied allocator (empty_cache, reset_peak_memory_stats) with the shared parameters and AdamW "
         f"state resident ({fmt_bytes(m['resident_bytes'])}, in every figure alike); allocated at peak: "
         f"{allocated}"
+    ) + steady_memory_note(memory)
+
+
+def steady_memory_note(memory: dict) -> str:
+    """The steady state's peaks beside the first steps' ('' for files from before them)."""
+    steady = {n: v for n, v in memory.items() if v.get("steady_reserved_bytes") is not None}
+    if not steady:
+        return ""
+    m = next(iter(steady.values()))
+    each = ", ".join(
+        f"{n} {fmt_bytes(v['steady_reserved_bytes'])} / {fmt_bytes(v['steady_allocated_bytes'])}"
+        for n, v in steady.items()
+    )
+    return (
+        f"; steady peak = over {m['steady_steps']} later steps, the cache emptied of the first steps' "
+        f"transients and the peaks reset, reserved / allocated: {each}"
     )
 
 
@@ -231,7 +249,21 @@ def amdahl_lines(data: dict) -> list[str]:
         f"({', '.join(parts)}; forward and backward, their {basis} in {over} over the timed eager step)",
     ]
     clock = "device time" if cuda else "wall clock"
-    if a["op_speedups"]:
+    in_step = a.get("speedup_source") == "in-step"
+    if a["op_speedups"] and in_step:
+        fused_steps = len(next(iter(a["op_speedups"].values())).get("fused_step_s") or [])
+        lines.append(
+            f"  their speedups inside the step: each op's {basis} under its range, forward + backward, in "
+            f"{steps} profiled eager steps over {fused_steps} profiled fused steps (labelled alike); the "
+            "interval from the least to the most favourable pairing of those steps:"
+        )
+        for op, sp in a["op_speedups"].items():
+            each = (
+                f"{fmt_time(statistics.median(sp['eager_step_s'])).strip()} -> "
+                f"{fmt_time(statistics.median(sp['fused_step_s'])).strip()} a step"
+            )
+            lines.append(f"  {op:>20}  {each:<48}  {speedup_words(sp)}")
+    elif a["op_speedups"]:
         lines.append(
             f"  their speedups, fused vs eager in the step's call forms, shapes and dtypes, forward + "
             f"backward, {clock}:"
@@ -253,10 +285,13 @@ def amdahl_lines(data: dict) -> list[str]:
     if pred:
         ops_only = ""
         if "ops_low" in pred:
-            ops_only = f"; {pred['ops_low']:.3f}-{pred['ops_high']:.3f} over the ops' CIs alone"
+            alone = "intervals" if in_step else "CIs"
+            ops_only = f"; {pred['ops_low']:.3f}-{pred['ops_high']:.3f} over the ops' {alone} alone"
         spread = (
             "the ops' CIs and the shares' spread over the profiled steps"
-            if "ops_low" in pred
+            if "ops_low" in pred and not in_step
+            else "the ops' in-step intervals and the shares' spread over the profiled steps"
+            if in_step
             else "the ops' CIs"
         )
         lines.append(
