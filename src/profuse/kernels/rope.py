@@ -126,29 +126,45 @@ def _rotate(a1, a2, c1, c2, s1, s2, BACKWARD: tl.constexpr):
 
 @triton.jit
 def _rope_heads(
-    X_ptr, W_ptr, O_ptr, x_base, x_head_stride, out_base, n_heads, half, c1, c2, s1, s2, eps, d_mask,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, BACKWARD: tl.constexpr,
+    X_ptr, W_ptr, O_ptr, x_base, x_head_stride, out_base, n_heads, half, head_dim, c1, c2, s1, s2, eps,
+    d_mask, p_mask, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, NORM: tl.constexpr,
+    BACKWARD: tl.constexpr,
 ):  # fmt: skip
     """All heads of one token of one tensor: load both halves, (norm,) rotate, store both halves
     to the (B, T, H, D)-stored output at `out_base`. `d_mask`: the lanes of a half-head to move
-    (none where the token is past the last)."""
+    (none where the token is past the last). With partial rotary (BLOCK_P > 0) the head's last
+    head_dim - 2 half lanes (`p_mask`) pass through unrotated (normalised first with NORM)."""
     heads = tl.arange(0, BLOCK_H).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = (heads < n_heads)[:, None] & d_mask[None, :]
     offs = x_base + heads[:, None] * x_head_stride + d[None, :]
     a1 = tl.load(X_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     a2 = tl.load(X_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
+    if BLOCK_P > 0:
+        p = tl.arange(0, BLOCK_P)
+        pmask = (heads < n_heads)[:, None] & p_mask[None, :]
+        poffs = x_base + heads[:, None] * x_head_stride + 2 * half + p[None, :]
+        ap = tl.load(X_ptr + poffs, mask=pmask, other=0.0).to(tl.float32)
     if NORM:
         eps = tl.cast(eps, tl.float32)
         w1 = tl.load(W_ptr + d, mask=d < half, other=0.0).to(tl.float32)
         w2 = tl.load(W_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt((tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) / (2 * half) + eps)
+        ss = tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)
+        if BLOCK_P > 0:
+            ss += tl.sum(ap * ap, axis=1)
+        rstd = tl.rsqrt(ss / head_dim + eps)
         a1 = a1 * rstd[:, None] * w1[None, :]
         a2 = a2 * rstd[:, None] * w2[None, :]
+        if BLOCK_P > 0:
+            wp = tl.load(W_ptr + 2 * half + p, mask=p < head_dim - 2 * half, other=0.0).to(tl.float32)
+            ap = ap * rstd[:, None] * wp[None, :]
     y1, y2 = _rotate(a1, a2, c1[None, :], c2[None, :], s1[None, :], s2[None, :], BACKWARD)
-    out = out_base + heads[:, None] * (2 * half) + d[None, :]
+    out = out_base + heads[:, None] * head_dim + d[None, :]
     tl.store(O_ptr + out, y1.to(O_ptr.dtype.element_ty), mask=mask)
     tl.store(O_ptr + out + half, y2.to(O_ptr.dtype.element_ty), mask=mask)
+    if BLOCK_P > 0:
+        pout = out_base + heads[:, None] * head_dim + 2 * half + p[None, :]
+        tl.store(O_ptr + pout, ap.to(O_ptr.dtype.element_ty), mask=pmask)
 
 
 @triton.jit
@@ -173,11 +189,13 @@ def _rope_kernel(
     seq_len,
     n_q_heads,
     n_k_heads,
-    half,  # D / 2
+    half,  # the rotary dim / 2: D / 2, or less for partial rotary
+    head_dim,  # D
     eps,
     BLOCK_HQ: tl.constexpr,  # heads rounded up to a power of two
     BLOCK_HK: tl.constexpr,
     BLOCK_D: tl.constexpr,  # half rounded up to a power of two
+    BLOCK_P: tl.constexpr,  # D - 2 half (the lanes passed through) rounded up; 0 for full rotary
     ROWS: tl.constexpr,  # tokens a program takes, unrolled
     NORM: tl.constexpr,  # qk_norm_rope: each head normalised first
     BACKWARD: tl.constexpr,  # rope's backward: the transposed rotation (never with NORM)
@@ -193,16 +211,21 @@ def _rope_kernel(
         # The lanes to move: none past the last token (the row test as a block: Triton's
         # interpreter takes no scalar in a mask).
         m = d_mask & ((row + tl.zeros([BLOCK_D], dtype=tl.int64)) < n_rows)
+        if BLOCK_P > 0:
+            p = tl.arange(0, BLOCK_P)
+            pm = (p < head_dim - 2 * half) & ((row + tl.zeros([BLOCK_P], dtype=tl.int64)) < n_rows)
+        else:
+            pm = m
         c1 = tl.load(COS_ptr + cs, mask=m, other=0.0).to(tl.float32)
         c2 = tl.load(COS_ptr + cs + half, mask=m, other=0.0).to(tl.float32)
         s1 = tl.load(SIN_ptr + cs, mask=m, other=0.0).to(tl.float32)
         s2 = tl.load(SIN_ptr + cs + half, mask=m, other=0.0).to(tl.float32)
         _rope_heads(Q_ptr, QW_ptr, QO_ptr, b * q_batch_stride + t * q_seq_stride, q_head_stride,
-                    row * n_q_heads * 2 * half, n_q_heads, half, c1, c2, s1, s2, eps, m,
-                    BLOCK_HQ, BLOCK_D, NORM, BACKWARD)  # fmt: skip
+                    row * n_q_heads * head_dim, n_q_heads, half, head_dim, c1, c2, s1, s2, eps, m, pm,
+                    BLOCK_HQ, BLOCK_D, BLOCK_P, NORM, BACKWARD)  # fmt: skip
         _rope_heads(K_ptr, KW_ptr, KO_ptr, b * k_batch_stride + t * k_seq_stride, k_head_stride,
-                    row * n_k_heads * 2 * half, n_k_heads, half, c1, c2, s1, s2, eps, m,
-                    BLOCK_HK, BLOCK_D, NORM, BACKWARD)  # fmt: skip
+                    row * n_k_heads * head_dim, n_k_heads, half, head_dim, c1, c2, s1, s2, eps, m, pm,
+                    BLOCK_HK, BLOCK_D, BLOCK_P, NORM, BACKWARD)  # fmt: skip
 
 
 @triton.jit
@@ -327,13 +350,17 @@ def _norm_rope_bwd_kernel(
 _PLANS = PlanCache()
 
 
-def _row_launch(cfg: KernelConfig, n_rows: int, heads: tuple[int, int], norm: bool, backward: bool) -> Launch:
-    """The row-grid kernel for `cfg`, bound to its grid. Runtime arguments: _rope_kernel's."""
+def _row_launch(
+    cfg: KernelConfig, n_rows: int, heads: tuple[int, int], norm: bool, backward: bool, n_pass: int = 0
+) -> Launch:
+    """The row-grid kernel for `cfg`, bound to its grid. Runtime arguments: _rope_kernel's.
+    `n_pass`: the lanes of a head past the rotary dim (partial rotary), else 0."""
     kind = "qk_norm_rope fwd" if norm else ("rope bwd" if backward else "rope fwd")
     return Launch(
         _rope_kernel, (triton.cdiv(n_rows, cfg.block_m),), cfg, kind,
         BLOCK_HQ=triton.next_power_of_2(heads[0]), BLOCK_HK=triton.next_power_of_2(heads[1]),
-        BLOCK_D=cfg.block_n, ROWS=cfg.block_m, NORM=norm, BACKWARD=backward, num_warps=cfg.num_warps,
+        BLOCK_D=cfg.block_n, BLOCK_P=triton.next_power_of_2(n_pass) if n_pass else 0, ROWS=cfg.block_m,
+        NORM=norm, BACKWARD=backward, num_warps=cfg.num_warps,
     )  # fmt: skip
 
 
@@ -377,16 +404,17 @@ def _bht(x: torch.Tensor, seq_dim: int = 2) -> tuple[int, int, int]:
 
 def _row_plan(key: tuple, args: tuple, norm: bool, backward: bool) -> Launch:
     """The row-grid launch for a new signature: the tuned config, bound to this shape's grid."""
-    _, n_rows, _, hq, hk, d, *_, device = key
+    _, n_rows, _, hq, hk, d, rot, *_, device = key
     check_runnable(device, "qk_norm_rope" if norm else "rope")
-    candidates = rope_candidates(n_rows, hq, hk, d // 2, norm)
+    candidates = rope_candidates(n_rows, hq, hk, rot // 2, norm)
     tune_key = (key[0], C.pow2_rows(n_rows), *key[3:-1])
 
     def run(c):  # returns the outputs, so the tuner compares each candidate's answer
-        _row_launch(c, n_rows, (hq, hk), norm, backward)(*args)
+        _row_launch(c, n_rows, (hq, hk), norm, backward, d - rot)(*args)
         return args[6], args[7]
 
-    launch = _row_launch(TUNER.pick(tune_key, candidates, run, device), n_rows, (hq, hk), norm, backward)
+    cfg = TUNER.pick(tune_key, candidates, run, device)
+    launch = _row_launch(cfg, n_rows, (hq, hk), norm, backward, d - rot)
     if not capturing(device):  # a plan made inside a graph capture is untuned: not kept
         _PLANS.add(key, launch)
     return launch
@@ -423,12 +451,14 @@ def _run_rows(name, q, k, qw, kw, cos, sin, qo, ko, eps, seq_dim, norm, backward
     if n_rows == 0:
         return
     cos, sin, cos_bs, cos_ts = _cos_sin(cos, sin)
+    rot = cos.shape[-1]  # the rotary dim: d, or less (partial rotary: the rest passes through)
     args = (q, k, cos, sin, qw, kw, qo, ko, *_bht(q, seq_dim), *_bht(k, seq_dim), cos_bs, cos_ts,
-            n_rows, t, hq, hk, d // 2, eps)  # fmt: skip
+            n_rows, t, hq, hk, rot // 2, d, eps)  # fmt: skip
     if config is not None:
-        _row_launch(config, n_rows, (hq, hk), norm, backward)(*args)
+        _row_launch(config, n_rows, (hq, hk), norm, backward, d - rot)(*args)
         return
-    key = (name, n_rows, t, hq, hk, d, q.dtype, k.dtype, cos.dtype, qw.dtype, qo.dtype, ko.dtype, q.device)
+    key = (name, n_rows, t, hq, hk, d, rot, q.dtype, k.dtype, cos.dtype, qw.dtype, qo.dtype, ko.dtype,
+           q.device)  # fmt: skip
     launch = _PLANS.get(key)
     if launch is None:
         launch = _row_plan(key, args, norm, backward)
