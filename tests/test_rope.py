@@ -605,7 +605,32 @@ def test_partial_rotary_refusals(device):
     q = torch.randn(1, 2, 3, 8, device=device)
     with pytest.raises(ValueError, match="rotary dim"):
         R.rope(q, q, torch.ones(1, 3, 5, device=device), torch.ones(1, 3, 5, device=device))
-    qt = q.transpose(1, 2)
-    w = torch.ones(8, device=device)
-    with pytest.raises(ValueError, match="partial rotary"):
-        R.qk_norm_rope(qt, qt, w, w, torch.ones(1, 3, 4, device=device), torch.ones(1, 3, 4, device=device))
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
+def test_qk_norm_rope_partial_rotary(dtype, device, poisoned_rope):
+    """qk_norm_rope with cos narrower than head_dim: the norm over the whole head, the first R
+    lanes rotated; outputs and every gradient (q, k, both weights) against float64 and eager."""
+    d, rot = 20, 12
+    gen = torch.Generator().manual_seed(43)
+    q = randn((2, 5, 4, d), dtype, gen, device)
+    k = randn((2, 5, 2, d), dtype, gen, device)
+    qw, kw = randn((d,), dtype, gen, device, mean=1.0, std=0.3), randn((d,), dtype, gen, device, 1.0, 0.3)
+    angles = torch.rand((2, 5, rot // 2), generator=gen) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(device)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(device)
+    dq, dk = randn((2, 4, 5, d), FP32, gen, device), randn((2, 2, 5, d), FP32, gen, device)
+    results = []
+    for fn, cast in (
+        (R.qk_norm_rope, None),
+        (R.qk_norm_rope_eager, None),
+        (R.qk_norm_rope_reference, torch.float64),
+    ):
+        leaves = [t.detach().clone().to(cast or t.dtype).requires_grad_() for t in (q, k, qw, kw)]
+        qo, ko = fn(*leaves, cos, sin)
+        torch.autograd.backward((qo, ko), (dq.to(qo.dtype), dk.to(ko.dtype)))
+        results.append((qo.detach(), ko.detach(), *(t.grad for t in leaves)))
+    tol = T.BACKWARD_TOL[dtype]
+    for got, eager, ref in zip(*results):
+        err, err_e = T.relative_error(got, ref), T.relative_error(eager, ref)
+        assert err <= tol and err <= 3 * max(err_e, T.UNIT_ROUNDOFF[dtype]), (err, err_e)

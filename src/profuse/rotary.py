@@ -135,11 +135,6 @@ def check_qk_norm_rope_args(q, k, q_weight, k_weight, cos, sin) -> None:
     """Raise ValueError naming the argument whose type, shape, dtype or device is off."""
     _check_common(q, k, cos, sin, heads_dim=2)
     d = q.shape[-1]
-    if cos.shape[-1] != d:
-        raise ValueError(
-            f"qk_norm_rope rotates the whole head: cos has {cos.shape[-1]} lanes for head_dim {d} "
-            "(partial rotary with q/k norms is not fused yet: use qk_norm_rope_eager)"
-        )
     for name, w in (("q_weight", q_weight), ("k_weight", k_weight)):
         if not isinstance(w, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(w).__name__}")
