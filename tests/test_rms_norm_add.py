@@ -1,7 +1,7 @@
 """rms_norm_add, the post-norm layouts' h = residual + rms_norm(x) * w (OLMo 2 and 3): output
 and every gradient against float64 and against eager in OLMo 2's order (which is checked against
 transformers' Olmo2RMSNorm), fp32, bf16 and a bf16 branch on an fp32 stream, the (1 + w) offset,
-partial requires_grad, double backward refused, torch.compile without a graph break."""
+partial requires_grad, double backward refused (torch.compile: tests/test_gated.py)."""
 
 from __future__ import annotations
 
@@ -80,20 +80,3 @@ def test_partial_requires_grad_and_refusals(device):
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError, match="residual has shape"):
         B.rms_norm_add(x, r[:2], w)
-
-
-def test_compile_fullgraph(device):
-    def f(x, r, w):
-        return B.rms_norm_add(x, r, w).pow(2).sum()
-
-    torch._dynamo.reset()
-    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
-    inputs = [_randn((2, 3, 16), FP32, 11, device), _randn((2, 3, 16), FP32, 12, device),
-              _randn((16,), FP32, 13, device)]  # fmt: skip
-    results = []
-    for fn in (compiled, f):
-        leaves = [t.clone().requires_grad_() for t in inputs]
-        fn(*leaves).backward()
-        results.append([leaf.grad for leaf in leaves])
-    for c, e in zip(*results):
-        assert T.relative_error(c, e) <= 1e-6
