@@ -46,6 +46,8 @@ def variants() -> list[tuple[str, dict[str, str], str]]:
         ("fused accum=weight", {"PROFUSE_CE_ACCUM": "weight"}, "fused"),
         ("fused chunk=1024", {"PROFUSE_CE_CHUNK": "1024"}, "fused"),
         ("fused chunk=512", {"PROFUSE_CE_CHUNK": "512"}, "fused"),
+        ("fused chunk=1024 accum=weight", {"PROFUSE_CE_CHUNK": "1024", "PROFUSE_CE_ACCUM": "weight"},
+         "fused"),  # fmt: skip
         ("fused chunk=512 accum=weight", {"PROFUSE_CE_CHUNK": "512", "PROFUSE_CE_ACCUM": "weight"}, "fused"),
         ("liger", {}, "liger"),
     ]

@@ -8,8 +8,9 @@ RuntimeError that starts with "profuse:" and names the op and the eager op to us
 first-order backward on the same graph still matches float64.
 
 The ops: tail_triton, silu_mul (two tensors and packed), add_rms_norm, rms_norm, rope,
-qk_norm_rope and linear_cross_entropy, on tiny odd shapes (primes, one key head under three query
-heads, a vocab of 13 with ignored labels) under the interpreter on a CPU.
+qk_norm_rope, gelu_mul, clamped_swiglu (packed), rms_norm_add and linear_cross_entropy, on tiny
+odd shapes (primes, one key head under three query heads, a vocab of 13 with ignored labels)
+under the interpreter on a CPU.
 
 Tolerances: profuse.tail.BACKWARD_TOL, relative error against float64 autograd in the gradient's
 dtype (16u in bf16, a floor of 1e-5 in fp32; derived in tests/test_kernels_backward.py,
@@ -87,6 +88,24 @@ OPS = {
         ("q_bthd", "k_bthd", "q_weight", "k_weight", "cos", "sin"),
         "profuse.rotary.qk_norm_rope_eager",
     ),
+    "gelu_mul": (
+        lambda g, u: [B.gelu_mul(g, u)],
+        lambda g, u: [B.gelu_mul_reference(g, u)],
+        ("gate", "up"),
+        "profuse.blockops.gelu_mul_eager",
+    ),
+    "clamped_swiglu packed": (
+        lambda gu: [B.clamped_swiglu(gu)],
+        lambda gu: [B.clamped_swiglu_reference(gu)],
+        ("gate_up",),
+        "profuse.blockops.clamped_swiglu_eager",
+    ),
+    "rms_norm_add": (
+        lambda x, r, w: [B.rms_norm_add(x, r, w, EPS)],
+        lambda x, r, w: [B.rms_norm_add_reference(x, r, w, EPS)],
+        ("x", "residual", "weight"),
+        "profuse.blockops.rms_norm_add_eager",
+    ),
     "linear_cross_entropy": (
         lambda h, w, y: [CE.linear_cross_entropy(h, w, y)],
         lambda h, w, y: [CE.linear_cross_entropy_reference(h, w, y)],
@@ -118,6 +137,10 @@ CASES = [
     ("qk_norm_rope", ("q_bthd", "k_bthd", "q_weight", "k_weight")),
     ("qk_norm_rope", ("q_bthd",)),
     ("qk_norm_rope", ("k_weight",)),
+    ("gelu_mul", ("gate", "up")),
+    ("clamped_swiglu packed", ("gate_up",)),
+    ("rms_norm_add", ("x", "residual", "weight")),
+    ("rms_norm_add", ("weight",)),
     ("linear_cross_entropy", ("hidden", "head")),
     ("linear_cross_entropy", ("hidden",)),
     ("linear_cross_entropy", ("head",)),

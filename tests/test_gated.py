@@ -137,13 +137,25 @@ def test_bad_arguments_are_one_line_errors(device):
 
 
 def test_compile_fullgraph(device):
-    def f(gu, g, u):
-        return B.clamped_swiglu(gu).sum() + B.gelu_mul(g, u).sum()
+    """The new ops and flags under torch.compile in one graph (one trace for all, the suite's
+    time): clamped_swiglu, gelu_mul, rms_norm_add, and silu_mul and add_rms_norm with
+    inplace_backward and the (1 + w) offset, whose compiled backwards stay functional; the same
+    gradients as the eager calls."""
+
+    def f(gu, g, u, x, r, w):
+        a = (
+            B.clamped_swiglu(gu).sum()
+            + B.gelu_mul(g, u).sum()
+            + B.silu_mul(gu * 1, inplace_backward=True).sum()
+        )
+        y, h = B.add_rms_norm(x, r, w, weight_offset=1.0, inplace_backward=True)
+        return a + (y * y).sum() + h.sum() + B.rms_norm_add(x, r, w).pow(2).sum()
 
     torch._dynamo.reset()
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
     inputs = [_randn((2, 12), FP32, 10, device, 4.0), _randn((2, 6), FP32, 11, device),
-              _randn((2, 6), FP32, 12, device)]  # fmt: skip
+              _randn((2, 6), FP32, 12, device), _randn((2, 3, 8), FP32, 13, device),
+              _randn((2, 3, 8), FP32, 14, device), _randn((8,), FP32, 15, device)]  # fmt: skip
     results = []
     for fn in (compiled, f):
         leaves = [t.clone().requires_grad_() for t in inputs]

@@ -561,3 +561,76 @@ def test_swapped_into_a_transformers_attention(arch, device, monkeypatch):
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.shape == w.shape and T.relative_error(g, w) <= 1e-5, i
+
+
+# --------------------------------------------------------------------------------------------
+# Partial rotary (Phi-3/4, GLM-4): cos and sin narrower than head_dim
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
+@pytest.mark.parametrize("dims", [(24, 16), (34, 10)], ids=str)
+def test_partial_rotary_against_float64_eager_and_phi3(dims, dtype, device, poisoned_rope):
+    """The first R lanes of each head rotated, the other D - R passed through: outputs and
+    gradients against float64 and eager, and eager against transformers' Phi3 function."""
+    d, rot = dims
+    gen = torch.Generator().manual_seed(41)
+    q = randn((2, 4, 5, d), dtype, gen, device)
+    k = randn((2, 2, 5, d), dtype, gen, device)
+    angles = torch.rand((1, 5, rot // 2), generator=gen) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(device)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(device)
+    # Gradients that q's dtype holds exactly, so the passed-through lanes' can be compared bitwise.
+    dq, dk = (randn(x.shape, dtype, gen, device).float() for x in (q, k))
+    results = []
+    for fn, cast in ((R.rope, None), (R.rope_eager, None), (R.rope_reference, torch.float64)):
+        qq, kk = (t.detach().clone().to(cast or t.dtype).requires_grad_() for t in (q, k))
+        qo, ko = fn(qq, kk, cos, sin)
+        torch.autograd.backward((qo, ko), (dq.to(qo.dtype), dk.to(ko.dtype)))
+        results.append((qo.detach(), ko.detach(), qq.grad, kk.grad))
+    tol = T.BACKWARD_TOL[dtype]
+    for got, eager, ref in zip(*results):
+        err, err_e = T.relative_error(got, ref), T.relative_error(eager, ref)
+        assert err <= tol and err <= 3 * max(err_e, T.UNIT_ROUNDOFF[dtype]), (err, err_e)
+    # The passed-through lanes are q's own, bit for bit, and their gradient dq's.
+    assert torch.equal(results[0][0][..., rot:], q[..., rot:].to(results[0][0].dtype))
+    assert torch.equal(results[0][2][..., rot:], dq[..., rot:].to(dtype))
+    phi3 = pytest.importorskip("transformers.models.phi3.modeling_phi3")
+    want = phi3.apply_rotary_pos_emb(q, k, cos, sin)
+    for a, b in zip(R.rope_eager(q, k, cos, sin), want):
+        assert torch.equal(a, b)
+
+
+def test_partial_rotary_refusals(device):
+    q = torch.randn(1, 2, 3, 8, device=device)
+    with pytest.raises(ValueError, match="rotary dim"):
+        R.rope(q, q, torch.ones(1, 3, 5, device=device), torch.ones(1, 3, 5, device=device))
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
+def test_qk_norm_rope_partial_rotary(dtype, device, poisoned_rope):
+    """qk_norm_rope with cos narrower than head_dim: the norm over the whole head, the first R
+    lanes rotated; outputs and every gradient (q, k, both weights) against float64 and eager."""
+    d, rot = 20, 12
+    gen = torch.Generator().manual_seed(43)
+    q = randn((2, 5, 4, d), dtype, gen, device)
+    k = randn((2, 5, 2, d), dtype, gen, device)
+    qw, kw = randn((d,), dtype, gen, device, mean=1.0, std=0.3), randn((d,), dtype, gen, device, 1.0, 0.3)
+    angles = torch.rand((2, 5, rot // 2), generator=gen) * 6
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(device)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(device)
+    dq, dk = randn((2, 4, 5, d), FP32, gen, device), randn((2, 2, 5, d), FP32, gen, device)
+    results = []
+    for fn, cast in (
+        (R.qk_norm_rope, None),
+        (R.qk_norm_rope_eager, None),
+        (R.qk_norm_rope_reference, torch.float64),
+    ):
+        leaves = [t.detach().clone().to(cast or t.dtype).requires_grad_() for t in (q, k, qw, kw)]
+        qo, ko = fn(*leaves, cos, sin)
+        torch.autograd.backward((qo, ko), (dq.to(qo.dtype), dk.to(ko.dtype)))
+        results.append((qo.detach(), ko.detach(), *(t.grad for t in leaves)))
+    tol = T.BACKWARD_TOL[dtype]
+    for got, eager, ref in zip(*results):
+        err, err_e = T.relative_error(got, ref), T.relative_error(eager, ref)
+        assert err <= tol and err <= 3 * max(err_e, T.UNIT_ROUNDOFF[dtype]), (err, err_e)

@@ -410,3 +410,54 @@ def _gated_kernels():
 
         _GATED = gated
     return _GATED
+
+
+# --------------------------------------------------------------------------------------------
+# rms_norm_add: the post-norm layouts' norm, then the add (OLMo 2 and 3)
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm_add_eager(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = DEFAULT_EPS,
+    weight_offset: float = 0.0,
+) -> torch.Tensor:
+    """residual + norm(x) as OLMo 2's layer computes it: Olmo2RMSNorm (fp32 inside, times the
+    weight in fp32, one cast to x's dtype), then the residual add."""
+    x32 = x.to(torch.float32)
+    y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return residual + ((weight.float() + weight_offset) * y).to(x.dtype)
+
+
+def rms_norm_add_reference(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = DEFAULT_EPS,
+    weight_offset: float = 0.0,
+) -> torch.Tensor:
+    """The oracle: float64, written out."""
+    return residual.double() + rms_norm_reference(x, weight, eps, weight_offset)
+
+
+def rms_norm_add(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = DEFAULT_EPS,
+    *,
+    weight_offset: float = 0.0,
+) -> torch.Tensor:
+    """h = residual + rms_norm(x) * weight (post-norm: the sublayer's output x normalised, then
+    added to the stream), in one Triton kernel forward (fp32 inside, rounded once, h in the dtype
+    x + residual has) and rms_norm's one backward kernel (dresidual is dh itself). A mode of the
+    rms_norm kernel, not of add_rms_norm: add_rms_norm adds before its norm and keeps the sum,
+    this adds after and keeps x, so only the forward's last step differs from rms_norm."""
+    check_add_rms_norm_args(x, residual, weight)
+    if not HAS_TRITON:
+        raise RuntimeError(TRITON_MISSING)
+    from profuse.kernels import rms_norm as kernel
+
+    return kernel.rms_norm_add_fused(x, residual, weight, float(eps), float(weight_offset))

@@ -3,7 +3,9 @@
     rope(x) = x * cos + rotate_half(x) * sin,   rotate_half([x1, x2]) = [-x2, x1]
 
 over the last dimension (head_dim D, halves x1 and x2), with cos and sin of shape (B, T, D) as a
-Hugging Face model's rotary module returns them (the same for every head). Queries are
+Hugging Face model's rotary module returns them (the same for every head). Partial rotary (Phi-3
+and Phi-4-mini, GLM-4): cos and sin of (B, T, R), R < D even, rotate each head's first R lanes
+(their halves) and pass the other D - R through, as those models' apply_rotary_pos_emb does. Queries are
 (B, Hq, T, D) and keys (B, Hk, T, D), Hk <= Hq under grouped-query attention: the layout
 Hugging Face's attention passes (views of (B, T, H, D) projections, transposed; any strides with
 a contiguous last dimension).
@@ -39,8 +41,18 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rope_eager(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Hugging Face's apply_rotary_pos_emb op for op: q, k (B, H, T, D); cos, sin (B, T, D)."""
+    """Hugging Face's apply_rotary_pos_emb op for op: q, k (B, H, T, D); cos, sin (B, T, D).
+    Partial rotary (cos and sin (B, T, R), R < D; Phi-3/4's form): the first R lanes of each
+    head are rotated, the rest passed through, as Phi3's apply_rotary_pos_emb does."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rot = cos.shape[-1]
+    if rot < q.shape[-1]:
+        (q_rot, q_pass), (k_rot, k_pass) = (
+            q.split((rot, q.shape[-1] - rot), -1),
+            k.split((rot, k.shape[-1] - rot), -1),
+        )
+        return (torch.cat((q_rot * cos + rotate_half(q_rot) * sin, q_pass), -1),
+                torch.cat((k_rot * cos + rotate_half(k_rot) * sin, k_pass), -1))  # fmt: skip
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
@@ -102,10 +114,13 @@ def _check_common(q, k, cos, sin, heads_dim: int) -> None:
         raise ValueError(f"k has shape {tuple(k.shape)}, which does not match q's {tuple(q.shape)}")
     if q.shape[heads_dim] % max(k.shape[heads_dim], 1):
         raise ValueError(f"q's {q.shape[heads_dim]} heads are not a multiple of k's {k.shape[heads_dim]}")
-    want = (q.shape[seq_dim], d)
+    rot = cos.shape[-1] if isinstance(cos, torch.Tensor) and cos.dim() == 3 else d
+    if rot > d or rot == 0 or rot % 2:
+        rot = d  # reported as a shape mismatch below
+    want = (q.shape[seq_dim], rot)
     for name, t in (("cos", cos), ("sin", sin)):
         if t.dim() != 3 or tuple(t.shape[1:]) != want or t.shape[0] not in (1, q.shape[0]):
-            expected = f"({q.shape[0]} or 1, {want[0]}, {d})"
+            expected = f"({q.shape[0]} or 1, {want[0]}, {d}, or an even rotary dim below {d})"
             raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {expected}")
     if q.stride(-1) != 1 or k.stride(-1) != 1:
         raise ValueError("q and k need a contiguous last dimension (head_dim)")

@@ -54,10 +54,13 @@ def _rms_norm_fwd_kernel(
     n_cols,
     eps,
     w_offset,  # added to w in fp32: 1.0 for Gemma's (1 + w) norms, else 0.0
+    R_ptr,  # (n_rows, n_cols) residual added after the norm; unused unless HAS_RESIDUAL
+    r_row_stride,
     BLOCK_M: tl.constexpr,  # rows per tile: several when rows are narrow
     BLOCK_N: tl.constexpr,  # next power of two >= n_cols: the whole row is held
     NUM_STAGES: tl.constexpr,  # pipelining of the tile loop (persistent grids)
     STORE_RSTD: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,  # rms_norm_add: y = r + x * rstd * w (post-norm layouts)
 ):
     """Tiles of BLOCK_M whole rows: y = x * rstd * w, rounded once. Program p takes tiles p,
     p + P, ...: one each where the grid covers every tile, else a persistent loop that loads the
@@ -75,6 +78,10 @@ def _rms_norm_fwd_kernel(
         x = tl.load(X_ptr + rows[:, None] * x_row_stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # masked columns hold 0
         y = x * rstd[:, None] * w[None, :]
+        if HAS_RESIDUAL:
+            y += tl.load(R_ptr + rows[:, None] * r_row_stride + cols[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
         tl.store(Y_ptr + rows[:, None] * n_cols + cols[None, :], y.to(Y_ptr.dtype.element_ty), mask=mask)
         if STORE_RSTD:
             tl.store(RSTD_ptr + rows, rstd, mask=row_mask)
@@ -96,7 +103,7 @@ def _too_wide(n_cols: int) -> ValueError:
     )
 
 
-def _forward_launch(cfg: KernelConfig, n_rows: int, store_rstd: bool) -> Launch:
+def _forward_launch(cfg: KernelConfig, n_rows: int, store_rstd: bool, has_residual: bool = False) -> Launch:
     """The forward kernel of `cfg`, bound to its grid. Runtime arguments:
     (x, w, y, rstd, x_row_stride, n_rows, n_cols, eps)."""
     n_tiles = triton.cdiv(n_rows, cfg.block_m)
@@ -104,23 +111,25 @@ def _forward_launch(cfg: KernelConfig, n_rows: int, store_rstd: bool) -> Launch:
     return Launch(
         _rms_norm_fwd_kernel, grid, cfg, "rms_norm fwd",
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NUM_STAGES=cfg.num_stages, STORE_RSTD=store_rstd,
-        num_warps=cfg.num_warps,
+        HAS_RESIDUAL=has_residual, num_warps=cfg.num_warps,
     )  # fmt: skip
 
 
 def _forward_plan(key: tuple, args: tuple) -> Launch:
     """The forward's launch for a new signature: the tuned config (timed now if its tuning key
     is new), bound to this shape's grid."""
-    n_rows, n_cols, x_dtype, w_dtype, device, store_rstd = key
+    n_rows, n_cols, x_dtype, w_dtype, device, store_rstd, r_dtype = key
     check_runnable(device, "rms_norm")
     candidates = C.add_rms_norm_forward_candidates(n_rows, n_cols, sm_count(device))
-    tune_key = ("rms_norm_fwd", C.pow2_rows(n_rows), n_cols, x_dtype, w_dtype, store_rstd)
+    tune_key = ("rms_norm_fwd", C.pow2_rows(n_rows), n_cols, x_dtype, w_dtype, store_rstd, r_dtype)
+    has_residual = r_dtype is not None
 
     def run(c):  # returns y, so the tuner compares each candidate's answer
-        _forward_launch(c, n_rows, store_rstd)(*args)
+        _forward_launch(c, n_rows, store_rstd, has_residual)(*args)
         return args[2]
 
-    return _forward_launch(TUNER.pick(tune_key, candidates, run, device), n_rows, store_rstd)
+    cfg = TUNER.pick(tune_key, candidates, run, device)
+    return _forward_launch(cfg, n_rows, store_rstd, has_residual)
 
 
 def rms_norm_forward(
@@ -130,20 +139,24 @@ def rms_norm_forward(
     config: KernelConfig | None = None,
     store_rstd: bool = True,
     w_offset: float = 0.0,
+    residual: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, rstd) for x (..., N): y in x's dtype, contiguous; rstd fp32 shaped x.shape[:-1]
     (None when `store_rstd` is off: no gradient wanted). `config` runs that launch shape;
-    without it the shape's plan runs (tuned on its first call)."""
+    without it the shape's plan runs (tuned on its first call). With `residual` (x's shape):
+    y = residual + x * rstd * w, in the dtype x + residual has (rms_norm_add)."""
     n_cols = x.shape[-1]
     if n_cols > MAX_COLS:
         raise _too_wide(n_cols)
     xr = as_rows(x, n_cols)
     n_rows, dev = xr.shape[0], x.device
-    y = torch.empty(x.shape, dtype=x.dtype, device=dev)
+    y_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
+    y = torch.empty(x.shape, dtype=y_dtype, device=dev)
     rstd = torch.empty(x.shape[:-1], dtype=torch.float32, device=dev) if store_rstd else None
     if n_rows == 0:
         return y, rstd
-    # Without rstd, y stands in for its pointer (STORE_RSTD is off).
+    # Without rstd, y stands in for its pointer (STORE_RSTD is off); without residual, x.
+    rr = None if residual is None else as_rows(residual, n_cols)
     args = (
         xr,
         weight.contiguous(),
@@ -154,11 +167,22 @@ def rms_norm_forward(
         n_cols,
         eps,
         w_offset,
+        xr if residual is None else rr,
+        0 if residual is None else rr.stride(0),
     )
+    has_residual = residual is not None
     if config is not None:
-        launch = _forward_launch(config, n_rows, store_rstd)
+        launch = _forward_launch(config, n_rows, store_rstd, has_residual)
     else:
-        key = (n_rows, n_cols, x.dtype, weight.dtype, dev, store_rstd)
+        key = (
+            n_rows,
+            n_cols,
+            x.dtype,
+            weight.dtype,
+            dev,
+            store_rstd,
+            None if residual is None else residual.dtype,
+        )
         launch = _FWD_PLANS.get(key)
         if launch is None:
             launch = _forward_plan(key, args)
@@ -255,6 +279,64 @@ class RMSNormFunction(torch.autograd.Function):
             dy, x, weight, rstd, (need_x, need_w), inplace=ctx.inplace, w_offset=ctx.w_offset
         )
         return (*grads, None, None, None)
+
+
+def _add_forward_op(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, w_offset: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y, rstd = rms_norm_forward(x, weight, eps, w_offset=w_offset, residual=residual)
+    return y, rstd
+
+
+def _add_forward_fake(x, residual, weight, eps, w_offset):
+    y = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
+    return y, x.new_empty(x.shape[:-1], dtype=torch.float32)
+
+
+_add_forward_compiled = compiled_op("rms_norm_add_fwd", _add_forward_op, _add_forward_fake)
+
+
+class RMSNormAddFunction(torch.autograd.Function):
+    """h = residual + rms_norm(x) * w: saves x, the weight and rstd, as RMSNormFunction does.
+    Its backward is rms_norm's with dy = dh (one kernel), and dresidual = dh itself (the add's
+    own backward, no kernel). Double backward is refused in one line."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps, w_offset=0.0):
+        ctx.w_offset, ctx.r_dtype = w_offset, residual.dtype
+        if torch.compiler.is_compiling():
+            h, rstd = _add_forward_compiled(x)(x, residual, weight, eps, w_offset)
+        else:
+            h, rstd = rms_norm_forward(x, weight, eps, w_offset=w_offset, residual=residual)
+        ctx.save_for_backward(x, weight, rstd)
+        return h
+
+    @staticmethod
+    def backward(ctx, dh):
+        x, weight, rstd = ctx.saved_tensors
+        need_x, need_r, need_w = ctx.needs_input_grad[:3]
+        dr = dh.to(ctx.r_dtype) if need_r else None
+        dh = dh.to(x.dtype)  # the normalised term's gradient in its own dtype, as eager's cast gives it
+        if not (need_x or need_w):
+            return None, dr, None, None, None
+        if torch.compiler.is_compiling():
+            dx, dw = _backward_compiled(x)(dh, x, weight, rstd, need_x, need_w, ctx.w_offset)
+            return (dx if need_x else None), dr, (dw if need_w else None), None, None
+        if torch.is_grad_enabled():  # create_graph=True: the kernel's gradients have no grad_fn
+            raise double_backward_error("rms_norm_add", "profuse.blockops.rms_norm_add_eager")
+        dx, dw = rms_norm_backward(dh, x, weight, rstd, (need_x, need_w), w_offset=ctx.w_offset)
+        return dx, dr, dw, None, None
+
+
+def rms_norm_add_fused(x, residual, weight, eps: float, w_offset: float = 0.0) -> torch.Tensor:
+    """h = residual + rms_norm(x) * w on checked inputs (the post-norm layouts' sublayer add)."""
+    if x.shape[-1] > MAX_COLS:
+        raise _too_wide(x.shape[-1])
+    if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
+        return RMSNormAddFunction.apply(x, residual, weight, eps, w_offset)
+    if torch.compiler.is_compiling():
+        return _add_forward_compiled(x)(x, residual, weight, eps, w_offset)[0]
+    return rms_norm_forward(x, weight, eps, store_rstd=False, w_offset=w_offset, residual=residual)[0]
 
 
 def rms_norm_fused(

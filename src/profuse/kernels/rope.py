@@ -126,29 +126,45 @@ def _rotate(a1, a2, c1, c2, s1, s2, BACKWARD: tl.constexpr):
 
 @triton.jit
 def _rope_heads(
-    X_ptr, W_ptr, O_ptr, x_base, x_head_stride, out_base, n_heads, half, c1, c2, s1, s2, eps, d_mask,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, BACKWARD: tl.constexpr,
+    X_ptr, W_ptr, O_ptr, x_base, x_head_stride, out_base, n_heads, half, head_dim, c1, c2, s1, s2, eps,
+    d_mask, p_mask, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, NORM: tl.constexpr,
+    BACKWARD: tl.constexpr,
 ):  # fmt: skip
     """All heads of one token of one tensor: load both halves, (norm,) rotate, store both halves
     to the (B, T, H, D)-stored output at `out_base`. `d_mask`: the lanes of a half-head to move
-    (none where the token is past the last)."""
+    (none where the token is past the last). With partial rotary (BLOCK_P > 0) the head's last
+    head_dim - 2 half lanes (`p_mask`) pass through unrotated (normalised first with NORM)."""
     heads = tl.arange(0, BLOCK_H).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = (heads < n_heads)[:, None] & d_mask[None, :]
     offs = x_base + heads[:, None] * x_head_stride + d[None, :]
     a1 = tl.load(X_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     a2 = tl.load(X_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
+    if BLOCK_P > 0:
+        p = tl.arange(0, BLOCK_P)
+        pmask = (heads < n_heads)[:, None] & p_mask[None, :]
+        poffs = x_base + heads[:, None] * x_head_stride + 2 * half + p[None, :]
+        ap = tl.load(X_ptr + poffs, mask=pmask, other=0.0).to(tl.float32)
     if NORM:
         eps = tl.cast(eps, tl.float32)
         w1 = tl.load(W_ptr + d, mask=d < half, other=0.0).to(tl.float32)
         w2 = tl.load(W_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt((tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)) / (2 * half) + eps)
+        ss = tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)
+        if BLOCK_P > 0:
+            ss += tl.sum(ap * ap, axis=1)
+        rstd = tl.rsqrt(ss / head_dim + eps)
         a1 = a1 * rstd[:, None] * w1[None, :]
         a2 = a2 * rstd[:, None] * w2[None, :]
+        if BLOCK_P > 0:
+            wp = tl.load(W_ptr + 2 * half + p, mask=p < head_dim - 2 * half, other=0.0).to(tl.float32)
+            ap = ap * rstd[:, None] * wp[None, :]
     y1, y2 = _rotate(a1, a2, c1[None, :], c2[None, :], s1[None, :], s2[None, :], BACKWARD)
-    out = out_base + heads[:, None] * (2 * half) + d[None, :]
+    out = out_base + heads[:, None] * head_dim + d[None, :]
     tl.store(O_ptr + out, y1.to(O_ptr.dtype.element_ty), mask=mask)
     tl.store(O_ptr + out + half, y2.to(O_ptr.dtype.element_ty), mask=mask)
+    if BLOCK_P > 0:
+        pout = out_base + heads[:, None] * head_dim + 2 * half + p[None, :]
+        tl.store(O_ptr + pout, ap.to(O_ptr.dtype.element_ty), mask=pmask)
 
 
 @triton.jit
@@ -173,11 +189,13 @@ def _rope_kernel(
     seq_len,
     n_q_heads,
     n_k_heads,
-    half,  # D / 2
+    half,  # the rotary dim / 2: D / 2, or less for partial rotary
+    head_dim,  # D
     eps,
     BLOCK_HQ: tl.constexpr,  # heads rounded up to a power of two
     BLOCK_HK: tl.constexpr,
     BLOCK_D: tl.constexpr,  # half rounded up to a power of two
+    BLOCK_P: tl.constexpr,  # D - 2 half (the lanes passed through) rounded up; 0 for full rotary
     ROWS: tl.constexpr,  # tokens a program takes, unrolled
     NORM: tl.constexpr,  # qk_norm_rope: each head normalised first
     BACKWARD: tl.constexpr,  # rope's backward: the transposed rotation (never with NORM)
@@ -193,25 +211,32 @@ def _rope_kernel(
         # The lanes to move: none past the last token (the row test as a block: Triton's
         # interpreter takes no scalar in a mask).
         m = d_mask & ((row + tl.zeros([BLOCK_D], dtype=tl.int64)) < n_rows)
+        if BLOCK_P > 0:
+            p = tl.arange(0, BLOCK_P)
+            pm = (p < head_dim - 2 * half) & ((row + tl.zeros([BLOCK_P], dtype=tl.int64)) < n_rows)
+        else:
+            pm = m
         c1 = tl.load(COS_ptr + cs, mask=m, other=0.0).to(tl.float32)
         c2 = tl.load(COS_ptr + cs + half, mask=m, other=0.0).to(tl.float32)
         s1 = tl.load(SIN_ptr + cs, mask=m, other=0.0).to(tl.float32)
         s2 = tl.load(SIN_ptr + cs + half, mask=m, other=0.0).to(tl.float32)
         _rope_heads(Q_ptr, QW_ptr, QO_ptr, b * q_batch_stride + t * q_seq_stride, q_head_stride,
-                    row * n_q_heads * 2 * half, n_q_heads, half, c1, c2, s1, s2, eps, m,
-                    BLOCK_HQ, BLOCK_D, NORM, BACKWARD)  # fmt: skip
+                    row * n_q_heads * head_dim, n_q_heads, half, head_dim, c1, c2, s1, s2, eps, m, pm,
+                    BLOCK_HQ, BLOCK_D, BLOCK_P, NORM, BACKWARD)  # fmt: skip
         _rope_heads(K_ptr, KW_ptr, KO_ptr, b * k_batch_stride + t * k_seq_stride, k_head_stride,
-                    row * n_k_heads * 2 * half, n_k_heads, half, c1, c2, s1, s2, eps, m,
-                    BLOCK_HK, BLOCK_D, NORM, BACKWARD)  # fmt: skip
+                    row * n_k_heads * head_dim, n_k_heads, half, head_dim, c1, c2, s1, s2, eps, m, pm,
+                    BLOCK_HK, BLOCK_D, BLOCK_P, NORM, BACKWARD)  # fmt: skip
 
 
 @triton.jit
 def _norm_rope_bwd_heads(
     DY_ptr, X_ptr, W_ptr, DX_ptr, dy_base, dy_head_stride, x_base, x_head_stride, out_base, n_heads, half,
-    c1, c2, s1, s2, eps, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, STORE_DX: tl.constexpr,
+    head_dim, c1, c2, s1, s2, eps, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    STORE_DX: tl.constexpr,
 ):  # fmt: skip
     """One token's heads of one tensor: dx stored (STORE_DX), this token's dw terms returned as
-    the (BLOCK_D,) sums over its heads of dz1 * x_hat1 and dz2 * x_hat2."""
+    the (BLOCK_D,) sums over its heads of dz1 * x_hat1 and dz2 * x_hat2, and (BLOCK_P,) of
+    dy * x_hat over the lanes past the rotary dim (partial rotary; unrotated, so dz = dy)."""
     eps = tl.cast(eps, tl.float32)
     heads = tl.arange(0, BLOCK_H).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
@@ -223,19 +248,43 @@ def _norm_rope_bwd_heads(
     x1 = tl.load(X_ptr + xs, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(X_ptr + xs + half, mask=mask, other=0.0).to(tl.float32)
     dz1, dz2 = _rotate(dy1, dy2, c1[None, :], c2[None, :], s1[None, :], s2[None, :], True)
-    rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * half) + eps)[:, None]
+    ss = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+    p = tl.arange(0, BLOCK_P if BLOCK_P > 0 else 1)
+    if BLOCK_P > 0:
+        pmask = (heads < n_heads)[:, None] & (p < head_dim - 2 * half)[None, :]
+        dyp = tl.load(DY_ptr + dy_base + heads[:, None] * dy_head_stride + 2 * half + p[None, :], mask=pmask,
+                      other=0.0).to(tl.float32)  # fmt: skip
+        xp = tl.load(X_ptr + x_base + heads[:, None] * x_head_stride + 2 * half + p[None, :], mask=pmask,
+                     other=0.0).to(tl.float32)  # fmt: skip
+        ss += tl.sum(xp * xp, axis=1)
+    rstd = tl.rsqrt(ss / head_dim + eps)[:, None]
     xh1 = x1 * rstd
     xh2 = x2 * rstd
+    if BLOCK_P > 0:
+        xhp = xp * rstd
+        dwp = tl.sum(dyp * xhp, axis=0)
+    else:
+        dwp = tl.zeros([1], dtype=tl.float32)
     if STORE_DX:
         w1 = tl.load(W_ptr + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
         w2 = tl.load(W_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
         g1 = dz1 * w1
         g2 = dz2 * w2
-        mean = ((tl.sum(g1 * xh1, axis=1) + tl.sum(g2 * xh2, axis=1)) / (2 * half))[:, None]
-        out = out_base + heads[:, None] * (2 * half) + d[None, :]
+        gx = tl.sum(g1 * xh1, axis=1) + tl.sum(g2 * xh2, axis=1)
+        if BLOCK_P > 0:
+            wp = tl.load(W_ptr + 2 * half + p, mask=p < head_dim - 2 * half, other=0.0).to(tl.float32)[
+                None, :
+            ]
+            gp = dyp * wp
+            gx += tl.sum(gp * xhp, axis=1)
+        mean = (gx / head_dim)[:, None]
+        out = out_base + heads[:, None] * head_dim + d[None, :]
         tl.store(DX_ptr + out, (rstd * (g1 - xh1 * mean)).to(DX_ptr.dtype.element_ty), mask=mask)
         tl.store(DX_ptr + out + half, (rstd * (g2 - xh2 * mean)).to(DX_ptr.dtype.element_ty), mask=mask)
-    return tl.sum(dz1 * xh1, axis=0), tl.sum(dz2 * xh2, axis=0)
+        if BLOCK_P > 0:
+            pout = out_base + heads[:, None] * head_dim + 2 * half + p[None, :]
+            tl.store(DX_ptr + pout, (rstd * (gp - xhp * mean)).to(DX_ptr.dtype.element_ty), mask=pmask)
+    return tl.sum(dz1 * xh1, axis=0), tl.sum(dz2 * xh2, axis=0), dwp
 
 
 @triton.jit
@@ -270,16 +319,18 @@ def _norm_rope_bwd_kernel(
     n_q_heads,
     n_k_heads,
     half,
+    head_dim,
     eps,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # the lanes past the rotary dim, rounded up; 0 for full rotary
     NUM_STAGES: tl.constexpr,  # software pipelining of the token loop
     STORE_DX: tl.constexpr,
     COMPUTE_DW: tl.constexpr,
 ):
     """Persistent grid: program p takes tokens p, p + P, ...; dq and dk per token, dw summed
-    over the program's tokens in fp32 and stored as its partial row."""
+    over the program's tokens in fp32 and stored as its partial row (q's D lanes, then k's)."""
     pid = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     d_mask = d < half
@@ -287,6 +338,9 @@ def _norm_rope_bwd_kernel(
     dwq2 = tl.zeros([BLOCK_D], dtype=tl.float32)
     dwk1 = tl.zeros([BLOCK_D], dtype=tl.float32)
     dwk2 = tl.zeros([BLOCK_D], dtype=tl.float32)
+    p = tl.arange(0, BLOCK_P if BLOCK_P > 0 else 1)
+    dwqp = tl.zeros([BLOCK_P if BLOCK_P > 0 else 1], dtype=tl.float32)
+    dwkp = tl.zeros([BLOCK_P if BLOCK_P > 0 else 1], dtype=tl.float32)
     for r in tl.range(pid, n_rows, tl.num_programs(0), num_stages=NUM_STAGES):
         row = tl.cast(r, tl.int64)
         b = row // seq_len
@@ -296,26 +350,33 @@ def _norm_rope_bwd_kernel(
         c2 = tl.load(COS_ptr + cs + half, mask=d_mask, other=0.0).to(tl.float32)
         s1 = tl.load(SIN_ptr + cs, mask=d_mask, other=0.0).to(tl.float32)
         s2 = tl.load(SIN_ptr + cs + half, mask=d_mask, other=0.0).to(tl.float32)
-        q1, q2 = _norm_rope_bwd_heads(
+        q1, q2, qp = _norm_rope_bwd_heads(
             DQO_ptr, Q_ptr, QW_ptr, DQ_ptr, b * dqo_batch_stride + t * dqo_seq_stride, dqo_head_stride,
-            b * q_batch_stride + t * q_seq_stride, q_head_stride, row * n_q_heads * 2 * half, n_q_heads,
-            half, c1, c2, s1, s2, eps, BLOCK_HQ, BLOCK_D, STORE_DX,
+            b * q_batch_stride + t * q_seq_stride, q_head_stride, row * n_q_heads * head_dim, n_q_heads,
+            half, head_dim, c1, c2, s1, s2, eps, BLOCK_HQ, BLOCK_D, BLOCK_P, STORE_DX,
         )  # fmt: skip
-        k1, k2 = _norm_rope_bwd_heads(
+        k1, k2, kp = _norm_rope_bwd_heads(
             DKO_ptr, K_ptr, KW_ptr, DK_ptr, b * dko_batch_stride + t * dko_seq_stride, dko_head_stride,
-            b * k_batch_stride + t * k_seq_stride, k_head_stride, row * n_k_heads * 2 * half, n_k_heads,
-            half, c1, c2, s1, s2, eps, BLOCK_HK, BLOCK_D, STORE_DX,
+            b * k_batch_stride + t * k_seq_stride, k_head_stride, row * n_k_heads * head_dim, n_k_heads,
+            half, head_dim, c1, c2, s1, s2, eps, BLOCK_HK, BLOCK_D, BLOCK_P, STORE_DX,
         )  # fmt: skip
         dwq1 += q1
         dwq2 += q2
         dwk1 += k1
         dwk2 += k2
+        dwqp += qp
+        dwkp += kp
     if COMPUTE_DW:
-        part = DW_ptr + pid.to(tl.int64) * (4 * half) + d
+        part = DW_ptr + pid.to(tl.int64) * (2 * head_dim) + d
         tl.store(part, dwq1, mask=d_mask)
         tl.store(part + half, dwq2, mask=d_mask)
-        tl.store(part + 2 * half, dwk1, mask=d_mask)
-        tl.store(part + 3 * half, dwk2, mask=d_mask)
+        tl.store(part + head_dim, dwk1, mask=d_mask)
+        tl.store(part + head_dim + half, dwk2, mask=d_mask)
+        if BLOCK_P > 0:
+            p_mask = p < head_dim - 2 * half
+            ppart = DW_ptr + pid.to(tl.int64) * (2 * head_dim) + 2 * half + p
+            tl.store(ppart, dwqp, mask=p_mask)
+            tl.store(ppart + head_dim, dwkp, mask=p_mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -327,13 +388,17 @@ def _norm_rope_bwd_kernel(
 _PLANS = PlanCache()
 
 
-def _row_launch(cfg: KernelConfig, n_rows: int, heads: tuple[int, int], norm: bool, backward: bool) -> Launch:
-    """The row-grid kernel for `cfg`, bound to its grid. Runtime arguments: _rope_kernel's."""
+def _row_launch(
+    cfg: KernelConfig, n_rows: int, heads: tuple[int, int], norm: bool, backward: bool, n_pass: int = 0
+) -> Launch:
+    """The row-grid kernel for `cfg`, bound to its grid. Runtime arguments: _rope_kernel's.
+    `n_pass`: the lanes of a head past the rotary dim (partial rotary), else 0."""
     kind = "qk_norm_rope fwd" if norm else ("rope bwd" if backward else "rope fwd")
     return Launch(
         _rope_kernel, (triton.cdiv(n_rows, cfg.block_m),), cfg, kind,
         BLOCK_HQ=triton.next_power_of_2(heads[0]), BLOCK_HK=triton.next_power_of_2(heads[1]),
-        BLOCK_D=cfg.block_n, ROWS=cfg.block_m, NORM=norm, BACKWARD=backward, num_warps=cfg.num_warps,
+        BLOCK_D=cfg.block_n, BLOCK_P=triton.next_power_of_2(n_pass) if n_pass else 0, ROWS=cfg.block_m,
+        NORM=norm, BACKWARD=backward, num_warps=cfg.num_warps,
     )  # fmt: skip
 
 
@@ -341,33 +406,42 @@ class _NormBackwardPlan:
     """qk_norm_rope's backward for one signature: the gradient kernel on its persistent grid,
     then (where a weight needs its gradient) the one column sum of both weights' partials."""
 
-    __slots__ = ("config", "programs", "main", "col_sum", "half")
+    __slots__ = ("config", "programs", "main", "col_sum", "head_dim")
 
-    def __init__(self, cfg: KernelConfig, n_rows: int, heads: tuple[int, int], half: int, needs: tuple):
+    def __init__(
+        self,
+        cfg: KernelConfig,
+        n_rows: int,
+        heads: tuple[int, int],
+        half: int,
+        needs: tuple,
+        head_dim: int = 0,
+    ):
         need_x, need_w = needs
         self.config = cfg
-        self.half = half
+        self.head_dim = head_dim = head_dim or 2 * half
+        n_pass = head_dim - 2 * half
         self.programs = programs = max(1, min(cfg.programs, n_rows))  # every program has a token
         self.main = Launch(
             _norm_rope_bwd_kernel, (programs,), cfg, "qk_norm_rope bwd",
             BLOCK_HQ=triton.next_power_of_2(heads[0]), BLOCK_HK=triton.next_power_of_2(heads[1]),
-            BLOCK_D=cfg.block_n, NUM_STAGES=cfg.num_stages, STORE_DX=need_x, COMPUTE_DW=need_w,
-            num_warps=cfg.num_warps,
+            BLOCK_D=cfg.block_n, BLOCK_P=triton.next_power_of_2(n_pass) if n_pass else 0,
+            NUM_STAGES=cfg.num_stages, STORE_DX=need_x, COMPUTE_DW=need_w, num_warps=cfg.num_warps,
         )  # fmt: skip
-        self.col_sum = col_sum_launch(4 * half) if need_w else None
+        self.col_sum = col_sum_launch(2 * head_dim) if need_w else None
 
     def __call__(self, dqo, dko, q, k, cos, sin, qw, kw, dq, dk, dw, *scalars) -> None:
         """dq, dk (None where not asked for) and dw, the (2, D) sum of both weights' partials."""
         partial = None
         if self.col_sum is not None:
-            partial = torch.empty((self.programs, 4 * self.half), dtype=torch.float32, device=q.device)
+            partial = torch.empty((self.programs, 2 * self.head_dim), dtype=torch.float32, device=q.device)
         # Pointers not used get any tensor: their flag is off, the kernel never touches them.
         self.main(dqo, dko, q, k, cos, sin, qw, kw, q if dq is None else dq, k if dk is None else dk,
                   q if partial is None else partial, *_bht(dqo), *_bht(dko), *_bht(q, seq_dim=1),
                   *_bht(k, seq_dim=1), *scalars)  # fmt: skip
         if partial is not None:
             # One reduction over the programs' partials, in a fixed order: the same bits every run.
-            self.col_sum(partial, dw, self.programs, 4 * self.half)
+            self.col_sum(partial, dw, self.programs, 2 * self.head_dim)
 
 
 def _bht(x: torch.Tensor, seq_dim: int = 2) -> tuple[int, int, int]:
@@ -377,16 +451,17 @@ def _bht(x: torch.Tensor, seq_dim: int = 2) -> tuple[int, int, int]:
 
 def _row_plan(key: tuple, args: tuple, norm: bool, backward: bool) -> Launch:
     """The row-grid launch for a new signature: the tuned config, bound to this shape's grid."""
-    _, n_rows, _, hq, hk, d, *_, device = key
+    _, n_rows, _, hq, hk, d, rot, *_, device = key
     check_runnable(device, "qk_norm_rope" if norm else "rope")
-    candidates = rope_candidates(n_rows, hq, hk, d // 2, norm)
+    candidates = rope_candidates(n_rows, hq, hk, rot // 2, norm)
     tune_key = (key[0], C.pow2_rows(n_rows), *key[3:-1])
 
     def run(c):  # returns the outputs, so the tuner compares each candidate's answer
-        _row_launch(c, n_rows, (hq, hk), norm, backward)(*args)
+        _row_launch(c, n_rows, (hq, hk), norm, backward, d - rot)(*args)
         return args[6], args[7]
 
-    launch = _row_launch(TUNER.pick(tune_key, candidates, run, device), n_rows, (hq, hk), norm, backward)
+    cfg = TUNER.pick(tune_key, candidates, run, device)
+    launch = _row_launch(cfg, n_rows, (hq, hk), norm, backward, d - rot)
     if not capturing(device):  # a plan made inside a graph capture is untuned: not kept
         _PLANS.add(key, launch)
     return launch
@@ -423,12 +498,14 @@ def _run_rows(name, q, k, qw, kw, cos, sin, qo, ko, eps, seq_dim, norm, backward
     if n_rows == 0:
         return
     cos, sin, cos_bs, cos_ts = _cos_sin(cos, sin)
+    rot = cos.shape[-1]  # the rotary dim: d, or less (partial rotary: the rest passes through)
     args = (q, k, cos, sin, qw, kw, qo, ko, *_bht(q, seq_dim), *_bht(k, seq_dim), cos_bs, cos_ts,
-            n_rows, t, hq, hk, d // 2, eps)  # fmt: skip
+            n_rows, t, hq, hk, rot // 2, d, eps)  # fmt: skip
     if config is not None:
-        _row_launch(config, n_rows, (hq, hk), norm, backward)(*args)
+        _row_launch(config, n_rows, (hq, hk), norm, backward, d - rot)(*args)
         return
-    key = (name, n_rows, t, hq, hk, d, q.dtype, k.dtype, cos.dtype, qw.dtype, qo.dtype, ko.dtype, q.device)
+    key = (name, n_rows, t, hq, hk, d, rot, q.dtype, k.dtype, cos.dtype, qw.dtype, qo.dtype, ko.dtype,
+           q.device)  # fmt: skip
     launch = _PLANS.get(key)
     if launch is None:
         launch = _row_plan(key, args, norm, backward)
@@ -520,6 +597,7 @@ def qk_norm_rope_backward(
     dq_out, dk_out = _unit_last(dq_out), _unit_last(dk_out)
     cos, sin, cos_bs, cos_ts = _cos_sin(cos, sin)
     qw, kw = q_weight.contiguous(), k_weight.contiguous()
+    half = cos.shape[-1] // 2  # d // 2, or less for partial rotary (the rest passes through)
     args = (
         dq_out,
         dk_out,
@@ -538,25 +616,27 @@ def qk_norm_rope_backward(
         t,
         hq,
         hk,
-        d // 2,
+        half,
+        d,
         eps,
     )
     if config is not None:
-        _NormBackwardPlan(config, n_rows, (hq, hk), d // 2, needs)(*args)
+        _NormBackwardPlan(config, n_rows, (hq, hk), half, needs, d)(*args)
         return dq, dk, dw
-    key = ("qk_norm_rope_bwd", n_rows, t, hq, hk, d, dq_out.dtype, q.dtype, k.dtype, cos.dtype,
+    key = ("qk_norm_rope_bwd", n_rows, t, hq, hk, d, half, dq_out.dtype, q.dtype, k.dtype, cos.dtype,
            qw.dtype, kw.dtype, needs, dev)  # fmt: skip
     plan = _PLANS.get(key)
     if plan is None:
         check_runnable(dev, "qk_norm_rope")
-        candidates = norm_backward_candidates(n_rows, hq, hk, d // 2, sm_count(dev))
+        candidates = norm_backward_candidates(n_rows, hq, hk, half, sm_count(dev))
         tune_key = ("qk_norm_rope_bwd", C.pow2_rows(n_rows), *key[3:-1])
 
         def run(c):
-            _NormBackwardPlan(c, n_rows, (hq, hk), d // 2, needs)(*args)
+            _NormBackwardPlan(c, n_rows, (hq, hk), half, needs, d)(*args)
             return [x for x in (dq, dk, dw) if x is not None]
 
-        plan = _NormBackwardPlan(TUNER.pick(tune_key, candidates, run, dev), n_rows, (hq, hk), d // 2, needs)
+        cfg = TUNER.pick(tune_key, candidates, run, dev)
+        plan = _NormBackwardPlan(cfg, n_rows, (hq, hk), half, needs, d)
         if not capturing(dev):
             _PLANS.add(key, plan)
     plan(*args)
