@@ -222,7 +222,10 @@ def test_part_a_names_its_summary_and_report_prints_it_again(part_a, capsys):
     # The block the run printed, but for its trace: written by that run, not by the report.
     block = printed.split("\nsummary: ")[0].strip()
     assert "\ntrace written: " in block and "trace written" not in text
+    text, provenance = text.split("\nprovenance:\n")  # then the saved provenance
     assert text.strip() == block.replace("\ntrace written: ", "\ntrace (written by that run): ")
+    assert "  command: " in provenance and "--profile-only" in provenance
+    assert json.loads(summary.read_text())["provenance"]["command"]["profuse_args"][0] == "--profile-only"
 
 
 def test_report_reads_a_part_a_summary_saved_before_it_had_a_kind(part_a, tmp_path, capsys):
@@ -931,7 +934,11 @@ def test_report_prints_a_saved_sweep(saved):
     code, text, _ = run_cli("report", str(out / "results.json"))
     assert code == 0
     table = lambda s: s.split("\n\nwrote")[0].strip()
+    text, provenance = text.split(
+        "\n\nprovenance:\n"
+    )  # the table as the sweep printed it, then where it came from
     assert text.strip() == table(stdout)
+    assert "profuse sweep" in provenance
 
 
 def test_report_markdown(saved):
@@ -1135,13 +1142,13 @@ def test_report_plots_without_matplotlib_is_a_one_line_error(saved, tmp_path, mo
 
 
 def test_sweep_and_diff_show_the_warnings_too(saved):
-    """The sweep's own table, report and diff all carry the few-trials caveat of a 3-trial run."""
+    """The sweep's own table, report and diff all carry the few-trials note of a 3-trial run."""
     out, stdout = saved["a"]
-    assert "WARNING only 3 trials" in stdout
+    assert "note: 3 trials, under 30" in stdout
     path = str(out / "results.json")
     code, text, _ = run_cli("diff", path, path)
     assert code == 0
-    assert "A: WARNING only 3 trials" in text and "B: WARNING only 3 trials" in text
+    assert "A: note: 3 trials, under 30" in text and "B: note: 3 trials, under 30" in text
 
 
 def test_every_file_the_commands_write_by_default_is_git_ignored():

@@ -87,6 +87,7 @@ from profuse.fusion.gpt import (
     BlockOps,
 )
 from profuse.fusion.hf_attention import plan_attention
+from profuse.fusion.hf_experts import has_experts, plan_experts
 from profuse.fusion.hf_head import plan_head
 from profuse.fusion.hf_layer import (
     MIN_TRANSFORMERS,
@@ -421,6 +422,14 @@ def _plan(
         elif _has_place(op, model, stack):
             reasons[op] = why
     installs, counts = _plan_layers(stack, bound, reasons, what)
+    if SILU_MUL in bound and SILU_MUL not in counts and has_experts(stack):  # MoE: each MLP place by class
+        mlps = plan_experts(stack, bound[SILU_MUL])
+        reasons.pop(SILU_MUL, None)
+        if mlps.installs:
+            installs += mlps.installs
+            counts[SILU_MUL] = len(mlps.installs)
+        if mlps.reasons:
+            reasons[SILU_MUL] = "; ".join(mlps.reasons)
     attention = plan_attention(
         [layer.self_attn for layer in layers], bound.get(ROPE), bound.get(QK_NORM_ROPE), what
     )

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from profuse.errors import UnsupportedModel, UsageError
+from profuse.fusion import hf_moe_head
 from profuse.fusion.hf_layer import PROBE_TOL
 from profuse.fusion.hf_modules import (
     ORIGINAL,
@@ -139,8 +140,9 @@ def without_logits(out):
     """The model's output without its logits (the hidden states, in the rebuilt forward): a
     ModelOutput's logits are LOGITS_NOT_MADE; a tuple leaves them out, as transformers does for
     logits=None."""
-    if isinstance(out, tuple):  # (loss, logits, ...): the probe checks this order
-        return out[:1] + out[2:]
+    if isinstance(out, tuple):  # (loss, logits, ...) or MoE's (loss, aux_loss, logits, ...): probed
+        i = hf_moe_head.tuple_logits_index(out)
+        return out[:i] + out[i + 1 :]
     return type(out)(**{k: LOGITS_NOT_MADE if k == "logits" else v for k, v in out.items()})
 
 
@@ -243,16 +245,15 @@ def _holds(module: nn.Module, target: nn.Module) -> bool:
 
 
 class _Base(nn.Module):
-    """The decoder stack's stand-in: its output is a fixed last hidden state."""
+    """The decoder stack's stand-in: its output is a fixed last hidden state (and, for an MoE
+    head, fixed router logits: hf_moe_head)."""
 
-    def __init__(self, hidden: torch.Tensor):
+    def __init__(self, hidden: torch.Tensor, fields: dict):
         super().__init__()
-        self.hidden = hidden
+        self.hidden, self.fields = hidden, fields
 
     def forward(self, *args, **kwargs):
-        from transformers.modeling_outputs import BaseModelOutputWithPast
-
-        return BaseModelOutputWithPast(last_hidden_state=self.hidden)
+        return hf_moe_head.stack_output(self.hidden, self.fields)
 
 
 def _probe(head: nn.Module, fused: type, stack: nn.Module, st: HeadState, name: str) -> None:
@@ -279,7 +280,10 @@ def _probe(head: nn.Module, fused: type, stack: nn.Module, st: HeadState, name: 
         config = copy.copy(head.config)
         config.vocab_size = v
         attrs = {"config": config, **({"vocab_size": v} if "vocab_size" in head.__dict__ else {})}
-        model = stand_in(head, fused, {base: _Base(hidden), "lm_head": lm_head}, **attrs)
+        moe = hf_moe_head.takes_router_flag(parameter_names(owner.forward))
+        reads = hf_moe_head.reads_router_logits(owner.forward)
+        fields = hf_moe_head.stack_fields(head, hidden) if reads else {}
+        model = stand_in(head, fused, {base: _Base(hidden, fields), "lm_head": lm_head}, **attrs)
         model.__dict__[STATE] = HeadState(counted, st.loss_function, st.labels_index)
         shifted = torch.cat((labels[:, 1:], torch.full((2, 1), -100)), dim=1)
         cases = [
@@ -287,6 +291,7 @@ def _probe(head: nn.Module, fused: type, stack: nn.Module, st: HeadState, name: 
             {"labels": labels, "num_items_in_batch": torch.tensor(7)},
             {"labels": labels, "shift_labels": shifted.roll(1, dims=1)},
             {"labels": labels, "return_dict": False},
+            *(hf_moe_head.cases(labels) if moe else ()),
         ]
         ok = True
         with torch.no_grad():
@@ -311,8 +316,9 @@ def _probe(head: nn.Module, fused: type, stack: nn.Module, st: HeadState, name: 
 def _same(got, want) -> bool:
     """got (logits dropped) against want: the loss within PROBE_TOL, the rest the same objects."""
     if isinstance(want, tuple):
-        pairs, loss_got, loss_want = list(zip(got[1:], want[2:])), got[0], want[0]
-        if len(got) != len(want) - 1:
+        rest = without_logits(want)
+        pairs, loss_got, loss_want = list(zip(got[1:], rest[1:])), got[0], want[0]
+        if len(got) != len(rest):
             return False
     else:
         if list(got.keys()) != list(want.keys()) or got.get("logits") is not LOGITS_NOT_MADE:
@@ -320,7 +326,7 @@ def _same(got, want) -> bool:
         keys = [k for k in want.keys() if k != "logits"]
         pairs = [(got[k], want[k]) for k in keys if k != "loss"]
         loss_got, loss_want = got.loss, want.loss
-    if any(a is not b for a, b in pairs):
+    if any(a is not b and not hf_moe_head.same_scalar(a, b, PROBE_TOL) for a, b in pairs):
         return False
     return loss_got.shape == loss_want.shape and bool(
         (loss_got - loss_want).abs() <= PROBE_TOL * loss_want.abs()

@@ -30,7 +30,9 @@ from profuse.models.spec import (
     train_step,
 )
 
-MODEL_HELP = "gpt (the built-in, default) or hf:ARCH, ARCH one of llama, mistral, qwen2, qwen3"
+MODEL_HELP = (
+    "gpt (the built-in, default) or hf:ARCH, ARCH one of llama, mistral, qwen2, qwen3, olmoe, qwen3_moe"
+)
 
 __all__ = [
     "DEFAULT_PRECISION",

@@ -8,7 +8,9 @@ a step depend on the shapes, not the values. The step's loss is the model's own
 (`model(input_ids, labels=input_ids).loss`, shifted inside), as a training loop computes it.
 
 Supported families (they share the MLP, decoder layer and norm layouts that profuse.fusion fuses):
-llama, mistral, qwen2, qwen3. transformers is an optional dependency: pip install 'profuse[hf]'.
+llama, mistral, qwen2, qwen3, and the mixture-of-experts olmoe and qwen3_moe (the same layer with
+the MLP an experts block; profuse.fusion.hf_experts). transformers is an optional dependency:
+pip install 'profuse[hf]'.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ except ImportError:  # an optional extra
 TRANSFORMERS_MISSING = "transformers is not installed: pip install 'profuse[hf]'"
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+MOE_ARCHS = ("olmoe", "qwen3_moe")  # the same layer, its MLP an experts block (top-k of E experts)
+FAMILIES = ARCHS + MOE_ARCHS
 
 # Each family's CPU-sized model: odd-ish widths, two layers, grouped-query attention.
 _TINY = dict(
@@ -48,6 +52,10 @@ _TINY = dict(
     max_position_embeddings=1024,
     tie_word_embeddings=False,
 )
+# The MoE families' tiny experts: 8 of width 64, top-2 (their defaults, 64 to 128 experts of
+# 768-2048, would make the CPU model the size of a real layer); the router's aux loss on.
+_TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, output_router_logits=True)
+_TINY_FAMILY = {"olmoe": {**_TINY_MOE, "intermediate_size": 64}, "qwen3_moe": _TINY_MOE}
 
 # Published sizes: the fields of each model's config.json that set a training step's shapes
 # (read 2026-12-04). RoPE scaling is left out: it changes no shape and no cost of a step.
@@ -99,6 +107,59 @@ PRESETS: dict[str, tuple[str, dict]] = {
             tie_word_embeddings=True,
         ),
     ),
+    # allenai/OLMoE-1B-7B-0924: 6.92B parameters, 1.28B active (8 of 64 experts a token). A
+    # training step adds the router's aux loss (output_router_logits; the config.json turns it off
+    # for inference). On one 141 GB card in bf16 with AdamW (8 bytes a parameter): 55 GB of state.
+    "OLMoE-1B-7B": (
+        "olmoe",
+        dict(
+            hidden_size=2048,
+            intermediate_size=1024,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            num_experts=64,
+            num_experts_per_tok=8,
+            norm_topk_prob=False,
+            router_aux_loss_coef=0.01,
+            output_router_logits=True,
+            vocab_size=50304,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # Qwen/Qwen3-30B-A3B's layer (128 experts of 768, top-8, 32 query heads over 4 of 128) at 12 of
+    # its 48 layers: 48 hold 30.5B parameters, 244 GB in bf16 with AdamW (2 bytes the weights, 2
+    # the gradients, 4 the moments), over any one card. 12 hold 8.1B (65 GB), with ~1.7 GB of
+    # saved activations a layer at 4 x 2048 tokens (the 8 experts' gathered inputs, gate_up,
+    # activation and outputs a token) and ~12 GB for the unfused logits: ~100 GB, leaving room
+    # for the eager baseline's transients and torch.compile on a 141 GB H200 (16 layers: ~125 GB).
+    "Qwen3-30B-A3B-12L": (
+        "qwen3_moe",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=12,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            router_aux_loss_coef=0.001,
+            output_router_logits=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rms_norm_eps=1e-6,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 # Batch defaults: the tiny model's fit a CPU; the published sizes' are the 4 x 2048 tokens a
@@ -124,7 +185,7 @@ def _config_fields(config) -> dict:
 class HFSpec(ModelSpec):
     """A Llama-family model: its transformers config, and the batch."""
 
-    config: object  # a transformers PretrainedConfig of one of ARCHS
+    config: object  # a transformers PretrainedConfig of one of FAMILIES
     preset: str
     batch_size: int
     seq_len: int
@@ -133,8 +194,9 @@ class HFSpec(ModelSpec):
 
     def __post_init__(self) -> None:
         self.family = self.config.model_type
-        if self.family not in ARCHS:
-            raise UsageError(f"model type {self.family!r} is not supported: choose from {', '.join(ARCHS)}")
+        if self.family not in FAMILIES:
+            choices = ", ".join(FAMILIES)
+            raise UsageError(f"model type {self.family!r} is not supported: choose from {choices}")
         self.config.use_cache = False  # a training step has no use for a KV cache
         if self.batch_size < 1 or self.seq_len < 1:
             raise UsageError(f"batch and sequence must be positive: {self.batch_size} x {self.seq_len}")
@@ -156,6 +218,10 @@ class HFSpec(ModelSpec):
 
     @property
     def ffn_hidden(self) -> int:
+        """The MLP's width a token: an MoE's top-k experts of their width each."""
+        if self.family in MOE_ARCHS:
+            width = getattr(self.config, "moe_intermediate_size", None) or self.config.intermediate_size
+            return int(width) * int(self.config.num_experts_per_tok)
         return int(self.config.intermediate_size)
 
     def build(self, device: torch.device | str, seed: int = 0) -> nn.Module:
@@ -261,6 +327,20 @@ class HFSpec(ModelSpec):
 
         return fuse(model, ops, label=label)
 
+    def fix_causal_mask(self, model: nn.Module) -> str:
+        """The decoder stack (transformers' base_model) takes hf_mask's class, as profuse.fuse
+        installs it, and nothing else changes; '' where done, else hf_mask's reason."""
+        from profuse.fusion.hf_mask import plan_mask
+
+        stack = getattr(model, "base_model", None)
+        if not isinstance(stack, nn.Module) or stack is model:
+            return f"{type(model).__name__} has no decoder stack apart from its head"
+        plan = plan_mask(stack)
+        if plan.target is None:
+            return plan.reason or "hf_mask found no way to skip the mask"
+        stack.__class__ = plan.target
+        return ""
+
     def label(self, model: nn.Module) -> nn.Module:
         """The fused structure with the model's own eager math (profuse.fusion.HF_EAGER: bitwise
         what the unfused model computes), each op in its profiler range."""
@@ -291,8 +371,8 @@ def _read_config_file(path: Path):
     if not isinstance(data, dict) or "model_type" not in data:
         raise UsageError(f"--hf-config {path}: no model_type in it, so not a Hugging Face config.json")
     family = data.pop("model_type")
-    if family not in ARCHS:
-        supported = ", ".join(ARCHS)
+    if family not in FAMILIES:
+        supported = ", ".join(FAMILIES)
         raise UsageError(f"--hf-config {path}: model type {family!r} is not one of {supported}")
     try:
         return transformers.AutoConfig.for_model(family, **data)
@@ -310,16 +390,16 @@ def hf_spec(
     seq_len: int | None = None,
 ) -> HFSpec:
     """The spec for `--model hf:ARCH` with `--preset` (default tiny) or `--hf-config PATH`."""
-    if arch not in ARCHS and "/" in arch:  # a Hub model id: profuse builds a shape, it downloads nothing
+    if arch not in FAMILIES and "/" in arch:  # a Hub model id: profuse builds a shape, it downloads nothing
         preset = next((p for p in PRESETS if arch.endswith("/" + p)), None)
         same = f"--model hf:{PRESETS[preset][0]} --preset {preset}, or " if preset else ""
         raise UsageError(
-            f"hf:{arch} is a Hub model id, and hf: takes an architecture ({', '.join(ARCHS)}): for its "
+            f"hf:{arch} is a Hub model id, and hf: takes an architecture ({', '.join(FAMILIES)}): for its "
             f"shape with random weights use {same}--model hf:ARCH --hf-config with its config.json"
         )
-    if arch not in ARCHS:
+    if arch not in FAMILIES:
         raise UsageError(
-            f"unknown Hugging Face architecture {arch!r}: choose from {', '.join(ARCHS)} "
+            f"unknown Hugging Face architecture {arch!r}: choose from {', '.join(FAMILIES)} "
             "(another size of one: --hf-config PATH to its config.json)"
         )
     require_transformers()
@@ -334,7 +414,8 @@ def hf_spec(
     else:
         name = preset or "tiny"
         if name == "tiny":
-            config, batch = transformers.AutoConfig.for_model(arch, **_TINY), TINY_BATCH
+            fields = {**_TINY, **_TINY_FAMILY.get(arch, {})}
+            config, batch = transformers.AutoConfig.for_model(arch, **fields), TINY_BATCH
         elif name in PRESETS:
             family, fields = PRESETS[name]
             if family != arch:

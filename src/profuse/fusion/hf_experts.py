@@ -1,0 +1,373 @@
+"""The MLP places of a mixture-of-experts Hugging Face model, fused by structure: the experts'
+act(gate) * up, and every dense SiLU MLP beside them (Qwen2-MoE's shared expert, the dense layers
+of a dense-then-MoE stack).
+
+In transformers 5.x an MoE layer's experts are one module holding 3-D weights,
+
+    gate_up_proj  (experts, 2I, H)   [gate; up] concatenated along 2I (transposed: (experts, H, 2I))
+    down_proj     (experts, H, I)                                     (transposed: (experts, I, H))
+
+whose forward (transformers' `use_experts_implementation`) runs the implementation the config
+names: "eager", a loop over the experts hit, or "batched_mm" / "grouped_mm", one gathered or
+grouped matmul over every (token, expert) pair. Each computes, per pair,
+
+    out = down_e(act(g) * u),   [g | u] = gate_up_e(x)              (a = act(g) * u: one pass fused)
+
+and batched_mm and grouped_mm call the class's `_apply_gate(gate_up)` for the activation. Fused,
+the experts module's class is a subclass whose `_apply_gate` is silu_mul on the packed (S, 2I)
+matmul output (its gradient comes back as one (S, 2I) tensor, as the matmul wants it), and whose
+forward runs, for "eager", the same loop as transformers' with `_apply_gate` in place of the
+inlined `act_fn(gate) * up`; for the other implementations probed, the class's own forward (which
+calls the fused `_apply_gate`). The router is not touched: it computes top-k and the weights as
+the model does, so the same experts are chosen. An implementation not probed here (deepgemm,
+sonicmoe, one registered by the user) runs the class's own math: the fused `_apply_gate` hands
+back to the original for it.
+
+A dense MLP that the decoder layer does not call as its `mlp` (a shared expert inside the MoE
+block, or a dense layer's MLP in a stack whose other layers are MoE) gets a fused class whose
+forward is down(silu_mul(gate(x), up(x))).
+
+Probes, on float64 stand-ins (CPU, small widths, the module's own expert count and flags): the
+experts class's `_apply_gate` must compute silu(g) * u on the concatenated halves (gpt-oss's
+interleaved, clamped, biased `(u + 1) * g * sigmoid(alpha * g)` does not: it waits for its own
+fused op); then, for each implementation, the fused forward against the class's own, in eval
+mode under no_grad and in train mode with the gradients of the input, the routing weights and
+the expert weights. A dense MLP passes hf_layer.probe_mlp. A place that fails is left unfused
+with its reason. At each call a place runs fused only where its act_fn is still the one probed
+(hf_modules.runs_as); else the class's own math.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from profuse import blockops
+from profuse.errors import UnsupportedModel
+from profuse.fusion.hf_layer import PROBE_TOL, probe_mlp
+from profuse.fusion.hf_modules import STATE, forward_owner, fused_class, fused_target, runs_as, stand_in
+
+# The implementations whose forward is probed here: "eager" runs profuse's loop, the others their
+# own forward with the fused `_apply_gate` (transformers 5.x's integrations.moe calls it in both).
+PROBED_IMPLEMENTATIONS = ("eager", "batched_mm", "grouped_mm")
+_EAGER = "eager"
+
+
+@dataclass(frozen=True)
+class ExpertsState:
+    """What a fused experts module calls: silu_mul, the classes probed, the implementations whose
+    forward was seen to give the class's own output with it."""
+
+    silu_mul: Callable
+    owner: type  # the experts class, whose forward and _apply_gate are the unfused math
+    act_cls: type
+    implementations: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class MlpState:
+    """What a fused dense MLP calls."""
+
+    silu_mul: Callable
+    owner: type
+    act_cls: type
+
+
+# --------------------------------------------------------------------------------------------
+# The fused forwards
+# --------------------------------------------------------------------------------------------
+
+
+def _implementation(module: nn.Module) -> str:
+    impl = getattr(getattr(module, "config", None), "_experts_implementation", None)
+    return _EAGER if impl is None else impl
+
+
+def _act_runs_as(module: nn.Module, act_cls: type) -> bool:
+    act = getattr(module, "act_fn", None)
+    return type(act) is act_cls and (not isinstance(act, nn.Module) or runs_as(act, act_cls))
+
+
+def _fuses(module: nn.Module, st: ExpertsState) -> bool:
+    return _implementation(module) in st.implementations and _act_runs_as(module, st.act_cls)
+
+
+def apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+    """The fused experts' activation: silu(g) * u from the packed (S, 2I) [g | u], one pass."""
+    st: ExpertsState = self.__dict__[STATE]
+    if _fuses(self, st):
+        return st.silu_mul(gate_up)
+    return st.owner._apply_gate(self, gate_up)
+
+
+def experts_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+    """The fused experts: transformers' eager loop with the fused `_apply_gate` for "eager", the
+    class's own forward (which calls it) for the others."""
+    st: ExpertsState = self.__dict__[STATE]
+    if _implementation(self) == _EAGER and _fuses(self, st) and not args and not kwargs:
+        return eager_experts(self, hidden_states, top_k_index, top_k_weights)
+    return st.owner.forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    if transposed:  # w is (in, out)
+        out = x @ w
+        return out if b is None else out + b
+    return F.linear(x, w, b)
+
+
+def eager_experts(self, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    """transformers' eager experts loop, its activation through `self._apply_gate`:
+    out[t] = sum over the k experts e of t of w[t, k] * down_e(gate(gate_up_e(x[t])))."""
+    n = self.num_experts
+    transposed = bool(getattr(self, "is_transposed", False))
+    bias = bool(getattr(self, "has_bias", False))
+    out = torch.zeros_like(hidden_states)  # (T, H)
+    with torch.no_grad():
+        mask = F.one_hot(top_k_index, num_classes=n + 1).permute(2, 1, 0)  # (experts + 1, k, T)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit:
+        e = e[0]
+        if e == n:  # the expert-parallel sentinel: no expert here
+            continue
+        k_pos, token = torch.where(mask[e])
+        x = hidden_states[token]  # (tokens of e, H)
+        gate_up = _linear(x, self.gate_up_proj[e], self.gate_up_proj_bias[e] if bias else None, transposed)
+        y = _linear(
+            self._apply_gate(gate_up), self.down_proj[e], self.down_proj_bias[e] if bias else None, transposed
+        )
+        y = y * top_k_weights[token, k_pos, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def mlp_forward(self, x):
+    """A fused dense MLP: down(silu_mul(gate(x), up(x))), or its own forward where its act_fn
+    changed."""
+    st: MlpState = self.__dict__[STATE]
+    if _act_runs_as(self, st.act_cls):
+        return self.down_proj(st.silu_mul(self.gate_proj(x), self.up_proj(x)))
+    return st.owner.forward(self, x)
+
+
+# --------------------------------------------------------------------------------------------
+# Planning and probing (nothing is changed here)
+# --------------------------------------------------------------------------------------------
+
+
+def is_experts(module: nn.Module) -> bool:
+    """An experts module by structure: 3-D gate_up_proj and down_proj parameters."""
+    p = module._parameters
+    return all(isinstance(p.get(k), torch.Tensor) and p[k].dim() == 3 for k in ("gate_up_proj", "down_proj"))
+
+
+def _is_dense_mlp(module: nn.Module) -> bool:
+    return all(isinstance(module._modules.get(k), nn.Linear) for k in ("gate_proj", "up_proj", "down_proj"))
+
+
+@dataclass
+class ExpertsPlan:
+    """The MLP places of an MoE stack: (module, fused class, state) to install, reasons for the
+    places left unfused (one line per kind of failure)."""
+
+    installs: list[tuple[nn.Module, type, object]] = field(default_factory=list)
+    reasons: list[str] = field(default_factory=list)
+    experts: int = 0  # experts modules fused
+    mlps: int = 0  # dense MLPs fused
+
+
+def has_experts(stack: nn.Module) -> bool:
+    return any(is_experts(m) for m in stack.modules())
+
+
+def plan_experts(stack: nn.Module, op: Callable) -> ExpertsPlan:
+    """The experts modules and the dense MLPs of the stack's layers, each probed by class; the
+    layer's own MLP place (hf_layer) is not fused when this runs."""
+    plan = ExpertsPlan()
+    checked: dict[type, object] = {}  # class -> state, or the reason it fails
+    for name, module in stack.layers.named_modules():
+        if is_experts(module):
+            probe, make, kind = _probe_experts, _experts_class, "experts"
+        elif _is_dense_mlp(module):
+            probe, make, kind = _probe_dense, _mlp_class, "mlp"
+        else:
+            continue
+        cls = type(module)
+        if cls not in checked:
+            try:
+                owner, state = probe(module, op, f"layer {name}")
+                target = fused_target(module, owner, make(owner))
+                if target is None:
+                    raise UnsupportedModel(
+                        f"{cls.__name__} is derived from {owner.__name__} with a forward of its own"
+                    )
+                checked[cls] = (target, state)
+            except UnsupportedModel as e:
+                checked[cls] = str(e)
+                plan.reasons.append(str(e))
+        found = checked[cls]
+        if isinstance(found, str) or "forward" in module.__dict__:
+            if not isinstance(found, str):
+                plan.reasons.append(f"layer {name} ({cls.__name__}) has a forward of its own")
+            continue
+        plan.installs.append((module, *found))
+        plan.experts += kind == "experts"
+        plan.mlps += kind == "mlp"
+    return plan
+
+
+def _experts_class(owner: type) -> type:
+    return fused_class(owner, "experts", experts_forward, {"_apply_gate": apply_gate})
+
+
+def _mlp_class(owner: type) -> type:
+    return fused_class(owner, "mlp", mlp_forward)
+
+
+def _probe_dense(mlp: nn.Module, op: Callable, where: str):
+    owner, act = probe_mlp(mlp, where)
+    return owner, MlpState(op, owner, act)
+
+
+def _probe_experts(experts: nn.Module, op: Callable, where: str):
+    """Check the experts class's activation and, per implementation, its forward fused against
+    its own (float64 stand-ins, eval and train, with gradients); return (class, state)."""
+    name = type(experts).__name__
+    owner = forward_owner(type(experts))
+    if type(experts) is not owner or "forward" in experts.__dict__:
+        raise UnsupportedModel(f"{where}'s experts ({name}) run a forward other than their class's")
+    gate = getattr(owner, "_apply_gate", None)
+    config = getattr(experts, "config", None)
+    if gate is None or not hasattr(config, "_experts_implementation"):
+        raise UnsupportedModel(
+            f"{where}'s experts ({name}) are not transformers' use_experts_implementation experts "
+            "(transformers >= 5): profuse cannot tell which implementation runs"
+        )
+    if not getattr(experts, "has_gate", True) or getattr(experts, "has_post_expert_norm", False):
+        raise UnsupportedModel(f"{where}'s experts ({name}) are not gated experts without a post-expert norm")
+    act = getattr(experts, "act_fn", None)
+    n, h, i = experts.num_experts, 8, 12  # rows of 16-byte multiples in fp32: grouped_mm needs them
+    transposed = bool(getattr(experts, "is_transposed", False))
+    bias = bool(getattr(experts, "has_bias", False))
+    k, tokens = min(2, n), 7
+    shapes = {
+        "gate_up_proj": (n, h, 2 * i) if transposed else (n, 2 * i, h),
+        "down_proj": (n, i, h) if transposed else (n, h, i),
+        **({"gate_up_proj_bias": (n, 2 * i), "down_proj_bias": (n, h)} if bias else {}),
+    }
+    with torch.random.fork_rng():
+        torch.manual_seed(5)
+        gate_up = torch.randn(5, 2 * i, dtype=torch.float64) * 3
+        weights = {k: torch.randn(s, dtype=torch.float64) / 2 for k, s in shapes.items()}
+        top_k_index = torch.stack([torch.randperm(n)[:k] for _ in range(tokens)])  # (T, k), distinct
+        top_k_weights = torch.rand(tokens, k, dtype=torch.float64).softmax(-1)
+        x = torch.randn(tokens, h, dtype=torch.float64)
+    children = {"act_fn": act} if isinstance(act, nn.Module) else {}
+    plain = stand_in(experts, owner, children, **{k: nn.Parameter(w) for k, w in weights.items()})
+    try:
+        with torch.no_grad():
+            want = gate(plain, gate_up)
+        g, u = gate_up.chunk(2, dim=-1)
+        ok = want.shape == g.shape and bool(
+            ((want - F.silu(g) * u).abs() <= PROBE_TOL * want.abs().max()).all()
+        )
+    except Exception as e:
+        raise UnsupportedModel(f"{where}'s experts ({name}) could not be checked: {e}") from None
+    if not ok:
+        raise UnsupportedModel(
+            f"{where}'s experts ({name}) do not compute silu(gate) * up on [gate | up] halves"
+            + (
+                " (gpt-oss's clamped, biased, interleaved (up + 1) * gate * sigmoid(alpha * gate) waits "
+                "for its fused op in profuse.kernels)"
+                if hasattr(experts, "limit") and hasattr(experts, "alpha")
+                else f" (its act_fn is {type(act).__name__}): only a SiLU gate fuses into silu_mul"
+            )
+        )
+
+    fused = _experts_class(owner)
+    implementations, failures = [], []
+    for impl in PROBED_IMPLEMENTATIONS:
+        cfg = copy.copy(config)
+        cfg.__dict__["_experts_implementation_internal"] = impl  # the copy only: no sub-configs touched
+        # float64, or float32 where the implementation takes no float64 (grouped_mm on the CPU)
+        for dtype in (torch.float64, torch.float32):
+            try:
+                ok = _same_forward(
+                    experts, owner, fused, cfg, children, weights, x, top_k_index, top_k_weights, dtype
+                )
+                break
+            except Exception as e:  # an implementation this torch or card cannot run: not fused for it
+                ok = f"{impl}: {type(e).__name__}: {e}"
+        if ok is True:
+            implementations.append(impl)
+        else:
+            failures.append(ok or f"{impl}: differs")
+    if not implementations:
+        raise UnsupportedModel(
+            f"{where}'s experts ({name}) fused do not compute their own forward ({'; '.join(failures)}): "
+            "profuse cannot fuse them exactly"
+        )
+    return owner, ExpertsState(op, owner, type(act), tuple(implementations))
+
+
+def _same_forward(
+    experts, owner, fused, cfg, children, weights, x, top_k_index, top_k_weights, dtype
+) -> bool:
+    """The fused class's forward against the owner's on one stand-in of each, eval under no_grad
+    and train with the gradients of (out * out).sum() for the input, the routing weights and every
+    expert weight; the fused `_apply_gate` (eager math) must run."""
+    calls = []
+
+    def counted(gate_up):
+        calls.append(1)
+        return blockops.silu_mul_eager(gate_up)
+
+    for train in (False, True):
+        results = []
+        for cls in (owner, fused):
+            params = {k: nn.Parameter(w.to(dtype)) for k, w in weights.items()}
+            module = stand_in(experts, cls, children, **params).train(train)
+            module.config = cfg
+            module.__dict__[STATE] = ExpertsState(
+                counted, owner, type(getattr(experts, "act_fn", None)), (cfg._experts_implementation,)
+            )
+            xs = x.to(dtype).requires_grad_(train)
+            ws = top_k_weights.to(dtype).requires_grad_(train)
+            calls.clear()
+            with torch.set_grad_enabled(train):
+                out = module(xs, top_k_index, ws)
+                got = [out.detach()]
+                if train:
+                    leaves = [xs, ws, *params.values()]
+                    grads = torch.autograd.grad((out * out).sum(), leaves, allow_unused=True)
+                    got += [torch.zeros_like(p) if d is None else d for p, d in zip(leaves, grads)]
+            results.append(got)
+        if not calls or not all(_close(a, b) for a, b in zip(results[1], results[0])):
+            return False
+    return True
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return got.shape == want.shape and bool(
+        (got - want).abs().max() <= PROBE_TOL * want.abs().max().clamp_min(1)
+    )
+
+
+__all__ = [
+    "PROBED_IMPLEMENTATIONS",
+    "ExpertsPlan",
+    "ExpertsState",
+    "MlpState",
+    "apply_gate",
+    "eager_experts",
+    "experts_forward",
+    "has_experts",
+    "is_experts",
+    "mlp_forward",
+    "plan_experts",
+]
