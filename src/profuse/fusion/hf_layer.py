@@ -125,20 +125,38 @@ def _hands_pair(layer: nn.Module, st: LayerState) -> bool:
     return takes_pair(layers[st.index + 1] if st.index + 1 < len(layers) else st.stack.norm)
 
 
-def norm_alone(op, spec: NormSpec | None, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """rms_norm(x) through the op where `norm` is as probed, else the module itself."""
+def norm_alone(
+    op, spec: NormSpec | None, norm: nn.Module, x: torch.Tensor, owned: bool = False
+) -> torch.Tensor:
+    """rms_norm(x) through the op where `norm` is as probed, else the module itself. `owned`: the
+    gradient reaching the output is autograd's own (hf_ops.bound_op)."""
     if op is not None and spec is not None and runs_as(norm, spec.cls):
-        return op(x, norm.weight, spec.eps(norm))
+        return op(x, norm.weight, spec.eps(norm), owned=owned)
     return norm(x)
 
 
-def norm_after_add(add_op, op, spec: NormSpec | None, norm: nn.Module, x, residual):
+def norm_after_add(add_op, op, spec: NormSpec | None, norm: nn.Module, x, residual, owned: bool = False):
     """(norm(h), h), h = residual + x: add_rms_norm where `norm` is as probed, else the add and
     then norm_alone."""
     if add_op is not None and spec is not None and runs_as(norm, spec.cls):
-        return add_op(x, residual, norm.weight, spec.eps(norm))
+        return add_op(x, residual, norm.weight, spec.eps(norm), owned=owned)
     h = residual + x
-    return norm_alone(op, spec, norm, h), h
+    return norm_alone(op, spec, norm, h, owned), h
+
+
+def _keeps_output(*modules: nn.Module) -> bool:
+    """Whether a forward hook (a module's own, or a global one) could hold a module's output past
+    the forward: then a backward must not write over it."""
+    if getattr(nn.modules.module, "_global_forward_hooks", None):
+        return True
+    return any(m._forward_hooks for m in modules)
+
+
+def _unowned(op: Callable | None) -> Callable | None:
+    """A plain op as a fused place calls a bound one (hf_ops.bound_op): `owned` taken and ignored."""
+    if op is None:
+        return None
+    return lambda *args, owned=False, **kwargs: op(*args, **kwargs)
 
 
 def _mlp_runs_as(mlp: nn.Module, st: LayerState) -> bool:
@@ -171,18 +189,27 @@ def layer_body(self, x, residual, *, pair: bool, **kwargs):
     st: LayerState = self.__dict__[STATE]
     if residual is None:  # layer 0, or a layer handed the hidden state
         residual = x
-        y = norm_alone(st.rms_norm, st.input_norm, self.input_layernorm, x)
+        y = norm_alone(st.rms_norm, st.input_norm, self.input_layernorm, x, owned=True)
     else:  # the previous layer's MLP add, with this layer's input norm
         y, residual = norm_after_add(
-            st.add_rms_norm, st.rms_norm, st.input_norm, self.input_layernorm, x, residual
+            st.add_rms_norm, st.rms_norm, st.input_norm, self.input_layernorm, x, residual, owned=True
         )
     attn_out = self.self_attn(hidden_states=y, **{**st.attn_defaults, **kwargs})[0]
     y, residual = norm_after_add(
-        st.add_rms_norm, st.rms_norm, st.post_norm, self.post_attention_layernorm, attn_out, residual
+        st.add_rms_norm,
+        st.rms_norm,
+        st.post_norm,
+        self.post_attention_layernorm,
+        attn_out,
+        residual,
+        owned=True,
     )
     mlp = self.mlp
     if st.silu_mul is not None and _mlp_runs_as(mlp, st):
-        out = mlp.down_proj(st.silu_mul(mlp.gate_proj(y), mlp.up_proj(y)))
+        # gate and up are the projections' own outputs, read by nothing else unless a hook holds one
+        gate, up = mlp.gate_proj(y), mlp.up_proj(y)
+        owned = not _keeps_output(mlp.gate_proj, mlp.up_proj)
+        out = mlp.down_proj(st.silu_mul(gate, up, owned=owned))
     else:
         out = mlp(y)
     return (out, residual) if pair else residual + out
@@ -377,7 +404,14 @@ def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> None:
         model = stand_in(layer, cls, children)
         x, r = torch.randn(2, 2, 5, n, dtype=torch.float64)
     fused = LayerState(
-        ops["silu_mul"], ops["add_rms_norm"], ops["rms_norm"], spec, spec, Mlp, nn.SiLU, defaults, None, 0
+        *(_unowned(ops[op]) for op in ("silu_mul", "add_rms_norm", "rms_norm")),
+        spec,
+        spec,
+        Mlp,
+        nn.SiLU,
+        defaults,
+        None,
+        0,
     )
     unfused = dataclasses.replace(fused, silu_mul=None, add_rms_norm=None, rms_norm=None)
     named = {name: _Sentinel(name) for name in defaults}

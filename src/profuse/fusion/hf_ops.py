@@ -103,18 +103,33 @@ def runs_kernels(ops: BlockOps, op: str) -> bool:
     return getattr(ops, op) in _KERNEL_MODULES
 
 
+# The ops whose backward can write its input gradients over buffers the caller owns
+# (blockops' inplace_backward): what a fused place passes as owned=True.
+_OWNED_OPS = {SILU_MUL, ADD_RMS_NORM, RMS_NORM}
+
+
 def bound_op(ops: BlockOps, op: str, label: bool) -> Callable:
     """`ops`' `op` as a fused module calls it: HF_EAGER's for dtypes the kernels do not take, and
     for CPU tensors where the Triton kernels cannot run them (no TRITON_INTERPRET=1 when fused);
-    inside the op's profiler range when `label`."""
+    inside the op's profiler range when `label`. A call may say `owned=True`: the place owns the
+    buffers the op's backward could write its input gradients over (a projection's output, the
+    gradients autograd hands it), and profuse's kernels then do (inplace_backward); every other
+    implementation ignores it."""
     impl, fallback, n = getattr(ops, op), getattr(HF_EAGER, op), _TENSOR_ARGS[op]
+    kernels = runs_kernels(ops, op)
+    inplace = op in _OWNED_OPS and kernels
+    cpu_ok = not kernels or interpreted()
     if impl is fallback:
-        call = impl
-    else:
-        cpu_ok = not runs_kernels(ops, op) or interpreted()
 
-        def call(*args, **kwargs):
+        def call(*args, owned: bool = False, **kwargs):
+            return impl(*args, **kwargs)
+
+    else:
+
+        def call(*args, owned: bool = False, **kwargs):
             if all(t.dtype in SUPPORTED_DTYPES for t in args[:n]) and (cpu_ok or not args[0].is_cpu):
+                if owned and inplace:
+                    return impl(*args, inplace_backward=True, **kwargs)
                 return impl(*args, **kwargs)
             return fallback(*args, **kwargs)  # float64, or the CPU: the model's own math
 
