@@ -4,6 +4,9 @@ Llama, Mistral, Qwen2 and Qwen3 (and any model with their decoder layer) get the
 of a training step fused, each in its place:
 
     silu_mul               each MLP's silu(gate) * up                                  L places
+                           (a mixture of experts: each experts module's, in every
+                           experts implementation, and each shared or dense MLP beside
+                           them: profuse.fusion.hf_experts)
     add_rms_norm           each residual add with the norm after it, the last one
                            with the final norm (profuse.fusion.hf_layer)               2L places
     rms_norm               layer 0's input norm, which has no add in front             1 place
@@ -11,7 +14,8 @@ of a training step fused, each in its place:
     qk_norm_rope           Qwen3: q_norm and k_norm with the rotary embedding,         L places
                            in place of rope (profuse.fusion.hf_attention)
     linear_cross_entropy   the causal-LM head and its loss, in training with labels    1 place
-                           (the model then returns logits=None: profuse.fusion.hf_head)
+                           (the model then returns logits=None: profuse.fusion.hf_head;
+                           an MoE head adds the router's aux loss as it did: hf_moe_head)
 
 Which implementation runs is a BlockOps: FUSED (the default), profuse's Triton kernels; EAGER,
 the ops' eager versions, anywhere; HF_EAGER, the model's own eager math, so the fused model
