@@ -358,3 +358,46 @@ def test_moe_presets_have_the_published_sizes_and_the_tiny_ones_fuse():
         assert out.aux_loss is not None and torch.isfinite(out.loss)
         summary = fuse(model, dry_run=True)
         assert summary.counts[fusion.SILU_MUL] == 2 and summary.counts[fusion.LINEAR_CROSS_ENTROPY] == 1
+
+
+def test_experts_with_a_forward_of_their_own_fuse_only_where_the_probe_saw_their_output():
+    """A class with a forward of its own: SquaredWeights dispatches as transformers' does (with
+    the top-k weights squared), so batched_mm and grouped_mm fuse through _apply_gate but
+    profuse's eager loop is not its math; Scaled runs transformers' eager loop times 1.5 and
+    calls no _apply_gate, so nothing fuses, and the summary says why in one line."""
+    from profuse.fusion.hf_modules import STATE, innermost
+
+    model = tiny_moe("mixtral", seed=9)
+    base = type(model.model.layers[0].mlp.experts)
+
+    class SquaredWeights(base):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return base.forward(self, hidden_states, top_k_index, top_k_weights * top_k_weights)
+
+    class Scaled(base):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return 1.5 * innermost(base.forward)(self, hidden_states, top_k_index, top_k_weights)
+
+    for layer in model.model.layers:
+        layer.mlp.experts.__class__ = Scaled
+    summary = fuse(model, impl=fusion.EAGER, dry_run=True)
+    (why,) = [r for r in summary.left_unfused if r.startswith(fusion.SILU_MUL)]
+    assert "Scaled" in why and "do not compute their own forward" in why and "\n" not in why
+    assert fusion.SILU_MUL not in summary.counts
+
+    for layer in model.model.layers:
+        layer.mlp.experts.__class__ = SquaredWeights
+    ids, labels = batch(9)
+    want = {}
+    for impl in ("eager", "grouped_mm"):
+        model.set_experts_implementation(impl)
+        want[impl] = run(model, ids, labels)
+    calls = Counter()
+    summary = fuse(model, impl=counting_ops(calls, only=(fusion.SILU_MUL,)))
+    assert summary.counts[fusion.SILU_MUL] == 2
+    assert model.model.layers[0].mlp.experts.__dict__[STATE].implementations == ("batched_mm", "grouped_mm")
+    for impl, fused in (("grouped_mm", True), ("eager", False)):  # eager: the class's own forward
+        model.set_experts_implementation(impl)
+        calls.clear()
+        assert_same_step(run(model, ids, labels), want[impl])
+        assert (calls[fusion.SILU_MUL] > 0) == fused
