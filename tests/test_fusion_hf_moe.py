@@ -396,6 +396,8 @@ def test_experts_with_a_forward_of_their_own_fuse_only_where_the_probe_saw_their
     summary = fuse(model, impl=counting_ops(calls, only=(fusion.SILU_MUL,)))
     assert summary.counts[fusion.SILU_MUL] == 2
     assert model.model.layers[0].mlp.experts.__dict__[STATE].implementations == ("batched_mm", "grouped_mm")
+    (why,) = [r for r in summary.left_unfused if r.startswith(fusion.SILU_MUL)]
+    assert "SquaredWeights) runs its own math under eager: differs" in why and "\n" not in why
     for impl, fused in (("grouped_mm", True), ("eager", False)):  # eager: the class's own forward
         model.set_experts_implementation(impl)
         calls.clear()

@@ -67,6 +67,7 @@ class ExpertsState:
     owner: type  # the experts class, whose forward and _apply_gate are the unfused math
     act_cls: type
     implementations: tuple[str, ...]
+    not_fused: tuple[str, ...] = ()  # "implementation: why" for each probed one that runs unfused
 
 
 @dataclass(frozen=True)
@@ -190,6 +191,7 @@ def plan_experts(stack: nn.Module, op: Callable) -> ExpertsPlan:
     layer's own MLP place (hf_layer) is not fused when this runs."""
     plan = ExpertsPlan()
     checked: dict[type, object] = {}  # class -> state, or the reason it fails
+    first_of: dict[type, nn.Module] = {}  # class -> its first module (where its notes are said)
     for name, module in stack.layers.named_modules():
         if is_experts(module):
             probe, make, kind = _probe_experts, _experts_class, "experts"
@@ -198,6 +200,7 @@ def plan_experts(stack: nn.Module, op: Callable) -> ExpertsPlan:
         else:
             continue
         cls = type(module)
+        first_of.setdefault(cls, module)
         if cls not in checked:
             try:
                 owner, state = probe(module, op, f"layer {name}")
@@ -215,6 +218,10 @@ def plan_experts(stack: nn.Module, op: Callable) -> ExpertsPlan:
             if not isinstance(found, str):
                 plan.reasons.append(f"layer {name} ({cls.__name__}) has a forward of its own")
             continue
+        if kind == "experts" and found[1].not_fused and module is first_of[cls]:
+            plan.reasons.append(
+                f"layer {name} ({cls.__name__}) runs its own math under " + "; ".join(found[1].not_fused)
+            )
         plan.installs.append((module, *found))
         plan.experts += kind == "experts"
         plan.mlps += kind == "mlp"
@@ -240,16 +247,16 @@ def _probe_experts(experts: nn.Module, op: Callable, where: str):
     name = type(experts).__name__
     owner = forward_owner(type(experts))
     if type(experts) is not owner or "forward" in experts.__dict__:
-        raise UnsupportedModel(f"{where}'s experts ({name}) run a forward other than their class's")
+        raise UnsupportedModel(f"{where} ({name}) run a forward other than their class's")
     gate = getattr(owner, "_apply_gate", None)
     config = getattr(experts, "config", None)
     if gate is None or not hasattr(config, "_experts_implementation"):
         raise UnsupportedModel(
-            f"{where}'s experts ({name}) are not transformers' use_experts_implementation experts "
+            f"{where} ({name}) are not transformers' use_experts_implementation experts "
             "(transformers >= 5): profuse cannot tell which implementation runs"
         )
     if not getattr(experts, "has_gate", True) or getattr(experts, "has_post_expert_norm", False):
-        raise UnsupportedModel(f"{where}'s experts ({name}) are not gated experts without a post-expert norm")
+        raise UnsupportedModel(f"{where} ({name}) are not gated experts without a post-expert norm")
     act = getattr(experts, "act_fn", None)
     n, h, i = experts.num_experts, 8, 12  # rows of 16-byte multiples in fp32: grouped_mm needs them
     transposed = bool(getattr(experts, "is_transposed", False))
@@ -277,10 +284,10 @@ def _probe_experts(experts: nn.Module, op: Callable, where: str):
             ((want - F.silu(g) * u).abs() <= PROBE_TOL * want.abs().max()).all()
         )
     except Exception as e:
-        raise UnsupportedModel(f"{where}'s experts ({name}) could not be checked: {e}") from None
+        raise UnsupportedModel(f"{where} ({name}) could not be checked: {e}") from None
     if not ok:
         raise UnsupportedModel(
-            f"{where}'s experts ({name}) do not compute silu(gate) * up on [gate | up] halves"
+            f"{where} ({name}) do not compute silu(gate) * up on [gate | up] halves"
             + (
                 " (gpt-oss's clamped, biased, interleaved (up + 1) * gate * sigmoid(alpha * gate) waits "
                 "for its fused op in profuse.kernels)"
@@ -309,10 +316,10 @@ def _probe_experts(experts: nn.Module, op: Callable, where: str):
             failures.append(ok or f"{impl}: differs")
     if not implementations:
         raise UnsupportedModel(
-            f"{where}'s experts ({name}) fused do not compute their own forward ({'; '.join(failures)}): "
+            f"{where} ({name}) fused do not compute their own forward ({'; '.join(failures)}): "
             "profuse cannot fuse them exactly"
         )
-    return owner, ExpertsState(op, owner, type(act), tuple(implementations))
+    return owner, ExpertsState(op, owner, type(act), tuple(implementations), tuple(failures))
 
 
 def _same_forward(
