@@ -253,7 +253,7 @@ def ce_config_calls(vocab: int, rows: int, dev) -> tuple[dict, int]:
         launch = K.ce_launch(cfg, rows, True)
         name = f"block {cfg.block_n} warps {cfg.num_warps} programs {cfg.programs or rows} l2 {cfg.l2}"
         calls[name] = lambda launch=launch: launch(
-            z, y, loss, count, z.stride(0), rows, vocab, CE.IGNORE_INDEX
+            z, y, loss, count, z.stride(0), rows, vocab, CE.IGNORE_INDEX, 0.0
         )
     return calls, 3 * rows * vocab * 2
 

@@ -127,7 +127,13 @@ def test_threads_flag_sets_torchs_threads_and_is_recorded(tmp_path, capsys):
         assert env["cores_available"] >= 1 and "load_1m" in env
     finally:
         torch.set_num_threads(before)
-    for parser in (cli.build_parser(), cli.build_sweep_parser(), cli.build_step_parser()):
+    parsers = (
+        cli.build_parser(),
+        cli.build_sweep_parser(),
+        cli.build_step_parser(),
+        cli.build_profile_parser(),
+    )
+    for parser in parsers:  # profile too: its busy-CPU warning advises --threads 1
         assert parser.parse_args(["--threads", "3"]).threads == 3
         assert "torch.set_num_threads" in parser.format_help()
 
@@ -216,7 +222,10 @@ def test_part_a_names_its_summary_and_report_prints_it_again(part_a, capsys):
     # The block the run printed, but for its trace: written by that run, not by the report.
     block = printed.split("\nsummary: ")[0].strip()
     assert "\ntrace written: " in block and "trace written" not in text
+    text, provenance = text.split("\nprovenance:\n")  # then the saved provenance
     assert text.strip() == block.replace("\ntrace written: ", "\ntrace (written by that run): ")
+    assert "  command: " in provenance and "--profile-only" in provenance
+    assert json.loads(summary.read_text())["provenance"]["command"]["profuse_args"][0] == "--profile-only"
 
 
 def test_report_reads_a_part_a_summary_saved_before_it_had_a_kind(part_a, tmp_path, capsys):
@@ -925,7 +934,11 @@ def test_report_prints_a_saved_sweep(saved):
     code, text, _ = run_cli("report", str(out / "results.json"))
     assert code == 0
     table = lambda s: s.split("\n\nwrote")[0].strip()
+    text, provenance = text.split(
+        "\n\nprovenance:\n"
+    )  # the table as the sweep printed it, then where it came from
     assert text.strip() == table(stdout)
+    assert "profuse sweep" in provenance
 
 
 def test_report_markdown(saved):
@@ -1129,10 +1142,31 @@ def test_report_plots_without_matplotlib_is_a_one_line_error(saved, tmp_path, mo
 
 
 def test_sweep_and_diff_show_the_warnings_too(saved):
-    """The sweep's own table, report and diff all carry the few-trials caveat of a 3-trial run."""
+    """The sweep's own table, report and diff all carry the few-trials note of a 3-trial run."""
     out, stdout = saved["a"]
-    assert "WARNING only 3 trials" in stdout
+    assert "note: 3 trials, under 30" in stdout
     path = str(out / "results.json")
     code, text, _ = run_cli("diff", path, path)
     assert code == 0
-    assert "A: WARNING only 3 trials" in text and "B: WARNING only 3 trials" in text
+    assert "A: note: 3 trials, under 30" in text and "B: note: 3 trials, under 30" in text
+
+
+def test_every_file_the_commands_write_by_default_is_git_ignored():
+    """The main job and `profuse profile` write into the current folder by default: a checkout
+    run from its root stays clean (profile.json was once left out)."""
+    import fnmatch
+    from pathlib import Path
+
+    from profuse.cli.common import DDP_FILES, PARTIAL_JSON, RESULTS_JSON, part_a_files
+
+    ignored = [
+        line.strip().lstrip("/")
+        for line in (Path(__file__).parents[1] / ".gitignore").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
+    written = {RESULTS_JSON, PARTIAL_JSON, *DDP_FILES}
+    for compile_step in (False, True):
+        for precision in ("amp", "both"):
+            written.update(part_a_files(compile_step, precision))
+    for name in written:
+        assert any(fnmatch.fnmatch(name, pattern) for pattern in ignored), name

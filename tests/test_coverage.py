@@ -96,6 +96,7 @@ def test_fuse_command_writes_the_table_and_json(tmp_path, capsys):
     data = json.loads((tmp_path / "coverage.json").read_text())
     assert [f["family"] for f in data["families"]] == ["llama", "gpt2"]
     assert data["families"][1]["status"] == "refused"
+    assert data["provenance"]["command"]["profuse_args"][0] == "fuse"  # files.write_result
     md = (tmp_path / "coverage.md").read_text()
     assert md.startswith("| family |") and "| llama | LlamaForCausalLM | fused |" in md
 

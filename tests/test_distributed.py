@@ -87,6 +87,7 @@ def test_summary_has_every_rank_and_a_comm_share_strictly_between_0_and_100(ddp_
     _, out = ddp_run
     data = json.loads((out / SUMMARY_NAME).read_text())
     assert data["world_size"] == 2 and data["backend"] == "gloo" and data["device"] == "cpu"
+    assert data["provenance"]["versions"]["torch"] and data["provenance"]["card"]  # files.write_result
     assert [r["rank"] for r in data["ranks"]] == [0, 1]
     for r in data["ranks"]:
         assert len(r["step_times_ms"]) == STEPS and r["step_ms"] > 0

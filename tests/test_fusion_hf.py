@@ -225,7 +225,7 @@ def test_summary_says_what_was_left_unfused_and_why():
     assert llama.left_unfused == () and "left unfused" not in text and "LlamaForCausalLM" in text
     for op, n in expected_counts("llama").items():
         assert f"{op} " in text and f"x{n} " in text
-    assert "logits=None" in text  # what linear_cross_entropy changes, said
+    assert "no logits (logits='always')" in text  # what linear_cross_entropy changes, said
     # An implementation without an op: that op is left unfused, with the reason; the rest fuse.
     pair = fusion.BlockOps(fusion.EAGER.silu_mul, fusion.EAGER.add_rms_norm, "the pair")
     qwen3 = fuse(tiny("qwen3", seed=46), pair)

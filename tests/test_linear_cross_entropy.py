@@ -89,7 +89,7 @@ def fused(hidden, weight, labels, *, chunk_size=4, config=SMALL_BLOCKS, accumula
         target = (CE.shifted_labels(labels) if shift else labels).reshape(-1)
     return K.linear_cross_entropy_fused(
         hidden, weight, target, CE.IGNORE_INDEX, kw.pop("num_items_in_batch", None),
-        chunk_size=chunk_size, accumulate=accumulate, config=config,
+        chunk_size=chunk_size, accumulate=accumulate, config=config, softcap=kw.pop("softcap", None),
     )  # fmt: skip
 
 
@@ -126,6 +126,22 @@ def _hf(kw):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_matches_reference_and_eager(shape, dtype, device):
     check_all(*inputs(shape, dtype, device, seed=1), dtype)
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=str)
+def test_softcap(dtype, device):
+    """Final-logit soft-capping (Gemma 2 and 3): the loss of cap * tanh(z / cap), with logits
+    large enough (hidden x 4, cap 1.5) that the tanh bends most of them; the public entry too."""
+    hidden, weight, labels = inputs((2, 9, 33, 203), dtype, device, seed=5)
+    hidden = hidden * 4
+    got = check_all(hidden, weight, labels, dtype, softcap=1.5)
+    plain = run(fused, hidden, weight, labels)
+    assert T.relative_error(got[0], plain[0]) > 0.1  # the cap changed the loss
+    public = run(CE.linear_cross_entropy, hidden, weight, labels, softcap=1.5)
+    for a, b in zip(public, got):
+        assert T.relative_error(a, b) <= 3 * GRAD_TOL[dtype]
+    with pytest.raises(ValueError, match="softcap"):
+        fused(hidden, weight, labels, softcap=-1.0)
 
 
 @pytest.mark.parametrize("dtype", [BF16, FP32], ids=str)

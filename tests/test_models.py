@@ -284,6 +284,10 @@ def test_llama_1b_step_estimate():
     [
         (("bert",), {}, "unknown model 'bert'"),
         (("hf:gpt2",), {}, "unknown Hugging Face architecture 'gpt2'"),
+        (("hf:gpt2",), {}, "--hf-config PATH"),
+        (("hf:meta-llama/Llama-3.2-1B",), {}, "--model hf:llama --preset Llama-3.2-1B, or"),
+        (("hf:Qwen/Qwen3-8B",), {}, "Hub model id, and hf: takes an architecture (llama,"),
+        (("hf:Qwen/Qwen3-8B",), {}, "--hf-config with its config.json"),
         (("hf:llama", "huge"), {}, "unknown preset 'huge' for hf:llama"),
         (("hf:qwen2", "Llama-3.2-1B"), {}, "use --model hf:llama"),
         (("hf:llama",), {"n_layer": 3, "d_model": 64}, "--d-model, --layers: sizes of the built-in GPT"),

@@ -15,6 +15,7 @@ from cases import HUGE_ROWS, PNG_SIGNATURE, part_files
 
 from profuse import cli
 from profuse import sweep as S
+from profuse.bench import stats
 from profuse.report import plots
 from profuse.report import sweep as R
 
@@ -156,15 +157,31 @@ def test_unsteady_warning_gives_a_command_that_times_the_size_again(saved):
     assert cli.build_parser().parse_args(shlex.split(warning.split("again: ", 1)[1])[1:]).timing == "loop"
 
 
-@pytest.mark.parametrize("trials, warned", [(2, True), (3, True), (9, True), (10, False), (30, False)])
-def test_few_trials_carry_a_caveat_on_their_ci(saved, trials, warned):
+@pytest.mark.parametrize("trials, warned", [(2, True), (3, True), (29, True), (30, False), (40, False)])
+def test_few_trials_say_their_ci_is_order_statistics_with_its_coverage(saved, trials, warned):
     data = json.loads((saved["a"][0] / "results.json").read_text())
     data["config"]["trials"] = trials
     text = R.format_report(data)
-    caveats = [line for line in text.splitlines() if f"only {trials} trials" in line]
+    caveats = [line for line in text.splitlines() if f"{trials} trials, under 30" in line]
     assert len(caveats) == (1 if warned else 0), text
     if warned:
-        assert "--trials 10" in caveats[0] and "CI" in caveats[0]
+        k, coverage = stats.median_ranks(trials, 0.95)
+        assert f"order statistics {k} and {trials + 1 - k} of {trials}" in caveats[0]
+        assert stats.ci_label(stats.Speedup(1, 1, 1, 0.95, "x", coverage=coverage)) in caveats[0]
+        assert "--trials 30" in caveats[0]
+
+
+def test_a_file_saved_with_bootstrap_cis_at_few_trials_is_warned_and_pointed_at_a_recompute(saved):
+    data = json.loads((saved["a"][0] / "results.json").read_text())
+    for run in data["runs"]:
+        for res in run["results"].values():
+            if res.get("speedup"):
+                res["speedup"].update(method="BCa", confidence=0.95)
+                res["speedup"].pop("coverage", None)
+    text = R.format_report(data)
+    assert "(95% CI)" in text  # as saved: the method it was made with
+    [warning] = [line for line in text.splitlines() if line.startswith("WARNING only")]
+    assert "bootstrap's (BCa)" in warning and "covers less than the 95%" in warning and "--vs" in warning
 
 
 # --------------------------------------------------------------------------------------------

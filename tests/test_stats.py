@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 from cases import run_cli
 
-from profuse.bench import stats
+from profuse.bench import DEFAULT_TRIALS, stats
 from profuse.bench.stats import FASTER, NO_GAIN, SLOWER, STATISTIC, Speedup, speedup_ci
+from profuse.report.units import fmt_speedup
 
 # --------------------------------------------------------------------------------------------
 # speedup_ci on arrays
@@ -52,7 +53,7 @@ def test_heavily_tied_data_falls_back_without_nan():
     """Mostly ties: the BCa acceleration is 0/0; the interval must come back finite anyway."""
     base = np.array([2.0] * 19 + [2.5])
     var = np.array([1.0] * 20)
-    sp = speedup_ci(base, var, n_resamples=500)
+    sp = speedup_ci(base, var, n_resamples=500, method="BCa")  # 20 trials would take order statistics
     assert all(math.isfinite(x) for x in (sp.median, sp.low, sp.high))
     assert sp.low <= sp.median <= sp.high
     assert sp.method == "percentile"  # the fallback, taken because BCa came back NaN
@@ -162,7 +163,8 @@ def test_report_vs_recomputes_speedups_from_the_saved_trials(saved):
         assert run["results"]["rms_norm"]["speedup"] is None  # the new baseline
         assert old["results"]["eager"]["speedup"] is None  # the original is left alone
     code, stdout, _ = run_cli("report", str(out / "results.json"), "--vs", "rms_norm")
-    assert code == 0 and "speedup vs eager F.rms_norm (95% CI)" in stdout  # the label, as its rows say it
+    # the label, as its rows say it: 3 trials' order statistics (the min and max) cover 75%
+    assert code == 0 and "speedup vs eager F.rms_norm (75% CI)" in stdout
 
 
 # --------------------------------------------------------------------------------------------
@@ -173,7 +175,7 @@ def test_report_vs_recomputes_speedups_from_the_saved_trials(saved):
 def test_an_endpoint_a_rounding_away_from_the_point_is_snapped_onto_it():
     """3 trials [1.7, 2.1, 1.8] / [1.0, 2.1, 2.0]: the point is 0.9, and scipy's BCa returns a low
     of 0.9000000000000001 (its percentile interpolated): a CI that excludes its own median."""
-    sp = speedup_ci([1.7, 2.1, 1.8], [1.0, 2.1, 2.0], n_resamples=200, seed=0)
+    sp = speedup_ci([1.7, 2.1, 1.8], [1.0, 2.1, 2.0], n_resamples=200, seed=0, method="BCa")
     assert sp.median == pytest.approx(0.9) and sp.low <= sp.median <= sp.high
     assert sp.low == sp.median and sp.method == "BCa"
 
@@ -399,3 +401,131 @@ def test_bound_s_thresholds_are_the_profile_s():
     assert stats.bound(LAUNCH_BOUND_IDLE_PCT + 0.1, None, False, None).word == "launch-bound"
     assert stats.bound(stats.DEVICE_BOUND_IDLE_PCT - 0.1, None, False, None).word == "device-bound"
     assert stats.bound(stats.DEVICE_BOUND_IDLE_PCT, None, False, None).word == ""
+
+
+# --------------------------------------------------------------------------------------------
+# The interval fits the count: order statistics below BCA_LEAST_TRIALS, BCa from there
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [4, 8, 12, 30])
+def test_order_statistics_coverage_is_the_binomial_sum(n):
+    from scipy.stats import binom
+
+    k, coverage = stats.median_ranks(n, 0.95)
+    # the chosen pair x_(k), x_(n+1-k) covers the median with 1 - 2 P(B <= k-1), B ~ Bin(n, 1/2)
+    assert coverage == pytest.approx(1 - 2 * binom.cdf(k - 1, n, 0.5), abs=1e-12)
+    for j in range(1, (n + 1) // 2 + 1):
+        assert stats.median_coverage(n, j) == pytest.approx(
+            binom.cdf(n - j, n, 0.5) - binom.cdf(j - 1, n, 0.5)
+        )
+    if coverage >= 0.95 and k < (n + 1) // 2:  # the narrowest that reaches 95%: one rank in misses it
+        assert stats.median_coverage(n, k + 1) < 0.95
+    expected = {4: (1, 0.875), 8: (1, 0.9921875), 12: (3, 0.96142578125), 30: (10, 0.957226)}[n]
+    assert k == expected[0] and coverage == pytest.approx(expected[1], abs=1e-6)
+
+
+def test_four_trials_are_never_called_a_95_percent_ci():
+    rng = np.random.default_rng()
+    base = 2.0 * (1 + 0.03 * rng.random(4))
+    var = 1.5 * (1 + 0.03 * rng.random(4))
+    sp = speedup_ci(base, var)
+    assert sp.method.startswith(stats.ORDER_STATISTICS) and sp.coverage == 0.875 and sp.trials == 4
+    ratios = np.sort(base / var)
+    assert sp.per_trial.low == ratios[0] and sp.per_trial.high == ratios[-1]  # min and max: 87.5%
+    assert sp.low <= sp.median <= sp.high  # the ratio of medians kept inside its interval
+    assert stats.ci_label(sp) == "87.5% CI" and stats.ci_label(sp.to_dict()) == "87.5% CI"
+    assert "87.5% CI" in fmt_speedup(sp, "eager") and "95%" not in fmt_speedup(sp, "eager")
+
+
+def test_the_method_switches_at_the_count_where_bca_is_trusted():
+    rng = np.random.default_rng()
+    n = stats.BCA_LEAST_TRIALS
+    assert stats.ci_method(n - 1) == stats.ORDER_STATISTICS and stats.ci_method(n) == stats.BOOTSTRAP
+    assert DEFAULT_TRIALS >= n  # the default count gets the bootstrap
+    for trials, method, label in ((12, stats.ORDER_STATISTICS, "96.1% CI"), (n, "BCa", "95% CI")):
+        base = 2.0 * (1 + 0.05 * rng.random(trials))
+        var = 1.0 * (1 + 0.05 * rng.random(trials))
+        sp = speedup_ci(base, var, n_resamples=300)
+        assert sp.method == method and sp.per_trial.method == method, trials
+        assert stats.ci_label(sp) == label and sp.verdict == FASTER
+    # 12 trials: the 3rd smallest and 3rd largest per-trial ratio
+    base, var = 2.0 * (1 + 0.05 * rng.random(12)), 1 + 0.05 * rng.random(12)
+    sp = speedup_ci(base, var)
+    ratios = np.sort(base / var)
+    assert (sp.per_trial.low, sp.per_trial.high) == (ratios[2], ratios[9])
+    with pytest.raises(ValueError, match="method"):
+        speedup_ci(base, var, method="jackknife")
+
+
+def test_order_statistics_cover_the_median_as_often_as_they_say():
+    """20000 draws of 8 paired ratios from a skewed distribution (lognormal) with a known median:
+    the min-max interval must hold it 1 - 2/2^8 = 99.2% of the time, whatever the distribution."""
+    rng = np.random.default_rng()
+    draws = np.exp(rng.normal(0.1, 0.5, size=(20000, 8)))  # median exp(0.1)
+    k, coverage = stats.median_ranks(8, 0.95)
+    s = np.sort(draws, axis=1)
+    held = np.mean((s[:, k - 1] <= np.exp(0.1)) & (np.exp(0.1) <= s[:, 8 - k]))
+    assert abs(held - coverage) < 4 * np.sqrt(coverage * (1 - coverage) / 20000)
+
+
+def test_the_verdict_prints_the_coverage_of_its_intervals():
+    rng = np.random.default_rng()
+    times = {"a": 1.0 + 0.01 * rng.random(8), "b": 1.2 + 0.01 * rng.random(8)}
+    v = stats.tie_verdict(times, n_resamples=200)
+    assert v.ratios["b"].method == stats.ORDER_STATISTICS
+    assert f"{v.ratios['b'].coverage:.1%} CI" in v.text and v.ratios["b"].coverage == 0.9921875
+
+
+def test_refit_recomputes_a_saved_step_by_the_method_that_fits_its_count():
+    rng = np.random.default_rng()
+    n = 12
+    times = {"eager": 2.0 + 0.02 * rng.random(n), "compile": 1.6 + 0.02 * rng.random(n),
+             "compile+fused": 1.5 + 0.02 * rng.random(n)}  # fmt: skip
+    old = speedup_ci(times["eager"], times["compile"], n_resamples=200, method="BCa").to_dict()
+    data = {
+        "kind": "step",
+        "comparison": {
+            "baseline": "eager",
+            "trials": n,
+            "timings": {k: {"times_s": list(v)} for k, v in times.items()},
+            "speedups": {"compile": old},
+            "verdict": {"text": "saved"},
+        },  # fmt: skip
+        "results": {
+            "eager": {"speedup": None},
+            "compile": {"speedup": old},
+            "compile+fused": {"speedup": old},
+        },  # fmt: skip
+        "fusion_over_compile": old,
+        "verdict": {"text": "saved"},
+    }
+    new, methods = stats.refit(data)
+    assert methods == ["BCa"] and data["results"]["compile"]["speedup"] is old  # the file left alone
+    for name in ("compile", "compile+fused"):
+        sp = new["results"][name]["speedup"]
+        assert sp["method"].startswith(stats.ORDER_STATISTICS) and sp["coverage"] == pytest.approx(
+            0.96142578125
+        )
+        ratios = np.sort(times["eager"] / times[name])
+        assert (sp["per_trial"]["low"], sp["per_trial"]["high"]) == (ratios[2], ratios[9])
+    over = new["fusion_over_compile"]
+    assert over["median"] == pytest.approx(np.median(times["compile"]) / np.median(times["compile+fused"]))
+    assert new["verdict"] is None  # decided again from the trials by the report
+
+
+def test_report_refit_recomputes_a_saved_sweep_and_says_so(saved, tmp_path):
+    out, _ = saved["a"]
+    data = json.loads((out / "results.json").read_text())
+    for run in data["runs"]:
+        for res in run["results"].values():
+            if res.get("speedup"):
+                res["speedup"].update(method="BCa")
+                res["speedup"].pop("coverage", None)
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(data))
+    code, as_saved, _ = run_cli("report", str(path))
+    assert code == 0 and "(95% CI)" in as_saved  # reported with the method it was made with
+    code, text, _ = run_cli("report", str(path), "--refit")
+    assert code == 0 and "(75% CI)" in text and "(95% CI)" not in text  # 3 trials: min-max, 75%
+    assert "CIs recomputed from the saved paired trials" in text and "made by: BCa" in text

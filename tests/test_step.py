@@ -24,9 +24,9 @@ from profuse import step as S
 from profuse.bench.stats import FEW_TRIALS, bound, speedup_ci, tie_verdict
 from profuse.errors import UsageError
 from profuse.model import GPT, AddRMSNorm, GPTConfig, SwiGLU, random_batch
-from profuse.report.step import format_step, load_step, verdict_line
+from profuse.report.step import format_step, load_step, trial_words, verdict_line
 from profuse.tail import BACKWARD_TOL, FORWARD_TOL
-from profuse.verdict import decide
+from profuse.verdict import SYNCED_SOURCE, decide
 
 TINY = GPTConfig(n_layer=2, d_model=64, n_head=2, vocab_size=128, seq_len=16, batch_size=2)
 # A width that is not a power of two, and a hidden size that is not a multiple of 64.
@@ -309,6 +309,8 @@ def test_run_times_checks_and_profiles_every_variant(eager_vs_fused, capsys):
     same = res.same_math["fused"]  # blockops' eager ops: the model's own math, the same rounding
     assert same.passed and all(err == unfused for err, unfused, _ in same.errors.values())
     assert res.memory == {}  # CPU: not measured
+    assert res.math["fused"].sizes == ["full size", "small copy"] and res.math["fused"].passed
+    assert res.math["eager"].checked and not res.verdict.unchecked
     for name in ("eager", "fused"):
         p = res.profiles[name]
         assert p.launch_unit == "operators" and p.launches_per_step > 0 and 0 < p.memory_bound_pct < 100
@@ -368,12 +370,37 @@ def test_few_trials_carry_a_caveat_in_the_step_report(eager_vs_fused):
     res, _, _ = eager_vs_fused
     data = res.to_dict()
     trials = data["comparison"]["trials"]
-    caveats = [line for line in format_step(data).splitlines() if "trials: a bootstrap over so few" in line]
+    caveats = [line for line in format_step(data).splitlines() if f"trials, under {FEW_TRIALS}:" in line]
     assert len(caveats) == (1 if trials < FEW_TRIALS else 0)
+    assert trials < FEW_TRIALS and "order statistics" in caveats[0]
+    # the table's column names the intervals' exact coverage (4 trials: the min and max, 87.5%)
+    assert (
+        "vs eager (87.5% CI)" in format_step(data)
+        and "95% CI" not in format_step(data).split("statistic:")[0]
+    )
     data["comparison"]["trials"] = FEW_TRIALS
-    assert "a bootstrap over so few" not in format_step(data)
+    assert "under 30:" not in format_step(data)
+    # a file saved with BCa intervals at 3 trials: said as saved, with the warning
     data["comparison"]["trials"] = 3
+    for r in data["results"].values():
+        if r["speedup"]:
+            r["speedup"].update(method="BCa")
+            r["speedup"].pop("coverage")
     assert any(line.startswith("WARNING only 3 trials") for line in format_step(data).splitlines())
+
+
+def test_the_report_says_what_a_trial_is_from_the_saved_design(eager_vs_fused):
+    res, _, _ = eager_vs_fused
+    data = res.to_dict()
+    cmp = data["comparison"]
+    cmp["design"] = {**cmp["design"], "calls": 7, "discard": 2}
+    text = format_step(data)
+    assert (
+        "each trial the mean of 7 steps back to back between two clock reads, after 2 untimed steps" in text
+    )
+    assert "median of 3" not in text
+    cmp["device"] = "cuda"
+    assert "between two CUDA events" in trial_words(cmp)
 
 
 def _steady(data: dict) -> dict:
@@ -561,6 +588,7 @@ def test_step_command_eager_and_compile(tmp_path, capsys, monkeypatch):
     assert lines[-1] == f"results: {tmp_path / 'step.json'}"
     data = json.loads((tmp_path / "step.json").read_text())
     assert data["kind"] == "step" and list(data["results"]) == ["eager", "compile"]
+    assert data["provenance"]["command"]["profuse_args"][0] == "step"  # files.write_result
     assert data["results"]["compile"]["speedup"]["low"] <= data["results"]["compile"]["speedup"]["high"]
     assert data["same_math"]["compile"]["passed"]  # the same step, compiled (fp32, against float64)
     assert data["check"] is None and data["amdahl"] is None and data["profiles"] == {}
@@ -675,7 +703,7 @@ def test_variants_share_one_set_of_parameters():
 def test_default_variants_by_model():
     assert S.StepConfig(model=TINY).variants == S.VARIANTS
     hf = S.StepConfig(model=hf_tiny())
-    assert hf.variants == S.ALL_VARIANTS and hf.preset == "tiny"
+    assert hf.variants == S.HF_VARIANTS and hf.preset == "tiny"
     runs, skipped = S.plan(hf, None)
     assert runs[0] == "eager" and "compile" in runs
     assert skipped["liger"].startswith("needs CUDA and liger-kernel")
@@ -910,10 +938,11 @@ def test_the_verdict_is_tie_verdict_over_the_saved_trials(eager_vs_fused, fused_
 )  # fmt: skip
 def test_the_bound_is_bench_bound_from_the_saved_profile_and_host_time(eager_vs_fused, kw, words):
     data = _verdict_data(eager_vs_fused, 0.77, cuda=True, **kw)
-    line = verdict_line(data)
+    line = verdict_line(data).replace(SYNCED_SOURCE, "")  # a file with no unsynchronised profile
     assert words in line, line
     b = bound(kw["idle"], kw["host_s"], kw.get("at_least", False), kw["kernel_s"])
-    assert (data["verdict"]["bound"], data["verdict"]["bound_why"]) == (b.word, b.why)
+    assert data["verdict"]["bound"] == b.word
+    assert data["verdict"]["bound_why"] == SYNCED_SOURCE + b.why
 
 
 def test_old_step_files_still_read(eager_vs_fused):

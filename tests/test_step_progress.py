@@ -16,7 +16,7 @@ from profuse import compiletime as C
 from profuse import step as S
 from profuse.cli.common import ProgressLines, tagged
 from profuse.model import GPTConfig
-from profuse.verdict import decide
+from profuse.verdict import SYNCED_SOURCE, decide
 
 TINY = GPTConfig(n_layer=2, d_model=64, n_head=2, vocab_size=128, seq_len=16, batch_size=2)
 
@@ -251,7 +251,7 @@ def test_the_verdict_names_a_winner_or_a_tie_and_the_bound():
     v = decide(_data({"eager": None, "fused": sp(1.2, 1.1, 1.3)}, device="cuda:0", profile=busy))
     assert (
         v.bound == "device-bound"
-        and v.bound_why == "the GPU idles 4.3% of the step: the CPU keeps ahead of it"
+        and v.bound_why == SYNCED_SOURCE + "the GPU idles 4.3% of the step: the CPU keeps ahead of it"
     )
     assert v.bounds == {"eager": "device-bound", "fused": ""}  # fused: no profile, no host time to say
     assert decide({"comparison": None}) is None

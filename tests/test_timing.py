@@ -30,9 +30,13 @@ from profuse.bench.timing import (
     Comparison,
     TrialDesign,
     balanced_orders,
+    balanced_trials,
     compare,
+    design_rows,
+    saved_steady_rule,
     settled,
     warmup_note,
+    williams_square,
 )
 from profuse.timers import CpuTimer
 
@@ -294,6 +298,15 @@ def test_warm_up_runs_until_the_last_calls_agree():
     assert d["steady_rule"] == {"calls": STEADY_CALLS, "ratio": STEADY_RATIO}
 
 
+def test_a_saved_steady_rule_is_the_designs_own():
+    """A run warmed by blocks saves its blocks' rule, not Part B's calls within 1.5x."""
+    saved = saved_steady_rule(REFEREE)
+    assert saved["blocks"] == STEADY_BLOCKS and saved["spread"] == REFEREE.steady_spread == 0.01
+    assert saved["calls_per_block"] == REFEREE.warmup_block and saved["discard"] == REFEREE.discard
+    assert "ratio" not in saved
+    assert saved_steady_rule(TrialDesign()) == {"calls": STEADY_CALLS, "ratio": STEADY_RATIO}
+
+
 def test_warm_up_that_never_settles_stops_at_its_budget_and_says_so():
     clock = FakeClock()
     flip = {"n": 0}
@@ -497,25 +510,53 @@ def test_uncapturable_variants_are_named_not_timed():
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("n", "trials"), [(2, 5), (3, 7), (5, 5), (7, 12)])
-def test_balanced_orders_put_each_variant_in_each_position_equally_often(n, trials):
+@pytest.mark.parametrize(("n", "trials"), [(2, 5), (3, 7), (4, 4), (5, 5), (6, 13), (7, 12)])
+def test_balanced_orders_put_each_variant_in_each_position_and_after_each_other_equally_often(n, trials):
     names = [f"v{i}" for i in range(n)]
     orders = balanced_orders(names, trials, random.Random(n))
-    assert len(orders) == -(-trials // n) * n  # rounded up to whole blocks
+    size = n if n % 2 == 0 else 2 * n  # one Williams square, or a square and its mirror
+    assert len(orders) == -(-trials // size) * size == balanced_trials(n, trials) >= trials
     for order in orders:
         assert sorted(order) == sorted(names)
     for pos in range(n):
         assert Counter(o[pos] for o in orders) == dict.fromkeys(names, len(orders) // n)
-    if len(orders) > n > 2:  # a new base order each block: who follows whom changes
-        pairs = [{(o[i], o[i + 1]) for o in orders[b : b + n] for i in range(n - 1)} for b in (0, n)]
-        assert pairs[0] != pairs[1]
+    # Carry-over: every ordered pair of distinct variants adjacent, each equally often, in every
+    # whole design and so over all of them.
+    every_pair = {(a, b) for a in names for b in names if a != b}
+    for start in range(0, len(orders), size):
+        pairs = Counter((o[i], o[i + 1]) for o in orders[start : start + size] for i in range(n - 1))
+        assert set(pairs) == every_pair
+        assert set(pairs.values()) == {size * (n - 1) // len(every_pair)}
+    if len(orders) > size and n > 2:  # a new labelling each design: its rows differ
+        assert orders[:size] != orders[size : 2 * size]
+
+
+@pytest.mark.parametrize("n", range(1, 10))
+def test_williams_square_is_latin_and_carry_over_balanced(n):
+    rows = williams_square(n)
+    assert len(rows) == design_rows(n) == (n if n % 2 == 0 else 2 * n)
+    for row in rows:
+        assert sorted(row) == list(range(n))
+    pairs = Counter((r[i], r[i + 1]) for r in rows for i in range(n - 1))
+    assert len(pairs) == n * (n - 1)
+    assert set(pairs.values()) <= {1 if n % 2 == 0 else 2}
+
+
+def test_rotations_alone_leave_ordered_pairs_out_where_williams_does_not():
+    # What the design replaced: the 5 rotations of one order give 4 x 5 = 20 adjacencies but only
+    # 5 distinct ordered pairs of the 20, so the other 15 never occur.
+    base = list(range(5))
+    rotations = [base[i:] + base[:i] for i in range(5)]
+    assert len({(r[i], r[i + 1]) for r in rotations for i in range(4)}) == 5
+    assert len({(r[i], r[i + 1]) for r in williams_square(5) for i in range(4)}) == 20
 
 
 def test_a_balanced_design_rounds_the_trials_up_and_balances_positions():
     res = fake_compare(dict.fromkeys("abc", 1e-3), "a", trials=7, design=TrialDesign(balanced=True))
-    assert res.trials == 9 and res.trials_asked == 7 and len(res.timings["b"].times_s) == 9
+    # 3 variants: a Williams square and its mirror, 6 trials a design, so 7 becomes 12
+    assert res.trials == 12 and res.trials_asked == 7 and len(res.timings["b"].times_s) == 12
     for pos in range(3):
-        assert Counter(o[pos] for o in res.orders) == dict.fromkeys("abc", 3)
+        assert Counter(o[pos] for o in res.orders) == dict.fromkeys("abc", 4)
     assert json.loads(json.dumps(res.to_dict()))["design"]["balanced"] is True
 
 
@@ -645,7 +686,7 @@ def quiet_compare(durations: dict[str, float], trials: int, **kw) -> Comparison:
 def test_more_trials_where_the_two_fastest_are_close():
     design = TrialDesign(balanced=True, max_trials=30, close=0.02)
     close = quiet_compare({"a": 1e-3, "b": 1.01e-3, "c": 2e-3}, 6, design=design)
-    assert close.trials_asked == 6 and close.trials == 30  # 30 is a whole number of blocks of 3
+    assert close.trials_asked == 6 and close.trials == 30  # 30 is a whole number of designs of 6
     for pos in range(3):
         assert Counter(o[pos] for o in close.orders) == dict.fromkeys("abc", 10)
     far = quiet_compare({"a": 1e-3, "b": 1.03e-3}, 6, design=design)

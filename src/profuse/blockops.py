@@ -104,18 +104,25 @@ def _explain_silu_mul_args(gate, up) -> None:
     raise ValueError("gate and up do not fit together")  # a safety net
 
 
-def silu_mul(gate: torch.Tensor, up: torch.Tensor | None = None) -> torch.Tensor:
+def silu_mul(
+    gate: torch.Tensor, up: torch.Tensor | None = None, *, inplace_backward: bool = False
+) -> torch.Tensor:
     """silu(gate) * up in one Triton kernel forward and one backward, fp32 inside.
 
     `silu_mul(gate, up)`: two (..., F) tensors (strided rows are read in place), their own
     gradients. `silu_mul(gate_up)`: the packed (..., 2F) matmul output; its gradient is one
     (..., 2F) tensor. Differentiable; compiled ops under torch.compile (no graph break).
+
+    `inplace_backward=True` is the caller's promise that gate and up (gate_up) are intermediates
+    nothing else reads after this op (a fused model's projections): the backward then writes
+    their gradients over them, a leaf or a shared or strided buffer excepted, and refuses a second
+    backward through the graph. The default never writes to its inputs.
     """
     check_silu_mul_args(gate, up)
     swiglu = _SWIGLU or _load_kernels()[0]
     if up is None:
-        return swiglu.silu_mul_packed(gate)
-    return swiglu.silu_mul_pair(gate, up)
+        return swiglu.silu_mul_packed(gate, inplace_backward)
+    return swiglu.silu_mul_pair(gate, up, inplace_backward)
 
 
 # The kernel modules, imported on the first call: importing them builds their Triton wrappers
@@ -140,20 +147,31 @@ def _load_kernels():
 
 
 def add_rms_norm_eager(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = DEFAULT_EPS,
+    weight_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """h = x + residual, then F.rms_norm(h) * weight, in torch ops; y in x's dtype. -> (y, h)"""
+    """h = x + residual, then F.rms_norm(h) * weight, in torch ops; y in x's dtype. -> (y, h)
+    With a weight_offset (Gemma's 1.0), Gemma's order: fp32 throughout, one cast at the end."""
     h = x + residual
+    if weight_offset:
+        return rms_norm_eager(h, weight, eps, weight_offset).to(x.dtype), h
     y = F.rms_norm(h, (h.shape[-1],), weight, eps)
     return y.to(x.dtype), h
 
 
 def add_rms_norm_reference(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = DEFAULT_EPS,
+    weight_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle: h and y in float64, written out (no fused norm kernel)."""
     h = x.double() + residual.double()
-    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps) * (weight.double() + weight_offset)
     return y, h
 
 
@@ -196,15 +214,29 @@ def _explain_add_rms_norm_args(x, residual, weight) -> None:
 
 
 def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = DEFAULT_EPS,
+    *,
+    weight_offset: float = 0.0,
+    inplace_backward: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h): h = x + residual, y = rms_norm(h) * weight, in one Triton kernel forward and one
     backward, fp32 inside. Gradients flow through both outputs; dweight is bitwise repeatable.
     x and residual may differ in dtype (see the module's docstring). Custom ops under
-    torch.compile (no graph break)."""
+    torch.compile (no graph break).
+
+    `inplace_backward=True` is the caller's promise that the gradients reaching y and h are
+    autograd's own intermediates (not a `gradient=` tensor the caller holds): the backward then
+    writes dx over dy's buffer (and dresidual of its own dtype over dh's) where they fit, as
+    Liger-Kernel's RMSNorm does. A second backward stays correct: it gets new gradients.
+
+    `weight_offset=1.0`: the norm scales by (1 + weight), Gemma's RMSNorm, in its order (fp32,
+    then one cast); the weight's gradient is unchanged by the offset."""
     check_add_rms_norm_args(x, residual, weight)
     kernel = _ADD_RMS_NORM or _load_kernels()[1]
-    return kernel.add_rms_norm_fused(x, residual, weight, float(eps))
+    return kernel.add_rms_norm_fused(x, residual, weight, float(eps), inplace_backward, float(weight_offset))
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,18 +244,25 @@ def add_rms_norm(
 # --------------------------------------------------------------------------------------------
 
 
-def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+def rms_norm_eager(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS, weight_offset: float = 0.0
+) -> torch.Tensor:
     """y = rms_norm(x) * weight as Hugging Face's Llama RMSNorm computes it: fp32 inside, the
-    normalised value cast back to x's dtype, then times the weight; y in x's dtype."""
+    normalised value cast back to x's dtype, then times the weight; y in x's dtype. With a
+    weight_offset, Gemma's RMSNorm: y = (x_f32 * rstd * (offset + w_f32)).to(x.dtype)."""
     x32 = x.to(torch.float32)
     y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if weight_offset:
+        return (y * (weight_offset + weight.float())).to(x.dtype)
     return (weight * y.to(x.dtype)).to(x.dtype)
 
 
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+def rms_norm_reference(
+    x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS, weight_offset: float = 0.0
+) -> torch.Tensor:
     """The oracle: float64, written out."""
     x = x.double()
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (weight.double() + weight_offset)
 
 
 def check_rms_norm_args(x, weight) -> None:
@@ -241,12 +280,133 @@ def check_rms_norm_args(x, weight) -> None:
         raise ValueError(f"weight is on {weight.device}, x is on {x.device}")
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = DEFAULT_EPS) -> torch.Tensor:
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float = DEFAULT_EPS,
+    *,
+    weight_offset: float = 0.0,
+    inplace_backward: bool = False,
+) -> torch.Tensor:
     """y = rms_norm(x) * weight in one Triton kernel forward and one backward, fp32 inside; y in
-    x's dtype; dweight bitwise repeatable. Custom ops under torch.compile (no graph break)."""
+    x's dtype; dweight bitwise repeatable. Custom ops under torch.compile (no graph break).
+    `weight_offset=1.0`: y = x * rstd * (1 + weight) in fp32, one cast (Gemma's RMSNorm).
+    `inplace_backward=True`: dx is written over dy's buffer, as add_rms_norm's."""
     if not HAS_TRITON:
         raise RuntimeError(TRITON_MISSING)
     check_rms_norm_args(x, weight)
     from profuse.kernels import rms_norm as kernel
 
-    return kernel.rms_norm_fused(x, weight, float(eps))
+    return kernel.rms_norm_fused(x, weight, float(eps), inplace_backward, float(weight_offset))
+
+
+# --------------------------------------------------------------------------------------------
+# gelu_mul (GeGLU) and clamped_swiglu (gpt-oss's experts)
+# --------------------------------------------------------------------------------------------
+
+GELU_APPROXIMATIONS = ("tanh", "none")
+GPT_OSS_ALPHA, GPT_OSS_LIMIT = 1.702, 7.0
+
+
+def _interleaved(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's packed layout: gate in the even columns, up in the odd ones (views)."""
+    return gate_up[..., 0::2], gate_up[..., 1::2]
+
+
+def gelu_mul_eager(
+    gate: torch.Tensor, up: torch.Tensor | None = None, approximate: str = "tanh"
+) -> torch.Tensor:
+    """gelu(gate) * up one op at a time, in the input dtype (Gemma's GeGLU with "tanh")."""
+    if up is None:
+        gate, up = _halves(gate)
+    return F.gelu(gate, approximate=approximate) * up
+
+
+def gelu_mul_reference(
+    gate: torch.Tensor, up: torch.Tensor | None = None, approximate: str = "tanh"
+) -> torch.Tensor:
+    """The oracle: the same math in float64."""
+    if up is None:
+        gate, up = _halves(gate)
+    return gelu_mul_eager(gate.double(), up.double(), approximate)
+
+
+def gelu_mul(
+    gate: torch.Tensor, up: torch.Tensor | None = None, *, approximate: str = "tanh"
+) -> torch.Tensor:
+    """gelu(gate) * up in one Triton kernel forward and one backward, fp32 inside; `approximate`
+    "tanh" (gelu_pytorch_tanh, Gemma's) or "none" (the exact erf form). Two (..., F) tensors, or
+    the packed (..., 2F) gate_up whose halves they are (its gradient one tensor), as silu_mul."""
+    check_silu_mul_args(gate, up)
+    if approximate not in GELU_APPROXIMATIONS:
+        raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
+    gated = _gated_kernels()
+    act = gated.ACT_GELU_TANH if approximate == "tanh" else gated.ACT_GELU_ERF
+    if up is None:
+        return gated.gated_packed(gate, act)
+    return gated.gated_pair(gate, up, act)
+
+
+def clamped_swiglu_eager(
+    gate: torch.Tensor,
+    up: torch.Tensor | None = None,
+    alpha: float = GPT_OSS_ALPHA,
+    limit: float = GPT_OSS_LIMIT,
+    interleaved: bool = True,
+) -> torch.Tensor:
+    """gpt-oss's expert activation as transformers' GptOssExperts computes it, one op at a time:
+    g = gate.clamp(max=limit), u = up.clamp(-limit, limit), (u + 1) * g * sigmoid(alpha * g).
+    A packed gate_up is interleaved (gpt-oss's layout) unless `interleaved` is False (halves)."""
+    if up is None:
+        gate, up = _interleaved(gate) if interleaved else _halves(gate)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def clamped_swiglu_reference(
+    gate: torch.Tensor,
+    up: torch.Tensor | None = None,
+    alpha: float = GPT_OSS_ALPHA,
+    limit: float = GPT_OSS_LIMIT,
+    interleaved: bool = True,
+) -> torch.Tensor:
+    """The oracle: the same math in float64."""
+    if up is None:
+        gate, up = _interleaved(gate) if interleaved else _halves(gate)
+    return clamped_swiglu_eager(gate.double(), up.double(), alpha, limit)
+
+
+def clamped_swiglu(
+    gate: torch.Tensor,
+    up: torch.Tensor | None = None,
+    *,
+    alpha: float = GPT_OSS_ALPHA,
+    limit: float = GPT_OSS_LIMIT,
+    interleaved: bool = True,
+) -> torch.Tensor:
+    """gpt-oss's clamped, biased gated activation in one Triton kernel forward and one backward:
+    (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g), g = min(gate, limit); fp32 inside.
+    Two (..., F) tensors, or the packed (..., 2F) gate_up (interleaved, gpt-oss's layout, unless
+    `interleaved=False`: halves), whose gradient is one tensor in the same layout."""
+    check_silu_mul_args(gate, up)
+    if not (limit > 0 and alpha == alpha):
+        raise ValueError(f"limit must be > 0 and alpha a number, got limit={limit}, alpha={alpha}")
+    gated = _gated_kernels()
+    if up is None:
+        return gated.gated_packed(gate, gated.ACT_CLAMPED, float(alpha), float(limit), bool(interleaved))
+    return gated.gated_pair(gate, up, gated.ACT_CLAMPED, float(alpha), float(limit))
+
+
+_GATED = None
+
+
+def _gated_kernels():
+    global _GATED
+    if _GATED is None:
+        if not HAS_TRITON:
+            raise RuntimeError(TRITON_MISSING)
+        from profuse.kernels import gated
+
+        _GATED = gated
+    return _GATED

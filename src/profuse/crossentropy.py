@@ -49,11 +49,17 @@ def linear_cross_entropy_eager(
     num_items_in_batch: torch.Tensor | int | None = None,
     shift: bool = True,
     shift_labels: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The head's matmul (whole logits, in the matmul dtype), then Hugging Face's loss: the
     logits cast to fp32, cross-entropy summed over the counted tokens, divided by their count or
-    `num_items_in_batch`. `shift_labels`, where given, are the targets already shifted."""
-    logits = F.linear(hidden, weight).float()  # (..., V), as ForCausalLMLoss upcasts
+    `num_items_in_batch`. `shift_labels`, where given, are the targets already shifted.
+    `softcap`: Gemma 2 and 3's final-logit soft-capping, as their CausalLM forward applies it
+    (logits / cap, tanh, * cap, in the matmul dtype) before the loss."""
+    logits = F.linear(hidden, weight)
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.float()  # (..., V), as ForCausalLMLoss upcasts
     target = _targets(labels, shift, shift_labels, ignore_index).to(logits.device)
     logits = logits.reshape(-1, logits.shape[-1])
     if num_items_in_batch is None:
@@ -73,10 +79,13 @@ def linear_cross_entropy_reference(
     num_items_in_batch: torch.Tensor | int | None = None,
     shift: bool = True,
     shift_labels: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The oracle: the same math in float64 (logits, softmax and the sum), with no autocast."""
     with torch.autocast(hidden.device.type, enabled=False):
         logits = F.linear(hidden.double(), weight.double())
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
     target = _targets(labels, shift, shift_labels, ignore_index).to(logits.device)
     logits = logits.reshape(-1, logits.shape[-1])
     loss = F.cross_entropy(logits, target, ignore_index=ignore_index, reduction="sum")
@@ -124,15 +133,19 @@ def linear_cross_entropy(
     num_items_in_batch: torch.Tensor | int | None = None,
     shift: bool = True,
     shift_labels: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """linear_cross_entropy_eager's loss, computed in chunks of tokens: each chunk's logits are
     made, turned into their loss and gradients, and dropped, so the whole (tokens, vocab) logits
     never exist. Gradients for hidden and weight (a tied embedding's too). Differentiable once;
-    double backward is refused in one line."""
+    double backward is refused in one line. `softcap` (Gemma 2 and 3): the loss of
+    softcap * tanh(logits / softcap), the tanh applied to each logit in fp32 inside the kernel."""
     if not HAS_TRITON:
         raise RuntimeError(TRITON_MISSING)
     check_linear_cross_entropy_args(hidden, weight, labels, shift_labels, shift)
     from profuse.kernels import cross_entropy as kernel
 
     target = _targets(labels, shift, shift_labels, ignore_index)
-    return kernel.linear_cross_entropy_fused(hidden, weight, target, ignore_index, num_items_in_batch)
+    return kernel.linear_cross_entropy_fused(
+        hidden, weight, target, ignore_index, num_items_in_batch, softcap=softcap
+    )

@@ -59,7 +59,7 @@ import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from profuse.errors import UsageError
-from profuse.files import write_json
+from profuse.files import write_result
 from profuse.profiling import (
     BACKWARD,
     HOST_CATS,
@@ -437,7 +437,7 @@ def run_worker(
             run_id=os.environ.get("TORCHELASTIC_RUN_ID", ""),
             ranks=[RankProfile.from_dict(d) for d in gathered],
         )
-        write_json(cfg.out_dir / SUMMARY_NAME, job.to_dict())
+        write_result(cfg.out_dir / SUMMARY_NAME, job.to_dict())
     dist.destroy_process_group()
     return job if os.environ.get(LAUNCHER_ENV) != "1" else None
 

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
+import functools
+import importlib.metadata
 import os
 import platform
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -100,24 +105,31 @@ def sm_count(device: torch.device) -> int:
     return 4
 
 
-def _nvidia_smi(device: torch.device) -> dict[str, str]:
+SMI_FIELDS = (
+    "name",
+    "driver_version",
+    "clocks.sm",
+    "clocks.mem",
+    "clocks.max.sm",
+    "clocks.max.mem",
+    "power.limit",
+    "temperature.gpu",
+)
+
+
+def _nvidia_smi(
+    device: torch.device, fields: tuple[str, ...] = SMI_FIELDS, gpu_id: str | None = None
+) -> dict:
+    """nvidia-smi's `fields` for one GPU (by index, or `gpu_id`: its UUID, which holds under
+    CUDA_VISIBLE_DEVICES's renumbering), or {} where nvidia-smi is missing or fails."""
     exe = shutil.which("nvidia-smi")
     if exe is None:
         return {}
-    fields = [
-        "name",
-        "driver_version",
-        "clocks.sm",
-        "clocks.mem",
-        "clocks.max.sm",
-        "clocks.max.mem",
-        "power.limit",
-        "temperature.gpu",
-    ]
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if gpu_id is None:
+        gpu_id = str(device.index if device.index is not None else torch.cuda.current_device())
     try:
         out = subprocess.run(
-            [exe, f"--id={idx}", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
+            [exe, f"--id={gpu_id}", f"--query-gpu={','.join(fields)}", "--format=csv,noheader"],
             capture_output=True,
             text=True,
             timeout=10,
@@ -165,6 +177,167 @@ def environment(device: torch.device) -> dict:
             info["driver"] = smi.pop("driver_version", None)
             info["nvidia_smi"] = smi
     return info
+
+
+# --------------------------------------------------------------------------------------------
+# Provenance: what any saved file needs to be traced to its run and checked again
+# --------------------------------------------------------------------------------------------
+
+# The packages whose versions change what a run measures; a missing one is recorded as None.
+PACKAGES = ("torch", "triton", "transformers", "liger-kernel", "numpy", "scipy")
+# Environment variables that change what profuse does or where it runs; PROFUSE_* too.
+BEHAVIOUR_ENV = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF")
+# The card, as nvidia-smi names its fields.
+CARD_FIELDS = (
+    "name",
+    "uuid",
+    "driver_version",
+    "memory.total",
+    "clocks.sm",
+    "clocks.mem",
+    "clocks.max.sm",
+    "clocks.max.mem",
+    "power.limit",
+)
+
+
+def utc_now() -> str:
+    """'2026-12-07T04:01:32Z': the time in UTC, to the second."""
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def provenance(started_utc: str | None = None, command: list[str] | None = None) -> dict:
+    """Where a saved result came from: the source tree (git commit and whether it had uncommitted
+    changes), the versions of the packages that change a measurement, the card (or the CPU), the
+    host, the command line and the environment variables that change behaviour, and when the run
+    started and ended (now). `command`: profuse's own arguments where the CLI was called from
+    Python (sys.argv is then the caller's). Never raises: a piece that cannot be read is None."""
+    return {
+        "profuse": _profuse_version(),
+        "source": source_tree(),
+        "versions": versions(),
+        "card": card(),
+        "host": socket.gethostname(),
+        "command": {
+            "argv": list(sys.argv),
+            **({"profuse_args": list(command)} if command is not None else {}),
+            "env": behaviour_env(),
+        },
+        "started_utc": started_utc,
+        "ended_utc": utc_now(),
+    }
+
+
+def _profuse_version() -> str | None:
+    with contextlib.suppress(Exception):
+        from profuse import __version__
+
+        return __version__
+    return None
+
+
+def behaviour_env(environ: dict | None = None) -> dict[str, str]:
+    """The environment variables set that change what a run does: PROFUSE_* and BEHAVIOUR_ENV."""
+    environ = os.environ if environ is None else environ
+    return {k: environ[k] for k in sorted(environ) if k.startswith("PROFUSE_") or k in BEHAVIOUR_ENV}
+
+
+@functools.lru_cache(maxsize=1)
+def source_tree(root: str | None = None) -> dict:
+    """{'commit', 'dirty', 'path'} of the git checkout profuse's source lies in: the commit checked
+    out, and whether the package's own files (src/profuse) differ from it or hold new ones. Both
+    None where it is not a checkout (an installed wheel) or git cannot be run. Read once a
+    process."""
+    where = Path(root) if root else Path(__file__).resolve().parent
+    out: dict = {"commit": None, "dirty": None, "path": str(where)}
+    git = shutil.which("git")
+    if git is None:
+        return out
+    try:
+        commit = _git(git, where, "rev-parse", "HEAD")
+        status = _git(git, where, "status", "--porcelain", "--", ".")
+    except (OSError, subprocess.SubprocessError):
+        return out
+    out.update(commit=commit or None, dirty=bool(status) if commit else None)
+    return out
+
+
+def _git(git: str, where: Path, *args: str) -> str:
+    return subprocess.run(
+        [git, "-C", str(where), *args], capture_output=True, text=True, timeout=10, check=True
+    ).stdout.strip()
+
+
+@functools.lru_cache(maxsize=1)
+def versions() -> dict:
+    """Python, the PACKAGES (None where not installed), and CUDA's runtime, cuDNN and driver
+    (None on a machine without them)."""
+    out: dict = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    out["torch"] = torch.__version__  # the one imported, local build tag and all
+    out["cuda_runtime"] = torch.version.cuda
+    cudnn = None
+    with contextlib.suppress(Exception):
+        if torch.backends.cudnn.is_available():
+            cudnn = torch.backends.cudnn.version()
+    out["cudnn"] = cudnn
+    out["driver"] = _driver_version()
+    return out
+
+
+def _driver_version() -> str | None:
+    if not torch.cuda.is_available():
+        return None
+    return _nvidia_smi(torch.device("cuda"), ("driver_version",), "0").get("driver_version")
+
+
+def card(device: torch.device | None = None) -> dict:
+    """The GPU a run used (the current CUDA device): name, UUID, SMs, memory, SM and memory clocks
+    now and at most, power limit, from nvidia-smi where it is there and from torch's device
+    properties otherwise; on a machine without CUDA, the CPU's model and cores."""
+    if device is None or device.type == "cuda":
+        with contextlib.suppress(Exception):
+            if torch.cuda.is_available():
+                return _gpu_card(device or torch.device("cuda", torch.cuda.current_device()))
+    return {
+        "kind": "cpu",
+        "cpu_model": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "cores_available": available_cores(),
+    }
+
+
+def _gpu_card(device: torch.device) -> dict:
+    props = torch.cuda.get_device_properties(device)
+    uuid = str(getattr(props, "uuid", "") or "") or None
+    if uuid and not uuid.startswith("GPU-"):
+        uuid = f"GPU-{uuid}"
+    out = {
+        "kind": "cuda",
+        "name": props.name,
+        "uuid": uuid,
+        "sm_count": props.multi_processor_count,
+        "memory_bytes": int(props.total_memory),
+        "compute_capability": f"{props.major}.{props.minor}",
+        "source": "torch",
+    }
+    smi = _nvidia_smi(device, CARD_FIELDS, uuid)
+    if smi:
+        out.update(
+            uuid=smi.get("uuid") or uuid,
+            sm_clock=smi.get("clocks.sm"),
+            memory_clock=smi.get("clocks.mem"),
+            max_sm_clock=smi.get("clocks.max.sm"),
+            max_memory_clock=smi.get("clocks.max.mem"),
+            power_limit=smi.get("power.limit"),
+            driver=smi.get("driver_version"),
+            source="nvidia-smi",
+        )
+    return out
 
 
 def available_cores() -> int:

@@ -3,11 +3,16 @@
 A run killed halfway leaves the old file (or none), never half of a new one; os.replace is atomic
 on POSIX and Windows when source and target are on the same file system. `check_folder` finds a
 folder that cannot be written before a run measures anything, rather than after.
+
+Every result file (step.json, results.json and its partial file, profile.json, profile_ddp.json)
+is written through `write_result`, which adds the run's provenance (env.provenance: commit,
+versions, card, command, start and end), so no command can forget it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
 import json
 import os
 import tempfile
@@ -16,6 +21,17 @@ from pathlib import Path
 from typing import Any
 
 from profuse.errors import UsageError
+
+PROVENANCE = "provenance"
+
+
+# When this run began and how profuse was called: set by the CLI as a command starts
+# (mark_run); for a library user, when profuse.files was first imported.
+def _utc_now() -> str:  # env.utc_now's format; here so that marking a run loads no torch
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+_RUN: dict = {"started_utc": _utc_now(), "command": None}
 
 
 @contextlib.contextmanager
@@ -36,6 +52,26 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
+
+
+def mark_run(command: list[str] | None = None) -> None:
+    """Note that a run starts now, called as `command` (profuse's own arguments)."""
+    _RUN.update(started_utc=_utc_now(), command=None if command is None else list(command))
+
+
+def with_provenance(data: Any) -> Any:
+    """`data` (a result's dict) with its provenance added, unless it has one already (a sweep's
+    JSON and CSV share one); anything but a dict is returned as it is."""
+    if not isinstance(data, dict) or PROVENANCE in data:
+        return data
+    from profuse.env import provenance
+
+    return {**data, PROVENANCE: provenance(_RUN["started_utc"], _RUN["command"])}
+
+
+def write_result(path: str | os.PathLike, data: Any) -> Path:
+    """A result file: `data` with its provenance (with_provenance), as JSON, written whole."""
+    return write_json(path, with_provenance(data))
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

@@ -67,7 +67,7 @@ from profuse.attribution import (  # noqa: F401 - the trace's reading, under the
 )
 from profuse.env import quiet_native_stderr
 from profuse.errors import UsageError
-from profuse.files import atomic_path, check_folder, write_json
+from profuse.files import atomic_path, check_folder, write_result
 from profuse.model import GPTConfig
 from profuse.models.spec import DEFAULT_PRECISION, ModelSpec, check_precision, make_step, precision_text
 from profuse.structure import module_ranges
@@ -310,7 +310,7 @@ def profile(
         structure=structure and not compiled, about=about, precision=precision or USERS_PRECISION,
     )  # fmt: skip
     if summary_name is not None:
-        write_json(cfg.out_dir / summary_name, {"kind": SUMMARY_KIND, "eager": result.to_dict()})
+        write_result(cfg.out_dir / summary_name, {"kind": SUMMARY_KIND, "eager": result.to_dict()})
     return result
 
 

@@ -392,3 +392,62 @@ def judge(
 def failed_check(reference: str, why: str) -> FullCheck:
     """A variant whose step could not be run for the check."""
     return FullCheck(reference, passed=False, error=why)
+
+
+# --------------------------------------------------------------------------------------------
+# Each variant's row: checked or not, at which size, against what
+# --------------------------------------------------------------------------------------------
+
+FULL, SMALL = "full size", "small copy"
+
+
+@dataclass
+class MathStatus:
+    """Whether a variant's math was checked before its figures were timed, and how: `sizes` the
+    checks it passed through ("full size": the timed shapes and batch, per tensor; "small copy":
+    CHECK_LAYERS layers and CHECK_BATCH x CHECK_SEQ_LEN tokens), `against` what each compared
+    with, `passed` (None where nothing checked it), `note` why not, where not."""
+
+    checked: bool
+    passed: bool | None
+    sizes: list[str] = field(default_factory=list)
+    against: list[str] = field(default_factory=list)
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def text(self) -> str:
+        """'full size against the unfused model in float64, passed' or 'NOT checked (why)'."""
+        if not self.checked:
+            return f"NOT checked ({self.note})" if self.note else "NOT checked"
+        how = "; ".join(f"{s} against {a}" for s, a in zip(self.sizes, self.against))
+        word = "passed" if self.passed else "FAILED"
+        return f"{how}, {word}" + (f" ({self.note})" if self.note else "")
+
+
+def status(
+    name: str,
+    small: MathCheck | None,
+    full: FullCheck | None,
+    *,
+    baseline: bool = False,
+    why_not: str = "",
+) -> MathStatus:
+    """Variant `name`'s row from its own checks: `small` (check_small's), `full` (judge's), or
+    neither (`why_not`). The baseline's full-size errors are the bounds' own (it passes by
+    definition), so its row says what it was compared with and that it sets the bounds."""
+    sizes, against, passed = [], [], []
+    if full is not None and not full.error:
+        sizes.append(FULL)
+        against.append(f"the unfused model in {full.reference}, per tensor")
+        passed.append(full.passed)
+    if small is not None and not small.error:
+        sizes.append(SMALL)
+        against.append("float64" if not baseline else "float64 (the unfused step)")
+        passed.append(small.passed)
+    if not sizes:
+        errors = [c.error for c in (full, small) if c is not None and c.error]
+        return MathStatus(False, None, note=errors[0] if errors else why_not)
+    note = "the baseline: its own error sets each bound" if baseline else ""
+    return MathStatus(True, all(passed), sizes, against, note)

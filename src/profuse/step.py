@@ -9,10 +9,17 @@ on the same batch, all from the same initial parameters:
     liger-ops        Liger-Kernel's RMSNorm and SwiGLU alone: op for op with fused (HF, CUDA)
     liger            Liger-Kernel as its users apply it: RoPE, RMSNorm, SwiGLU and fused linear
                      cross-entropy (profuse.models.liger) (HF, CUDA)
-    compile          the whole model under torch.compile (profuse.compile.compile_model)
-    compile+fused    the fused model under torch.compile (the block ops are compiled ops: no break)
+    compile          the whole model under torch.compile (profuse.compile.compile_model), with
+                     the causal-mask fix profuse.fuse makes for itself (ModelSpec.fix_causal_mask,
+                     profuse.fusion.hf_mask: a plain causal call reaches SDPA as is_causal, where
+                     transformers on torch < 2.14 builds a (B, 1, T, T) mask while compiling), so
+                     compile+fused vs compile measures the fusion alone
+    compile-stock    torch.compile of the model as transformers ships it, its mask built while
+                     compiling (Hugging Face models; not a default: the baseline earlier runs had)
+    compile+fused    the fused model under torch.compile (the block ops are compiled ops: no break;
+                     profuse.fuse's own mask fix)
     cudagraphs       torch.compile mode "reduce-overhead": the compiled step replayed as CUDA
-                     graphs, for launch-bound steps (CUDA)
+                     graphs, for launch-bound steps (CUDA), with compile's mask fix
 
 Every variant's step computes the loss its users compute (ModelSpec.loss: for a Hugging Face model
 `model(input_ids, labels=input_ids).loss`, so a fused linear cross-entropy inside the model
@@ -81,8 +88,9 @@ from profuse import __version__, fusion, samemath, stepstate
 from profuse import amdahl as A
 from profuse import compile as _compile
 from profuse.amdahl import QK_NORM_ROPE, ROPE, Amdahl, OpTiming
+from profuse.bench import DEFAULT_TRIALS
 from profuse.bench.stats import Speedup, speedup_ci
-from profuse.bench.timing import REFEREE, Comparison, TrialDesign, compare
+from profuse.bench.timing import REFEREE, Comparison, TrialDesign, balanced_trials, compare
 from profuse.compiletime import CompileSplit, split_compile
 from profuse.env import check_fits, dtype_name, environment, interpreting
 from profuse.errors import UsageError
@@ -104,7 +112,7 @@ from profuse.models.spec import (
 )
 from profuse.profiling import BACKWARD, FORWARD, OPTIMIZER
 from profuse.samemath import CHECK_FACTOR, FullCheck, MathCheck
-from profuse.stepprofile import VariantProfile, profile_variant
+from profuse.stepprofile import VariantProfile, agreement, profile_variant
 from profuse.stepstate import StepMemory, WeightsCheck
 from profuse.verdict import StepVerdict, decide
 
@@ -117,12 +125,19 @@ LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 
 BASELINE = "eager"
 # Every variant, in the table's order.
-ALL_VARIANTS = ("eager", "fused", "liger-ops", "liger", "compile", "compile+fused", "cudagraphs")
+ALL_VARIANTS = (
+    "eager", "fused", "liger-ops", "liger", "compile", "compile-stock", "compile+fused", "cudagraphs"
+)  # fmt: skip
 # The built-in GPT's default (Liger patches HF models only): the four the lab's Part C compares.
 VARIANTS = ("eager", "fused", "compile", "compile+fused")
+# A Hugging Face model's default: every variant but compile-stock (asked for by name).
+HF_VARIANTS = tuple(v for v in ALL_VARIANTS if v != "compile-stock")
 FUSED_VARIANTS = ("fused", "compile+fused")
 LIGER_VARIANTS = ("liger-ops", "liger")
-COMPILED_VARIANTS = ("compile", "compile+fused", "cudagraphs")
+COMPILED_VARIANTS = ("compile", "compile-stock", "compile+fused", "cudagraphs")
+# The compiled variants of the unfused model that take the causal-mask fix (ModelSpec.fix_causal_mask).
+MASK_FIXED_VARIANTS = ("compile", "cudagraphs")
+STOCK_VARIANTS = ("compile-stock",)
 GRAPH_VARIANTS = ("cudagraphs",)
 # The variants that swap ops in an unfused model: each passes the same-math check first.
 CHECKED_VARIANTS = ("fused", "liger-ops", "liger")
@@ -146,7 +161,7 @@ class StepConfig:
     preset: str | None = None  # recorded with the results; with a spec, the spec's
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     variants: Sequence[str] | None = None  # eager, the baseline, is always in; None: the model's default
-    trials: int = 30  # interleaved trials of whole steps (and of each op, for Amdahl)
+    trials: int = DEFAULT_TRIALS  # interleaved trials of whole steps (and of each op, for Amdahl)
     warmup: int | None = None  # untimed steps after the first: 3 on CUDA, 1 on CPU (steps take ~1 s)
     seed: int = 0  # weights, the batch of random tokens, the trial order
     profile_steps: int = 3  # profiled steps per variant; 0: no profiles and no Amdahl prediction
@@ -170,7 +185,7 @@ class StepConfig:
             kind = type(self.model).__name__
             raise TypeError(f"StepConfig.model takes a ModelSpec or a GPTConfig, not {kind}")
         self.preset = self.model.preset
-        default = VARIANTS if self.model.family == "gpt" else ALL_VARIANTS
+        default = VARIANTS if self.model.family == "gpt" else HF_VARIANTS
         names = list(dict.fromkeys(default if self.variants is None else self.variants))
         unknown = [v for v in names if v not in ALL_VARIANTS]
         if unknown:
@@ -321,6 +336,8 @@ def plan(cfg: StepConfig, ops: fusion.BlockOps | None) -> tuple[list[str], dict[
             why = L.unavailable(dev, spec.family)
         elif name in GRAPH_VARIANTS and dev.type != "cuda":
             why = "needs CUDA: CUDA graphs are a GPU feature"
+        elif name in STOCK_VARIANTS and spec.family == "gpt":
+            why = "the built-in GPT builds no mask: compile is its stock torch.compile"
         if why:
             skipped[name] = why
         else:
@@ -342,19 +359,50 @@ class _Variant:
     ref_loss: LossFn  # that loss's math from the logits (ModelSpec.reference_loss): the references'
     autocast: Callable[[], contextlib.AbstractContextManager]  # the precision's (nothing for bf16)
     globals: contextlib.AbstractContextManager = field(default_factory=contextlib.nullcontext)
+    mask: MaskRoute | None = None  # a compiled variant's causal mask: fixed or transformers' own
+
+
+@dataclass(frozen=True)
+class MaskRoute:
+    """How a compiled variant's plain causal call reaches attention: with the causal-mask fix
+    (SDPA's is_causal, no mask built while compiling: profuse.fusion.hf_mask) or as the model
+    ships it, and why."""
+
+    fixed: bool
+    note: str  # why not fixed ('' where fixed)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _mask_route(spec: ModelSpec, name: str, model: nn.Module, fused) -> MaskRoute:
+    """The causal mask of compiled variant `name`: fused ones have profuse.fuse's own fix (`fused`
+    its summary), compile and cudagraphs take the same fix here, compile-stock none."""
+    if name in STOCK_VARIANTS:
+        return MaskRoute(False, "transformers' own: the mask is built while compiling on torch < 2.14")
+    if name in FUSED_VARIANTS:
+        if getattr(fused, "causal_mask", False):
+            return MaskRoute(True, "")
+        if not hasattr(fused, "causal_mask"):  # a fusion without a mask step: the spec says why
+            return MaskRoute(False, spec.fix_causal_mask(nn.Module()))
+        return MaskRoute(False, "profuse.fuse left the mask as the model builds it")
+    why = spec.fix_causal_mask(model)
+    return MaskRoute(not why, why)
 
 
 def _prepare(spec: ModelSpec, name: str, model: nn.Module, ops: fusion.BlockOps, autocast) -> _Variant:
     """`model` (in place) made into variant `name`; `autocast` the precision's context."""
     module_globals: contextlib.AbstractContextManager = contextlib.nullcontext()
+    fused = None
     if name in FUSED_VARIANTS:
-        spec.fuse(model, ops)
+        fused = spec.fuse(model, ops)
     elif name in LIGER_VARIANTS:
         module_globals = L.patch(model, spec.family, ops_only=name == "liger-ops")
-    net = model
+    net, mask = model, None
     if name in COMPILED_VARIANTS:
+        mask = _mask_route(spec, name, model, fused)
         net = _compile.compile_model(model, cudagraphs=name in GRAPH_VARIANTS)
-    return _Variant(name, model, net, spec.loss, spec.reference_loss, autocast, module_globals)
+    return _Variant(name, model, net, spec.loss, spec.reference_loss, autocast, module_globals, mask)
 
 
 def _train_step(
@@ -410,11 +458,14 @@ def check_same_math(cfg: StepConfig, ops: fusion.BlockOps) -> MathCheck:
     return check_variant_math(cfg, "fused", ops)
 
 
-def _math_stage(cfg, names, block_ops, failed, tell) -> tuple[dict[str, MathCheck], list[str]]:
+def _math_stage(
+    cfg, names, block_ops, failed, tell, todo: Sequence[str] | None = None
+) -> tuple[dict[str, MathCheck], list[str]]:
     """Step 2: the same-math check of each checked variant that is to run (compile+fused rides
-    on fused's); the variants that fail it go to `failed` and leave `names`."""
+    on fused's), or of `todo`; the variants that fail it go to `failed` and leave `names`."""
     checks: dict[str, MathCheck] = {}
-    todo = [n for n in CHECKED_VARIANTS if n in names or (n == "fused" and "compile+fused" in names)]
+    if todo is None:
+        todo = [n for n in CHECKED_VARIANTS if n in names or (n == "fused" and "compile+fused" in names)]
     for i, name in enumerate(todo):
         tell(f"checking the {name} step against float64", i, len(todo))
         check = (
@@ -736,6 +787,7 @@ def _profile_stage(cfg, variants, optimizer, batch, tell, phase) -> dict[str, Va
                 tag=cfg.trace_tag,
                 label_error=label_error,
                 say=say,
+                timed_step=_train_step(v, optimizer, batch, cfg.device),
             )
         del target, step
     return profiles
@@ -770,7 +822,7 @@ def budget(cfg: StepConfig, names: Sequence[str]) -> dict[str, int]:
     runs at least `warmup` steps a variant (on until steady: bench.timing)."""
     n, cuda = len(names), cfg.device.type == "cuda"
     design = trial_design(cfg.device)
-    rounds = -(-cfg.trials // n) * n if design.balanced and n else cfg.trials  # balanced: a multiple of n
+    rounds = balanced_trials(n, cfg.trials) if design.balanced and n else cfg.trials  # whole Williams designs
     ops = A.eager_impls(cfg.spec.family)  # a model has rope or qk_norm_rope, not both
     checked = [c for c in CHECKED_VARIANTS if c in names or (c == "fused" and "compile+fused" in names)]
     profiled = cfg.profile_steps > 0
@@ -821,6 +873,10 @@ class StepResult:
     same_math: dict[str, FullCheck] = field(default_factory=dict)  # every variant's, at the run's size
     same_math_note: str = ""  # why the full-size check did not run, where it did not
     weights: WeightsCheck | None = None  # the shared weights through the timed steps
+    # each compiled variant's causal mask: profuse's fix (SDPA's is_causal) or the model's own
+    masks: dict[str, MaskRoute] = field(default_factory=dict)
+    # each variant's row: its math checked or not, at which size, against what (samemath.status)
+    math: dict[str, samemath.MathStatus] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         cmp = self.comparison
@@ -860,8 +916,32 @@ class StepResult:
             "same_math": {k: v.to_dict() for k, v in self.same_math.items()},
             "same_math_note": self.same_math_note,
             "weights": self.weights.to_dict() if self.weights else None,
+            "masks": {k: v.to_dict() for k, v in self.masks.items()},
+            "math": {k: v.to_dict() for k, v in self.math.items()},
             "comparison": cmp.to_dict() if cmp else None,
         }
+
+
+def math_rows(
+    names: Sequence[str],
+    skipped: dict[str, str],
+    failed: dict[str, str],
+    small: dict[str, MathCheck],
+    full: dict[str, FullCheck],
+    full_note: str,
+) -> dict[str, samemath.MathStatus]:
+    """Every variant that ran (skipped ones did not): its own checks, small and full size (a
+    variant counts only checks of itself: compile+fused's small gate is fused's, so it counts its
+    full-size check, or its own small one where the full one could not run)."""
+    rows = {}
+    for name in names:
+        if name in skipped:
+            continue
+        why = failed.get(name) or full_note or "no check ran for it"
+        rows[name] = samemath.status(
+            name, small.get(name), full.get(name), baseline=name == BASELINE, why_not=why
+        )
+    return rows
 
 
 def _op_dtypes(cfg: StepConfig) -> A.OpDtypes:
@@ -946,6 +1026,7 @@ def run_step(
         tell(f"build: {', '.join(names)} over one set of parameters ({cfg.precision})", 0, 1)
         batch = spec.batch(dev, cfg.seed)
         variants, optimizer = _build_variants(cfg, names, block_ops, failed)
+    masks = {v.name: v.mask for v in variants if v.mask is not None}
     params = [p for group in optimizer.param_groups for p in group["params"]]
     comparison, memory, weights, splits = None, {}, None, {}
     with stepstate.zero_lr(optimizer):  # every variant times the same weights (profuse.stepstate)
@@ -953,6 +1034,13 @@ def run_step(
         before = stepstate.fingerprint(params)
         with phase("reference"):
             refs, same_math_note = _references(cfg, variants, params, batch, tell)
+        if not refs:  # the timed shapes go unchecked: a small copy checks every variant step 2 did not
+            with phase("check"):
+                todo = [v.name for v in variants if v.name != BASELINE and v.name not in checks]
+                more, _ = _math_stage(cfg, todo, block_ops, failed, tell, todo)
+                checks.update(more)
+                _release(dev)
+            variants = [v for v in variants if v.name not in failed]
         first_steps, memory, same_math = _first_steps(
             cfg, variants, optimizer, batch, refs, failed, tell, splits, phase
         )
@@ -975,6 +1063,9 @@ def run_step(
             timed_variants = [v for v in variants if v.name in timed]
             profiles = _profile_stage(cfg, timed_variants, optimizer, batch, tell, phase)
             del timed_variants
+        for name, p in profiles.items():  # the unsynchronised profile beside the timed trials
+            if p.steady is not None:
+                agreement(p.steady, comparison.timings[name].times_s)
     del steps, variants, optimizer, params
     _release(dev)
     with phase("ops"):
@@ -1003,6 +1094,8 @@ def run_step(
         same_math=same_math,
         same_math_note=same_math_note,
         weights=weights,
+        masks=masks,
+        math=math_rows(cfg.variants, skipped, failed, checks, same_math, same_math_note),
     )
     result.phases["total"] = clock() - start
     result.verdict = decide(result.to_dict())

@@ -20,6 +20,7 @@ import torch
 
 from profuse import __version__
 from profuse import compile as _compile
+from profuse.bench import DEFAULT_TRIALS
 from profuse.bench import traffic as B
 from profuse.bench.tail_bench import DEFAULT_VARIANTS, TailBenchConfig, TailBenchResult, run_tail_bench
 from profuse.env import dtype_name, environment
@@ -43,7 +44,7 @@ class SweepConfig:
     cols: Sequence[int] = (4096,)  # every rows value is run with every cols value
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    trials: int = 30  # interleaved trials per size
+    trials: int = DEFAULT_TRIALS  # interleaved trials per size
     warmup: int | None = None  # as TailBenchConfig: 3 on CUDA, 1 on CPU
     seed: int = 0  # the same seed at every size: inputs and trial orders differ only by shape
     backward: bool = False  # time forward + backward instead of the forward alone

@@ -11,11 +11,18 @@ The rules, bench's own, so that Part A, Part B and Part C say the same things th
   median of per-trial ratios with a paired bootstrap interval each, Bonferroni-corrected over the
   comparisons, a tie where an interval reaches within the band of 1). Its sentence is the
   verdict's text;
-- what bounds a variant's step: bench.stats.bound from its profile's GPU idle share, the held host
-  time a step (bench.host: "at least" where the launch queue filled) and the profile's kernel time
-  a step (on a CPU: host-bound).
+- what bounds a variant's step: bench.stats.bound from the GPU idle share of its consecutive
+  unsynchronised profiled steps (stepprofile.steady_steps) where their step time falls within the
+  timed trials' range, the held host time a step (bench.host: "at least" where the launch queue
+  filled) and the kernel time a step (on a CPU: host-bound). Where that profile's step time is
+  outside the trials' range its idle share is not used (the host and kernel times decide, and the
+  evidence says why); a file from before it reads its synchronised profile's idle share, and says
+  that it did.
 The speedups over eager (faster, level, slower) are kept beside it, read from each variant's
 ratio-of-medians CI: they say how each variant stands against eager, the verdict who wins.
+A timed variant whose math no check covered (step.json's `math`: the full-size check could not
+run and no small copy checked it, or a file from before the rows) is named in `unchecked`, and the
+verdict's sentence says so: only checked variants are called faster without that caveat.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class StepVerdict:
     bound: str = ""  # "device-bound", "host-bound", "launch-bound", or "" where not known
     bound_why: str = ""  # the evidence, in words
     bounds: dict[str, str] = field(default_factory=dict)  # every timed variant's bound, by the same rule
+    unchecked: list[str] = field(default_factory=list)  # timed, but no same-math check covered them
 
     @property
     def tie(self) -> list[str]:
@@ -49,6 +57,10 @@ class StepVerdict:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# The bound's source in a file with no unsynchronised profile (written before it).
+SYNCED_SOURCE = "a synchronised profiled step, no unsynchronised one saved: "
 
 
 def step_bound(data: dict, name: str | None = None) -> tuple[str, str]:
@@ -63,16 +75,27 @@ def step_bound(data: dict, name: str | None = None) -> tuple[str, str]:
     device = None
     if profile.get("basis") == "GPU kernel time" and profile.get("time_per_step_us") is not None:
         device = profile["time_per_step_us"] * 1e-6
-    b = bound(
-        profile.get("gpu_idle_pct"),
-        host,
-        bool(timing.get("host_is_lower_bound")),
-        device,
-        on_cpu=not data["config"]["device"].startswith("cuda"),
-    )
+    on_cpu = not data["config"]["device"].startswith("cuda")
+    idle, source = profile.get("gpu_idle_pct"), ""
+    steady = profile.get("steady")
+    if steady and not on_cpu:
+        device = steady["busy_ms"] / steady["steps"] / 1e3
+        n, low, high = steady["steps"], steady.get("timed_low_ms"), steady.get("timed_high_ms")
+        if steady.get("agrees") is False:
+            idle = None
+            source = (
+                f"{n} unsynchronised profiled steps took {steady['step_ms']:.3g} ms a step, outside the "
+                f"timed trials' {low:.3g}-{high:.3g} ms, so their idle share is not used; "
+            )
+        else:
+            idle = steady["gpu_idle_pct"]
+            source = f"{n} unsynchronised profiled steps, as fast as the timed loop: "
+    elif profile.get("gpu_idle_pct") is not None and not on_cpu:
+        source = SYNCED_SOURCE
+    b = bound(idle, host, bool(timing.get("host_is_lower_bound")), device, on_cpu=on_cpu)
     if not b.word and not profile:
         return "", "no profile to say what bounds it (--profile-steps 0)"
-    return b.word, b.why
+    return b.word, source + b.why
 
 
 def decide(data: dict) -> StepVerdict | None:
@@ -90,10 +113,14 @@ def decide(data: dict) -> StepVerdict | None:
     slower = sorted(n for n, sp in speedups.items() if sp["high"] < 1.0)
     level = sorted(n for n in speedups if n not in slower and n not in faster)
     bound_word, why = step_bound(data)
+    unchecked = unchecked_variants(data)
+    text = tie.text
+    if unchecked:
+        text += f" ({', '.join(unchecked)}: math NOT checked, timed all the same)"
     return StepVerdict(
         winner=tie.winner,
         tied_with=list(tie.tied_with),
-        text=tie.text,
+        text=text,
         ratios={k: v.to_dict() for k, v in tie.ratios.items()},
         warnings=list(tie.warnings),
         band=tie.band,
@@ -104,4 +131,13 @@ def decide(data: dict) -> StepVerdict | None:
         bound=bound_word,
         bound_why=why,
         bounds={name: step_bound(data, name)[0] for name in data["results"]},
+        unchecked=unchecked,
     )
+
+
+def unchecked_variants(data: dict) -> list[str]:
+    """The timed variants, eager aside, whose row says no check covered their math (none for a
+    file written before the rows: it cannot say)."""
+    rows = data.get("math") or {}
+    base = (data.get("comparison") or {}).get("baseline", "eager")
+    return [n for n in data.get("results") or {} if n != base and n in rows and not rows[n]["checked"]]

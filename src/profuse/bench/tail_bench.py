@@ -16,6 +16,7 @@ import torch
 
 from profuse import compile as _compile
 from profuse import tail as T
+from profuse.bench import DEFAULT_TRIALS
 from profuse.bench import traffic as B
 from profuse.bench.timing import Comparison, compare, timed_call
 from profuse.env import check_fits, dtype_name, environment, interpreting
@@ -89,7 +90,7 @@ class TailBenchConfig:
     cols: int = 4096
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    trials: int = 30
+    trials: int = DEFAULT_TRIALS
     warmup: int | None = None  # untimed calls after the first: 3 on CUDA, 1 on CPU (calls take ~0.1 s)
     seed: int = 0
     backward: bool = False  # time forward + backward instead of the forward alone

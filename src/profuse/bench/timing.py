@@ -21,9 +21,10 @@
 
 `TrialDesign` changes how a trial is laid out; its defaults are the above (Part B's). `REFEREE`
 is the design for whole training steps (Part C's referee): a trial of a variant is one clock or event pair
-around K >= 10 calls after one discarded call; orders balanced (each variant in each position
-equally often: rotations of shuffled base orders, the trials rounded up to a multiple of the
-number of variants); warm-up until the last STEADY_BLOCKS blocks agree within 1% with no drift;
+around K >= 10 calls after one discarded call; orders balanced for position and carry-over (a
+Williams design: each variant in each position, and right after each other variant, equally
+often; the trials rounded up to whole designs, n trials for n variants, 2n where n is odd);
+warm-up until the last STEADY_BLOCKS blocks agree within 1% with no drift;
 up to 30 trials where the two fastest are within 2%; warnings on drift through the trials and on
 noise larger than a difference the verdict calls. On CUDA each trial's SM clock, power and
 throttling are read (bench/clocks.py), with a warning where any trial throttled.
@@ -31,7 +32,6 @@ throttling are read (bench/clocks.py), with a warning where any trial throttled.
 
 from __future__ import annotations
 
-import math
 import random
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field, replace
 import numpy as np
 import torch
 
+from profuse.bench import DEFAULT_TRIALS
 from profuse.bench.clocks import ClockSample, monitor_for, throttle_warning
 from profuse.bench.host import HostTime, cpu_host_times, measure_host
 from profuse.bench.stats import (
@@ -308,7 +309,7 @@ class Comparison:
             "orders": self.orders,
             "not_timed": self.not_timed,
             "warmup_budget_s": self.warmup_budget_s,
-            "steady_rule": {"calls": STEADY_CALLS, "ratio": STEADY_RATIO},
+            "steady_rule": saved_steady_rule(self.design),
             "design": self.design.to_dict(),
             "trials_asked": self.trials_asked,
             "verdict": self.verdict().to_dict() if self.timings else None,
@@ -341,6 +342,21 @@ def warmup_note(
     if steady or (design is not None and design.checks and drifting is False):
         return None
     return warmup_warning(name, calls, budget_s, steady_rule(design))
+
+
+def saved_steady_rule(design: TrialDesign | None) -> dict:
+    """The warm-up rule a run used, as its file records it: blocks that agree within the
+    design's spread with no drift, or Part B's calls within STEADY_RATIO. (Files before this
+    recorded Part B's rule whatever the design; steady_rule reads the design instead.)"""
+    if design is None or design.steady_spread is None:
+        return {"calls": STEADY_CALLS, "ratio": STEADY_RATIO}
+    return {
+        "blocks": STEADY_BLOCKS,
+        "calls_per_block": design.warmup_design.calls,
+        "discard": design.discard,
+        "spread": design.steady_spread,
+        "no_drift": True,
+    }
 
 
 def steady_rule(design: TrialDesign | None, verb: str = "agreed") -> str | None:
@@ -392,7 +408,7 @@ def timed_call(
 def compare(
     variants: Mapping[str, Callable[[], object]],
     baseline: str,
-    trials: int = 30,
+    trials: int = DEFAULT_TRIALS,
     device: str | torch.device | None = "auto",
     *,
     warmup: int = 3,
@@ -632,16 +648,57 @@ def _warm_up(variants, baseline, dev, warm, timer, first, progress) -> tuple[dic
     return calls, not_timed
 
 
+def williams_square(n: int) -> list[list[int]]:
+    """A Williams design for n treatments, as rows of indices: each index in each position equally
+    often, and each ordered pair (a, b) of distinct indices with b right after a equally often.
+
+    Even n: one Latin square of n rows, each ordered pair once. Its first row is 0, 1, n-1, 2, n-2,
+    ... and row r adds r to every entry mod n: the steps between neighbours of the first row (+1,
+    -2, +3, -4, ...) are every non-zero residue once, so across the n rows each one follows each
+    other exactly once. Odd n: this square's steps repeat one residue and miss another (and no
+    single balanced square exists at all for 3, 5 or 7), so the square and its mirror (every row
+    reversed), 2n rows, each ordered pair twice (Williams 1949, Aust. J. Sci. Res. A 2, 149-168)."""
+    if n < 1:
+        raise ValueError(f"a design needs at least one variant, got {n}")
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    rows = [[(x + r) % n for x in first] for r in range(n)]
+    if n % 2:
+        rows += [row[::-1] for row in rows]
+    return rows
+
+
+def design_rows(n: int) -> int:
+    """Trials in one whole Williams design of n variants: n (even n) or 2n (odd n)."""
+    return n if n % 2 == 0 else 2 * n
+
+
+def balanced_trials(n: int, trials: int) -> int:
+    """`trials` rounded up to whole designs of n variants (design_rows): what balanced orders run."""
+    size = design_rows(n)
+    return -(-trials // size) * size
+
+
 def balanced_orders(names: Sequence[str], trials: int, rng: random.Random) -> list[list[str]]:
-    """Orders for ceil(trials / n) x n trials of n variants, each variant in each position equally
-    often: blocks of n trials, each the n rotations of a freshly shuffled order, the rotations
-    shuffled too (so neighbours change from block to block)."""
+    """Orders for `trials` trials rounded up to whole Williams designs (balanced_trials), balanced
+    for carry-over as well as position: in each design every variant runs in each position equally
+    often and follows each other variant equally often (williams_square), so what one variant
+    leaves behind (a warm cache, a clock that rose, the allocator's state) falls on every other
+    alike. Each design draws its own labelling of the variants and its own order of rows, which
+    keeps both balances and changes who neighbours whom from design to design. Rotations of one
+    order alone, as before, left 9 of the 20 ordered pairs of 5 variants never adjacent."""
     names = list(names)
+    square = williams_square(len(names))
     out: list[list[str]] = []
-    for _ in range(math.ceil(trials / len(names))):
-        base = names[:]
-        rng.shuffle(base)
-        rows = [base[i:] + base[:i] for i in range(len(names))]
+    for _ in range(balanced_trials(len(names), trials) // len(square)):
+        labels = names[:]
+        rng.shuffle(labels)
+        rows = [[labels[i] for i in row] for row in square]
         rng.shuffle(rows)
         out += rows
     return out
@@ -672,8 +729,9 @@ class _Trials:
         n = len(self.names)
         more = total - self.count
         if self.design.balanced:
-            if extend:  # whole blocks only, none past `total`
-                more = (total // n) * n - self.count
+            if extend:  # whole designs only, none past `total`
+                size = design_rows(n)
+                more = (total // size) * size - self.count
             return balanced_orders(self.names, more, self.rng) if more > 0 else []
         orders = []
         for _ in range(max(more, 0)):

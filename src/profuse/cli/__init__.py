@@ -37,6 +37,7 @@ from profuse.cli.results import (
 )
 from profuse.cli.step import build_step_parser, cmd_step, step_config
 from profuse.errors import UsageError
+from profuse.files import mark_run
 
 __all__ = [
     "DDP_FILES",
@@ -70,6 +71,7 @@ COMMANDS = {
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    mark_run(argv)  # the start and command line every file this run writes records
     command = cmd_main
     if argv and argv[0] in COMMANDS:
         command, argv = COMMANDS[argv[0]], argv[1:]

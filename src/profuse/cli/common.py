@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from profuse import __version__
+from profuse.bench import DEFAULT_TRIALS
 
 SUBCOMMANDS = ("profile", "sweep", "step", "report", "diff")
 
@@ -159,7 +160,11 @@ def add_bench_args(p: argparse.ArgumentParser, sizes_are_lists: bool = False) ->
                    help=f"{what}rows of the tail's tensors (default: 8192)")  # fmt: skip
     g.add_argument("--cols", type=size, default=[4096] if sizes_are_lists else 4096,
                    help=f"{what}columns, the hidden size N (default: 4096)")  # fmt: skip
-    g.add_argument("--trials", type=trial_count, default=30, help="interleaved timed trials (default: 30)")
+    g.add_argument(
+        "--trials", type=trial_count, default=DEFAULT_TRIALS,
+        help=f"interleaved timed trials (default: {DEFAULT_TRIALS}; under 30 each CI is a distribution-free "
+        "interval from order statistics, its exact coverage printed)",
+    )  # fmt: skip
     g.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="input dtype; auto is bf16 on CUDA, fp32 on CPU (default: auto)")  # fmt: skip
     g.add_argument("--backward", action="store_true",
@@ -242,6 +247,7 @@ def build_profile_parser() -> argparse.ArgumentParser:
         "candidates by the module that issued the work.",
     )
     add_device_args(p)
+    add_threads_arg(p)  # what the busy-CPU warning advises
     _add_model_args(p)
     g = p.add_argument_group("what to profile")
     g.add_argument(

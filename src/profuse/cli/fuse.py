@@ -101,10 +101,10 @@ def cmd_fuse(argv: list[str]) -> int:
 
     print(coverage_markdown(cov) if args.markdown else coverage_text(cov))
     if args.out is not None:
-        from profuse.files import write_json, write_text
+        from profuse.files import write_result, write_text
 
         out = Path(args.out)
-        write_json(out / "coverage.json", cov.to_dict())
+        write_result(out / "coverage.json", cov.to_dict())  # with its provenance
         write_text(out / "coverage.md", coverage_markdown(cov) + "\n")
         print(f"results: {out / 'coverage.json'}, {out / 'coverage.md'}")
     return 0

@@ -105,7 +105,7 @@ def run_part_a(args, device) -> None:
     profuse.profiling.profile; eager, and compiled beside it with --compile-step; in each
     precision --precision names (both: one after the other, each its own model)."""
     from profuse.env import check_fits
-    from profuse.files import write_json
+    from profuse.files import write_result
     from profuse.models.spec import compute_dtype
     from profuse.profiling import SUMMARY_KIND
 
@@ -119,7 +119,7 @@ def run_part_a(args, device) -> None:
     summary = {"kind": SUMMARY_KIND, **(runs[chosen[0]] if len(chosen) == 1 else {"runs": runs})}
     path = Path(args.out) / PROFILE_JSON
     earlier = replaced_note(path)
-    write_json(path, summary)
+    write_result(path, summary)
     print(f"summary: {path}{earlier}; profuse report {path} prints it again")
     print()
 
@@ -184,7 +184,7 @@ def triton_note(args, device) -> str:
 
 def run_part_b(args, cfg) -> None:
     from profuse.bench.tail_bench import run_tail_bench
-    from profuse.files import write_json
+    from profuse.files import write_result
     from profuse.report.bench import format_tail_bench
 
     progress = Progress()
@@ -198,7 +198,7 @@ def run_part_b(args, cfg) -> None:
         print(note)
     path = Path(args.out) / RESULTS_JSON
     earlier = replaced_note(path)
-    write_json(path, res.to_dict())
+    write_result(path, res.to_dict())
     print(f"results: {path}{earlier}")
 
 
@@ -253,6 +253,7 @@ def cmd_profile(argv: list[str]) -> int:
         with contextlib.suppress(OSError):
             Path(args.out).mkdir(parents=True, exist_ok=True)
     check_out(args, DDP_FILES if args.nproc is not None else part_a_files(args.compile_step, args.precision))
+    set_threads(args)
     # --nproc N launches N ranks; a process that torchrun started is one of them already
     # (torchrun would read a --nproc after the module name as its own flag, so none is given).
     if args.nproc is not None or started_by_launcher():

@@ -65,6 +65,10 @@ def build_report_parser() -> argparse.ArgumentParser:
         "profile.json or profile_ddp.json (Part A), step.json (profuse step)",
     )  # fmt: skip
     p.add_argument("--markdown", action="store_true", help="a markdown table, for an issue or a README")
+    p.add_argument("--refit", action="store_true",
+                   help="every CI recomputed from the saved paired trials by the method that fits their "
+                   "count (order statistics with their exact coverage under 30 trials, BCa from 30), for "
+                   "files saved when every count got a bootstrap; the report says so")  # fmt: skip
     p.add_argument("--vs", default=None, metavar="VARIANT",
                    help="speedups over this variant (e.g. compile, compile-max) instead of eager, "
                    "from the saved per-trial times")  # fmt: skip
@@ -94,7 +98,7 @@ def cmd_sweep(argv: list[str]) -> int:
     check_out(args, (RESULTS_JSON, RESULTS_CSV, PARTIAL_JSON, *PLOTS))
     set_threads(args)
     from profuse.env import resolve_device
-    from profuse.files import write_json
+    from profuse.files import with_provenance, write_result
     from profuse.report import plots
     from profuse.report.sweep import format_sweep, write_csv
     from profuse.sweep import SweepConfig, run_sweep
@@ -115,7 +119,7 @@ def cmd_sweep(argv: list[str]) -> int:
         # time limit, Ctrl-C) keeps them in a file `profuse report` reads, and leaves any
         # earlier complete results.json alone. A finished sweep removes it.
         if res.runs:
-            write_json(partial, {**res.to_dict(), "partial": True})
+            write_result(partial, {**res.to_dict(), "partial": True})
             done[:] = [res]
 
     progress = Progress()
@@ -130,13 +134,13 @@ def cmd_sweep(argv: list[str]) -> int:
         raise
     finally:
         progress.close()
-    data = res.to_dict()
+    data = with_provenance(res.to_dict())  # one provenance for the JSON and the CSV
     print(format_sweep(data))
     if not res.runs:
         raise UsageError("no size fitted in memory, so nothing was written: choose smaller sizes")
     earlier = {out / name: replaced_note(out / name) for name in (RESULTS_JSON, RESULTS_CSV, *PLOTS)}
     # JSON first: it holds every timing, and the CSV and plots can be made again from it.
-    written = [write_json(out / RESULTS_JSON, data), write_csv(out / RESULTS_CSV, data)]
+    written = [write_result(out / RESULTS_JSON, data), write_csv(out / RESULTS_CSV, data)]
     if plots.HAS_MATPLOTLIB:
         written += plots.write_plots(data, out)
     partial.unlink(missing_ok=True)
@@ -201,13 +205,20 @@ def sizes_left_commands(args, cfg, finished: set[tuple[int, int]]) -> list[str]:
 
 def cmd_report(argv: list[str]) -> int:
     args = build_report_parser().parse_args(argv)
+    from profuse.report.provenance import provenance_lines
     from profuse.report.step import format_step, load_step
 
     step = load_step(args.results)  # Part C's step.json prints as the run printed it
     if step is not None:
         if args.markdown or args.vs or args.variants or args.plots is not None:
-            raise UsageError(f"{args.results} is a Part C step file: it prints as it is, without options")
-        print(format_step(step))
+            raise UsageError(
+                f"{args.results} is a Part C step file: it prints as it is, with --refit as its only option"
+            )
+        refitted = _refit(step) if args.refit else step
+        print(format_step(refitted))
+        if args.refit:
+            print(_refit_note(step))
+        print("\n".join(["", *provenance_lines(step)]))
         return 0
     from profuse.bench.stats import rebase
     from profuse.report.sweep import format_run, parse, read_json, select_variants
@@ -221,8 +232,12 @@ def cmd_report(argv: list[str]) -> int:
         check_folder(args.plots, PLOTS, flag="--plots")
     data = read_json(args.results)
     if _print_part_a(data, args):
+        print("\n".join(["", *provenance_lines(data)]))
         return 0
     parse(data, str(args.results))  # one line for a file that is not a results file, before any work
+    original = data
+    if args.refit:
+        data = _refit(data)
     if args.vs:
         data = rebase(data, args.vs, only=args.variants)
     run = parse(data, str(args.results))
@@ -232,6 +247,9 @@ def cmd_report(argv: list[str]) -> int:
     if data.get("partial"):
         done = len(data.get("runs", [])) + len(data.get("skipped", []))
         print(f"(a partial sweep: it stopped after {done} sizes)")
+    if args.refit:
+        print(_refit_note(original))
+    print("\n".join(["", *provenance_lines(data)]))
     if args.plots is not None:
         written = plots.write_plots(run, args.plots)
         print()
@@ -242,6 +260,25 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
+def _refit(data: dict) -> dict:
+    from profuse.bench.stats import refit
+
+    return refit(data)[0]
+
+
+def _refit_note(data: dict) -> str:
+    """What --refit did: the CIs recomputed, and the methods the file itself had used."""
+    from profuse.bench.stats import BCA_LEAST_TRIALS, refit
+
+    methods = refit(data)[1] if isinstance(data, dict) else []
+    saved = ", ".join(methods) if methods else "none recorded"
+    return (
+        f"CIs recomputed from the saved paired trials (profuse report --refit): order statistics with "
+        f"their exact coverage under {BCA_LEAST_TRIALS} trials, BCa from {BCA_LEAST_TRIALS}; the file's "
+        f"own CIs were made by: {saved}"
+    )
+
+
 def _print_part_a(data, args) -> bool:
     """Print a saved Part A summary (profile.json, profile_ddp.json); False for anything else."""
     from profuse.report.profile import DDP_SUMMARY, format_saved_profile, part_a_file
@@ -249,7 +286,8 @@ def _print_part_a(data, args) -> bool:
     name = part_a_file(data)
     if name is None:
         return False
-    flags = {"--vs": args.vs, "--variants": args.variants, "--plots": args.plots, "--markdown": args.markdown}
+    flags = {"--vs": args.vs, "--variants": args.variants, "--plots": args.plots, "--markdown": args.markdown,
+             "--refit": args.refit}  # fmt: skip
     given = ", ".join(flag for flag, value in flags.items() if value)
     if given:
         verb = "applies" if "," not in given else "apply"
@@ -265,6 +303,7 @@ def _print_part_a(data, args) -> bool:
 
 def cmd_diff(argv: list[str]) -> int:
     args = build_diff_parser().parse_args(argv)
+    from profuse.report.provenance import provenance_diff
     from profuse.report.step import format_step_diff, load_step
     from profuse.report.sweep import format_diff, load_results
 
@@ -272,6 +311,7 @@ def cmd_diff(argv: list[str]) -> int:
     steps = load_step(args.a), load_step(args.b)
     if all(s is not None for s in steps):  # two Part C runs
         print(format_step_diff(*steps, names=names))
+        print("\n".join(["", *provenance_diff(*steps)]))
         return 0
     if any(s is not None for s in steps):
         step, other = (args.a, args.b) if steps[0] is not None else (args.b, args.a)
@@ -279,5 +319,7 @@ def cmd_diff(argv: list[str]) -> int:
             f"{step} is Part C's step.json and {other} is not: diff compares two step.json files, "
             "or two results.json of Part B or a sweep"
         )
-    print(format_diff(load_results(args.a), load_results(args.b), names=names))
+    a, b = load_results(args.a), load_results(args.b)
+    print(format_diff(a, b, names=names))
+    print("\n".join(["", *provenance_diff(a, b)]))
     return 0

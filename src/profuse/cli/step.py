@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from profuse.bench import DEFAULT_TRIALS
 from profuse.cli.common import (
     Parser,
     ProgressLines,
@@ -24,7 +25,9 @@ from profuse.cli.common import (
 # Part C: the whole training step
 # --------------------------------------------------------------------------------------------
 
-STEP_VARIANTS = ("eager", "fused", "liger-ops", "liger", "compile", "compile+fused", "cudagraphs")
+STEP_VARIANTS = (
+    "eager", "fused", "liger-ops", "liger", "compile", "compile-stock", "compile+fused", "cudagraphs"
+)  # fmt: skip
 # The sizes --preset names: the built-in GPT's, then the Hugging Face models' (profuse.models).
 GPT_STEP_PRESETS = ("lab", "small", "medium")
 HF_STEP_PRESETS = ("tiny", "Llama-3.2-1B", "Qwen2.5-0.5B", "Qwen3-0.6B", "OLMoE-1B-7B", "Qwen3-30B-A3B-12L")
@@ -79,18 +82,27 @@ def build_step_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=positive_int, default=None, help="sequences per step (any model)")
     p.add_argument(
         "--variants", type=variant_keys, default=None, metavar="LIST",
-        help=f"comma-separated, from: {', '.join(STEP_VARIANTS)} (default: for gpt eager, fused, "
-        "compile, compile+fused; for hf:ARCH all. eager, the baseline, is always in; a variant that "
-        "cannot run here is skipped with the reason: fused where no Triton kernels run, liger and "
-        "liger-ops without CUDA and liger-kernel, cudagraphs without CUDA)",
+        help=f"comma-separated, from: {', '.join(STEP_VARIANTS)}. eager: the model as written; fused: "
+        "profuse's fused block ops; liger-ops: Liger-Kernel's RMSNorm and SwiGLU alone; liger: Liger's "
+        "full patch (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy); compile: torch.compile of "
+        "the unfused model with the causal-mask fix profuse.fuse makes for itself (a plain causal call "
+        "reaches SDPA as is_causal, no mask built while compiling), so compile+fused vs compile is the "
+        "fusion alone; compile-stock: torch.compile of the model as transformers ships it (hf:ARCH); "
+        "compile+fused: the fused model compiled; cudagraphs: compile replayed as CUDA graphs. "
+        "Default: for gpt eager, fused, compile, compile+fused; for hf:ARCH all but compile-stock. "
+        "eager, the baseline, is always in; a variant that cannot run here is skipped with the reason: "
+        "fused where no Triton kernels run, liger and liger-ops without CUDA and liger-kernel, "
+        "cudagraphs without CUDA, compile-stock for gpt (no mask to fix)",
     )  # fmt: skip
     add_precision_arg(p, "the whole run (every variant, its check, trials and profiles)")
     p.add_argument(
         "--trials",
         type=trial_count,
-        default=12,
-        help="interleaved timed trials, rounded up to a multiple of the variants (default: 12; on CUDA up "
-        "to 30 where the two fastest are within 2%%, within 120 s of steps)",
+        default=DEFAULT_TRIALS,
+        help="interleaved timed trials, rounded up to whole carry-over-balanced designs (n trials for n "
+        f"variants, 2n where n is odd) (default: {DEFAULT_TRIALS}; on CUDA up "
+        "to 30 where the two fastest are within 2%%, within 120 s of steps; under 30 trials each CI is a "
+        "distribution-free interval from order statistics, its exact coverage printed)",
     )
     p.add_argument(
         "--profile-steps", type=nonnegative_int, default=3,
@@ -147,7 +159,7 @@ def check_step(cfg) -> None:
 def run_part_c(cfgs) -> None:
     """Part C in each config (one per precision, one after the other), its progress as lines on
     stderr; one table each, then (two precisions) the ranks that moved; step.json holds it all."""
-    from profuse.files import write_json
+    from profuse.files import write_result
     from profuse.report.step import both_precisions, format_step
     from profuse.step import run_step
 
@@ -162,7 +174,7 @@ def run_part_c(cfgs) -> None:
         progress.close()
     data = runs[0] if len(runs) == 1 else both_precisions(runs)
     print(format_step(data))
-    path = write_json(Path(cfgs[0].out_dir) / "step.json", data)
+    path = write_result(Path(cfgs[0].out_dir) / "step.json", data)
     print(f"results: {path}")
 
 

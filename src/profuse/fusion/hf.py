@@ -14,7 +14,7 @@ of a training step fused, each in its place:
     qk_norm_rope           Qwen3: q_norm and k_norm with the rotary embedding,         L places
                            in place of rope (profuse.fusion.hf_attention)
     linear_cross_entropy   the causal-LM head and its loss, in training with labels    1 place
-                           (the model then returns logits=None: profuse.fusion.hf_head;
+                           (in training with labels, no logits: profuse.fusion.hf_head;
                            an MoE head adds the router's aux loss as it did: hf_moe_head)
 
 Which implementation runs is a BlockOps: FUSED (the default), profuse's Triton kernels; EAGER,
@@ -41,8 +41,14 @@ What changes, beyond which kernels run:
   bf16 before the weight multiply: about one bf16 ulp apart; bitwise with HF_EAGER).
 - Hooks on the norm and MLP modules: a place whose module has hooks calls it (they fire). On the
   q/k norms and lm_head likewise.
-- With labels and gradients on, logits=None (linear_cross_entropy never makes them).
-- The model does not pickle while fused (its state_dict does).
+- In training with labels and gradients on, the logits are not made (linear_cross_entropy never
+  forms them): outputs.logits then raises a UsageError that says so at any use. Eval mode,
+  no_grad, no labels and generate make them as unfused; `fuse(model, logits="always")` makes
+  them in every forward (the head then stays unfused).
+- The fused classes' forwards have their originals' signatures (Trainer's dataset columns and
+  label names, generate's mask, position and logits_to_keep inference read them).
+- The model does not pickle while fused (torch.save(model) raises a UsageError in one line;
+  its state_dict and save_pretrained work, and so does copy.deepcopy).
 
 What stays exact: gradient checkpointing (a fused layer checkpoints itself, with the pair as two
 tensor arguments), hub kernels and their re-kernelize on train/eval switches (kernelize rebinds
@@ -100,7 +106,14 @@ from profuse.fusion.hf_layer import (
 )
 from profuse.fusion.hf_mask import plan_mask
 from profuse.fusion.hf_modules import STATE, forward_owner, fused_class, fused_target, is_fused, unfused_class
-from profuse.fusion.hf_ops import HF_EAGER, add_rms_norm_hf, bound_op, unavailable
+from profuse.fusion.hf_ops import (
+    HF_EAGER,
+    add_rms_norm_hf,
+    bound_op,
+    interpreted,
+    runs_kernels,
+    unavailable,
+)
 
 TRANSFORMERS_MISSING = "transformers is not installed: pip install 'profuse[hf]'"
 
@@ -112,8 +125,12 @@ _WHAT = {
     RMS_NORM: "each norm with no add in front",
     ROPE: "the rotary embedding of q and k, one launch",
     QK_NORM_ROPE: "q_norm and k_norm with the rotary embedding, one launch",
-    LINEAR_CROSS_ENTROPY: "lm_head and the loss, never the logits: with labels in training, logits=None",
+    LINEAR_CROSS_ENTROPY: "lm_head and the loss: in training with labels, no logits (logits='always')",
 }
+# The logits policy (profuse.fusion.hf_head): "auto" skips the logits only in training with labels
+# and gradients on, where linear_cross_entropy computes the loss without them; "always" leaves the
+# head unfused, so every forward makes them.
+LOGITS_POLICIES = ("auto", "always")
 _CAUSAL_MASK = "none made for a plain causal call: SDPA's is_causal, under torch.compile too"
 
 
@@ -130,6 +147,7 @@ class FuseSummary:
     # A plain causal call's attention runs with SDPA's is_causal, under torch.compile too
     # (profuse.fusion.hf_mask); False where the stack builds its mask as before.
     causal_mask: bool = False
+    notes: tuple[str, ...] = ()  # how the ops run where it is not as `ops` says (a CPU model)
 
     def __str__(self) -> str:
         lines = [f"fused {self.model} ({self.layers} decoder layers) with {self.ops}:"]
@@ -137,6 +155,7 @@ class FuseSummary:
         if self.causal_mask:
             lines.append(f"  {'causal mask':<26} {_CAUSAL_MASK}")
         lines += [f"  left unfused: {item}" for item in self.left_unfused]
+        lines += [f"  note: {note}" for note in self.notes]
         if self.labelled:
             lines.append(
                 "  each call labelled: " + ", ".join(repr(BLOCK_OP_RANGES[op]) for op in self.counts)
@@ -363,7 +382,13 @@ def _has_place(op: str, model: nn.Module, stack: nn.Module) -> bool:
 
 
 def _plan(
-    model: nn.Module, impl: BlockOps, names: tuple[str, ...], named: bool, label: bool, causal_mask: bool
+    model: nn.Module,
+    impl: BlockOps,
+    names: tuple[str, ...],
+    named: bool,
+    label: bool,
+    causal_mask: bool,
+    logits: str = "auto",
 ) -> _Plan:
     """Check everything fuse needs and say what it will install; change nothing."""
     what = type(model).__name__
@@ -383,6 +408,14 @@ def _plan(
         raise UnsupportedModel(
             f"{what} runs {n_config} of its {len(layers)} decoder layers: profuse fuses all"
         )
+
+    for i, layer in enumerate(layers):
+        if not isinstance(layer._modules.get("self_attn"), nn.Module):
+            children = sorted(name for name, _ in layer.named_children())
+            raise UnsupportedModel(
+                f"{what}: layer {i} ({type(layer).__name__}) has no self_attn (it holds {children}): "
+                "profuse reads Llama-family decoder layers, each with self_attn, mlp and two norms"
+            )
 
     reasons: dict[str, str] = {}
     bound = {}
@@ -408,6 +441,15 @@ def _plan(
     if attention.targets is not None:
         installs += [(layer.self_attn, t, attention.state) for layer, t in zip(layers, attention.targets)]
         counts.update(attention.counts)
+    if logits == "always" and LINEAR_CROSS_ENTROPY in bound:
+        if named:
+            raise UsageError(
+                "fuse: linear_cross_entropy never makes the logits, and logits='always' asks for them: "
+                "choose one"
+            )
+        del bound[LINEAR_CROSS_ENTROPY]
+        if _has_place(LINEAR_CROSS_ENTROPY, model, stack):
+            reasons[LINEAR_CROSS_ENTROPY] = "logits='always': the head's own forward makes them in every call"
     head = plan_head(model, stack, bound.get(LINEAR_CROSS_ENTROPY))
     absent = dict(attention.absent)
     if head.reason:
@@ -433,7 +475,16 @@ def _plan(
     mask = plan_mask(stack) if causal_mask else None
     if mask is not None and mask.target is not None:
         installs.append((stack, mask.target, None))
-    summary = FuseSummary(what, len(layers), impl.name, counts, left, label, bool(mask and mask.target))
+    notes = ()
+    on_cpu = any(p.device.type == "cpu" for p in model.parameters())
+    if on_cpu and not interpreted() and any(runs_kernels(impl, op) for op in counts):
+        notes = (
+            "the model is on the CPU and TRITON_INTERPRET=1 is not set: each Triton op runs Hugging Face's "
+            "eager math in the fused structure on CPU tensors (the kernels run on a CUDA GPU)",
+        )
+    summary = FuseSummary(
+        what, len(layers), impl.name, counts, left, label, bool(mask and mask.target), notes
+    )
     return _Plan(stack, installs, ADD_RMS_NORM in counts, summary)
 
 
@@ -450,6 +501,7 @@ def fuse(
     label: bool = False,
     dry_run: bool = False,
     causal_mask: bool | None = None,
+    logits: str = "auto",
 ) -> FuseSummary:
     """Fuse a Hugging Face Llama-family model in place (see this module's docstring) and say how.
 
@@ -472,13 +524,28 @@ def fuse(
     as is_causal=True under torch.compile too, where transformers would build a (B, 1, T, T)
     mask (profuse.fusion.hf_mask); in eager nothing changes. Default: with every op (`ops`
     None), not with a subset named, so a subset's measurement is that subset's.
+
+    `logits`: "auto" (default) makes the logits wherever the unfused model would be asked for
+    them, eval mode, no_grad, no labels, generate, and skips them only in training with labels
+    and gradients on, where linear_cross_entropy computes the loss without forming them (the
+    output's logits then raise a UsageError saying so at any use); "always" leaves the head
+    unfused, so every forward makes them (for a training loop or callback that reads
+    outputs.logits next to the loss).
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModel(f"fuse takes an nn.Module, got {type(model).__name__}")
     impl, names, named = _selected(ops, impl)
     if causal_mask is not None and not isinstance(causal_mask, bool):
         raise UsageError(f"fuse: causal_mask takes True or False, got {causal_mask!r}")
-    plan = _plan(model, impl, names, named, label, not named if causal_mask is None else causal_mask)
+    if logits not in LOGITS_POLICIES:
+        raise UsageError(f"fuse: logits takes {' or '.join(map(repr, LOGITS_POLICIES))}, got {logits!r}")
+    causal = not named if causal_mask is None else causal_mask
+    try:
+        plan = _plan(model, impl, names, named, label, causal, logits)
+    except (AttributeError, KeyError, IndexError, TypeError) as e:  # a layout the plan cannot read
+        raise UnsupportedModel(
+            f"{type(model).__name__}: profuse cannot read this model's layout ({type(e).__name__}: {e})"
+        ) from e
     if dry_run:
         return plan.summary
     for module, cls, state in plan.installs:
@@ -519,4 +586,12 @@ def unfuse(model: nn.Module) -> None:
     stack.__dict__.pop(STATE, None)
 
 
-__all__ = ["HF_EAGER", "TRANSFORMERS_MISSING", "FuseSummary", "add_rms_norm_hf", "fuse", "unfuse"]
+__all__ = [
+    "HF_EAGER",
+    "LOGITS_POLICIES",
+    "TRANSFORMERS_MISSING",
+    "FuseSummary",
+    "add_rms_norm_hf",
+    "fuse",
+    "unfuse",
+]

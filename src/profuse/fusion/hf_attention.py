@@ -35,6 +35,7 @@ from profuse.fusion.gpt import QK_NORM_ROPE, ROPE
 from profuse.fusion.hf_layer import PROBE_TOL, NormSpec, probe_norm
 from profuse.fusion.hf_modules import (
     ORIGINAL,
+    PROBE_MODES,
     STATE,
     forward_owner,
     fused_class,
@@ -43,6 +44,7 @@ from profuse.fusion.hf_modules import (
     parameter_names,
     rebuilt,
     runs_as,
+    seeded,
     stand_in,
 )
 
@@ -302,15 +304,23 @@ def _probe(attention: nn.Module, fused: type, params: list[str], st: AttentionSt
         kwargs = {"hidden_states": x, "position_embeddings": (angle.cos(), angle.sin())}
         if "attention_mask" in params:
             kwargs["attention_mask"] = None
-        with torch.no_grad():
-            want = owner.forward(model, **kwargs)[0]
-            got = [attention_forward(model, **kwargs)[0]]
-            if params[:2] == ["hidden_states", "position_embeddings"]:  # by position too
-                rest = {k: v for k, v in kwargs.items() if k not in params[:2]}
-                got.append(attention_forward(model, x, kwargs["position_embeddings"], **rest)[0])
-        ok = len(calls) == len(got) and all(
-            g.shape == want.shape and (g - want).abs().max() <= PROBE_TOL * want.abs().max() for g in got
-        )
+        ok, n = True, 0
+        for training in PROBE_MODES:  # dropout in training: the same masks, kept by the rebuilt forward
+            model.train(training)
+            with torch.no_grad():
+                with seeded(7):
+                    want = owner.forward(model, **kwargs)[0]
+                with seeded(7):
+                    got = [attention_forward(model, **kwargs)[0]]
+                if params[:2] == ["hidden_states", "position_embeddings"]:  # by position too
+                    rest = {k: v for k, v in kwargs.items() if k not in params[:2]}
+                    with seeded(7):
+                        got.append(attention_forward(model, x, kwargs["position_embeddings"], **rest)[0])
+            n += len(got)
+            ok = ok and all(
+                g.shape == want.shape and (g - want).abs().max() <= PROBE_TOL * want.abs().max() for g in got
+            )
+        ok = ok and len(calls) == n
     except Exception as e:  # a layout the stand-in does not fit
         raise UnsupportedModel(f"{name} could not be checked with {op} fused: {e}") from None
     if not ok:

@@ -6,14 +6,17 @@ with Hugging Face's ForCausalLMLoss semantics (profuse.crossentropy): the whole 
 logits are never made. The CausalLM's forward is its own, rebuilt once per class
 (hf_modules.rebuilt) with `self.lm_head` renamed to a pass-through (the "logits" it makes are the
 hidden states) and `self.loss_function` renamed to profuse's loss, which takes them with the
-lm_head's weight. The output then drops the logits: in training with labels the fused model
-returns logits=None (with return_dict=False, the tuple without them, as transformers makes it
-when logits are None).
+lm_head's weight. The output then has no logits.
 
-The fused path runs only when labels are given and a gradient is wanted (torch.is_grad_enabled),
-the lm_head is a plain bias-free nn.Linear (not replaced, wrapped by PEFT or hooked) and the
-model's loss_function is transformers' ForCausalLMLoss. Otherwise the class's own forward runs:
-no labels, evaluation under no_grad, generate, logits_to_keep, exactly as before.
+The logits policy. The fused path runs only in training (model.train()) with labels and a
+gradient wanted (torch.is_grad_enabled): there the output's logits are LOGITS_NOT_MADE, which
+raises a UsageError saying why and how to get them at any use (with return_dict=False the tuple
+leaves them out, as transformers does for logits=None). Evaluation (model.eval() or no_grad),
+a call without labels, generate: the class's own forward, logits made. `fuse(model,
+logits="always")` leaves the head unfused, so every forward makes them. The fused path needs
+an lm_head that is a plain bias-free nn.Linear (not replaced, wrapped by PEFT or hooked) and the
+model's loss_function is transformers' ForCausalLMLoss. Otherwise the class's own forward runs,
+exactly as before. logits_to_keep passes through either way.
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from profuse.errors import UnsupportedModel
+from profuse.errors import UnsupportedModel, UsageError
 from profuse.fusion.hf_layer import PROBE_TOL
 from profuse.fusion.hf_modules import (
     ORIGINAL,
+    PROBE_MODES,
     STATE,
     forward_owner,
     fused_class,
@@ -36,6 +40,7 @@ from profuse.fusion.hf_modules import (
     parameter_names,
     rebuilt,
     runs_as,
+    seeded,
     stand_in,
 )
 from profuse.fusion.hf_moe_head import (
@@ -96,22 +101,68 @@ def head_runs_as(model: nn.Module, st: HeadState) -> bool:
     return runs_as(lm_head, nn.Linear) and lm_head.bias is None and model.loss_function is st.loss_function
 
 
+_NOT_MADE = (
+    "profuse: the logits were not made: in training with labels the fused head computes the loss "
+    "with linear_cross_entropy and never forms the (tokens, vocab) logits; they are made in eval "
+    "mode, under torch.no_grad() or without labels, or in every forward after "
+    "profuse.fuse(model, logits='always')"
+)
+
+
+class LogitsNotMadeError(UsageError, AttributeError):
+    """An attribute of LOGITS_NOT_MADE: an AttributeError too, so hasattr() answers False (as
+    accelerate's output casts ask hasattr(x, "dtype")) while a use says why."""
+
+
+class LogitsNotMade:
+    """The `logits` of a fused head's output where linear_cross_entropy made none: any use of it
+    (indexing, an attribute, a torch function, truth) raises a UsageError that says why and how
+    to get them, where None would give a bare TypeError. `repr`, `is None` and hasattr() work."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<logits not made: profuse's fused head, in training with labels>"
+
+    def _refuse(self, *args, **kwargs):
+        raise UsageError(_NOT_MADE)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):  # protocols probed by copy, pickle, numpy: absent, as on None
+            raise AttributeError(name)
+        raise LogitsNotMadeError(_NOT_MADE)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise UsageError(_NOT_MADE)
+
+    __getitem__ = __len__ = __iter__ = __bool__ = __float__ = __int__ = __array__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = _refuse
+    __matmul__ = __rmatmul__ = __neg__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
+
+
+LOGITS_NOT_MADE = LogitsNotMade()
+
+
 def without_logits(out):
-    """The model's output without its logits (the hidden states, in the rebuilt forward)."""
+    """The model's output without its logits (the hidden states, in the rebuilt forward): a
+    ModelOutput's logits are LOGITS_NOT_MADE; a tuple leaves them out, as transformers does for
+    logits=None."""
     if isinstance(out, tuple):  # (loss, logits, ...) or MoE's (loss, aux_loss, logits, ...): probed
         i = tuple_logits_index(out)
         return out[:i] + out[i + 1 :]
-    return type(out)(**{k: v for k, v in out.items() if k != "logits"})
+    return type(out)(**{k: LOGITS_NOT_MADE if k == "logits" else v for k, v in out.items()})
 
 
 def head_forward(self, *args, **kwargs):
-    """The fused causal LM: linear_cross_entropy with labels and gradients on; else its own."""
+    """The fused causal LM: linear_cross_entropy in training with labels and gradients on (the
+    logits are then not made); else its own forward, logits and all."""
     cls = type(self)
     st: HeadState = self.__dict__[STATE]
     labels = kwargs.get("labels")
     if labels is None and len(args) > st.labels_index:
         labels = args[st.labels_index]
-    if labels is not None and torch.is_grad_enabled() and head_runs_as(self, st):
+    if labels is not None and self.training and torch.is_grad_enabled() and head_runs_as(self, st):
         return without_logits(getattr(cls, _FORWARD)(self, *args, **kwargs))
     return getattr(cls, ORIGINAL).forward(self, *args, **kwargs)
 
@@ -252,11 +303,15 @@ def _probe(head: nn.Module, fused: type, stack: nn.Module, st: HeadState, name: 
         ]
         ok = True
         with torch.no_grad():
-            for kwargs in cases:
-                want = owner.forward(model, **kwargs)
-                got = without_logits(getattr(fused, _FORWARD)(model, **kwargs))
-                ok = ok and _same(got, want)
-        ok = ok and len(calls) == len(cases)
+            for training in PROBE_MODES:
+                model.train(training)
+                for kwargs in cases:
+                    with seeded(8):
+                        want = owner.forward(model, **kwargs)
+                    with seeded(8):
+                        got = without_logits(getattr(fused, _FORWARD)(model, **kwargs))
+                    ok = ok and _same(got, want)
+        ok = ok and len(calls) == len(PROBE_MODES) * len(cases)
     except Exception as e:
         raise UnsupportedModel(f"{name} could not be checked with linear_cross_entropy fused: {e}") from None
     if not ok:
@@ -274,9 +329,9 @@ def _same(got, want) -> bool:
         if len(got) != len(rest):
             return False
     else:
-        keys = [k for k in want.keys() if k != "logits"]
-        if list(got.keys()) != keys:
+        if list(got.keys()) != list(want.keys()) or got.get("logits") is not LOGITS_NOT_MADE:
             return False
+        keys = [k for k in want.keys() if k != "logits"]
         pairs = [(got[k], want[k]) for k in keys if k != "loss"]
         loss_got, loss_want = got.loss, want.loss
     if any(a is not b and not same_scalar(a, b, PROBE_TOL) for a, b in pairs):
@@ -287,8 +342,11 @@ def _same(got, want) -> bool:
 
 
 __all__ = [
+    "LOGITS_NOT_MADE",
     "HeadPlan",
     "HeadState",
+    "LogitsNotMade",
+    "LogitsNotMadeError",
     "causal_lm_loss",
     "head_class",
     "head_forward",

@@ -35,7 +35,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from profuse.errors import UnsupportedModel
-from profuse.fusion.hf_modules import STATE, forward_owner, is_fused, observed, runs_as, stand_in
+from profuse.fusion.hf_modules import (
+    PROBE_MODES,
+    STATE,
+    forward_owner,
+    is_fused,
+    observed,
+    runs_as,
+    seeded,
+    stand_in,
+)
 
 _MLP_CHILDREN = frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})
 _CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")  # one thing, by version
@@ -116,20 +125,38 @@ def _hands_pair(layer: nn.Module, st: LayerState) -> bool:
     return takes_pair(layers[st.index + 1] if st.index + 1 < len(layers) else st.stack.norm)
 
 
-def norm_alone(op, spec: NormSpec | None, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """rms_norm(x) through the op where `norm` is as probed, else the module itself."""
+def norm_alone(
+    op, spec: NormSpec | None, norm: nn.Module, x: torch.Tensor, owned: bool = False
+) -> torch.Tensor:
+    """rms_norm(x) through the op where `norm` is as probed, else the module itself. `owned`: the
+    gradient reaching the output is autograd's own (hf_ops.bound_op)."""
     if op is not None and spec is not None and runs_as(norm, spec.cls):
-        return op(x, norm.weight, spec.eps(norm))
+        return op(x, norm.weight, spec.eps(norm), owned=owned)
     return norm(x)
 
 
-def norm_after_add(add_op, op, spec: NormSpec | None, norm: nn.Module, x, residual):
+def norm_after_add(add_op, op, spec: NormSpec | None, norm: nn.Module, x, residual, owned: bool = False):
     """(norm(h), h), h = residual + x: add_rms_norm where `norm` is as probed, else the add and
     then norm_alone."""
     if add_op is not None and spec is not None and runs_as(norm, spec.cls):
-        return add_op(x, residual, norm.weight, spec.eps(norm))
+        return add_op(x, residual, norm.weight, spec.eps(norm), owned=owned)
     h = residual + x
-    return norm_alone(op, spec, norm, h), h
+    return norm_alone(op, spec, norm, h, owned), h
+
+
+def _keeps_output(*modules: nn.Module) -> bool:
+    """Whether a forward hook (a module's own, or a global one) could hold a module's output past
+    the forward: then a backward must not write over it."""
+    if getattr(nn.modules.module, "_global_forward_hooks", None):
+        return True
+    return any(m._forward_hooks for m in modules)
+
+
+def _unowned(op: Callable | None) -> Callable | None:
+    """A plain op as a fused place calls a bound one (hf_ops.bound_op): `owned` taken and ignored."""
+    if op is None:
+        return None
+    return lambda *args, owned=False, **kwargs: op(*args, **kwargs)
 
 
 def _mlp_runs_as(mlp: nn.Module, st: LayerState) -> bool:
@@ -162,18 +189,27 @@ def layer_body(self, x, residual, *, pair: bool, **kwargs):
     st: LayerState = self.__dict__[STATE]
     if residual is None:  # layer 0, or a layer handed the hidden state
         residual = x
-        y = norm_alone(st.rms_norm, st.input_norm, self.input_layernorm, x)
+        y = norm_alone(st.rms_norm, st.input_norm, self.input_layernorm, x, owned=True)
     else:  # the previous layer's MLP add, with this layer's input norm
         y, residual = norm_after_add(
-            st.add_rms_norm, st.rms_norm, st.input_norm, self.input_layernorm, x, residual
+            st.add_rms_norm, st.rms_norm, st.input_norm, self.input_layernorm, x, residual, owned=True
         )
     attn_out = self.self_attn(hidden_states=y, **{**st.attn_defaults, **kwargs})[0]
     y, residual = norm_after_add(
-        st.add_rms_norm, st.rms_norm, st.post_norm, self.post_attention_layernorm, attn_out, residual
+        st.add_rms_norm,
+        st.rms_norm,
+        st.post_norm,
+        self.post_attention_layernorm,
+        attn_out,
+        residual,
+        owned=True,
     )
     mlp = self.mlp
     if st.silu_mul is not None and _mlp_runs_as(mlp, st):
-        out = mlp.down_proj(st.silu_mul(mlp.gate_proj(y), mlp.up_proj(y)))
+        # gate and up are the projections' own outputs, read by nothing else unless a hook holds one
+        gate, up = mlp.gate_proj(y), mlp.up_proj(y)
+        owned = not _keeps_output(mlp.gate_proj, mlp.up_proj)
+        out = mlp.down_proj(st.silu_mul(gate, up, owned=owned))
     else:
         out = mlp(y)
     return (out, residual) if pair else residual + out
@@ -236,11 +272,12 @@ def probe_norm(norm: nn.Module, where: str) -> NormSpec:
     )
     want = F.rms_norm(x, (n,), weight, eps)
     try:
-        with torch.no_grad():
-            got = cls.forward(stand_in(norm, cls, {}, weight=weight), x)
-        ok = got.shape == want.shape and bool(
-            ((got - want).abs() <= PROBE_TOL * want.abs().amax(-1, True)).all()
-        )
+        model, ok = stand_in(norm, cls, {}, weight=weight), True
+        for training in PROBE_MODES:
+            with torch.no_grad(), seeded(5):
+                got = cls.forward(model.train(training), x)
+            ok = ok and got.shape == want.shape
+            ok = ok and bool(((got - want).abs() <= PROBE_TOL * want.abs().amax(-1, True)).all())
     except Exception as e:  # any failure of the stand-in is a layout profuse does not know
         raise UnsupportedModel(f"{where} ({type(norm).__name__}) could not be checked: {e}") from None
     if not ok:
@@ -276,16 +313,25 @@ def probe_mlp(mlp: nn.Module, where: str) -> tuple[type, type]:
     x = 2 * torch.randn(5, n, generator=gen, dtype=torch.float64)
     with torch.no_grad():
         want = down(F.silu(gate(x)) * up(x))
-        try:
-            got = cls.forward(stand_in(mlp, cls, modules), x)
-            ok = got.shape == want.shape and bool(((got - want).abs() <= PROBE_TOL * want.abs().max()).all())
-        except Exception as e:
-            raise UnsupportedModel(f"{where} ({type(mlp).__name__}) could not be checked: {e}") from None
-    if not ok:
-        raise UnsupportedModel(
-            f"{where} ({type(mlp).__name__}) does not compute down(silu(gate(x)) * up(x)) "
-            f"(its act_fn is {type(act).__name__}): only a SiLU MLP fuses into silu_mul"
-        )
+        model = stand_in(mlp, cls, modules)
+        for training in PROBE_MODES:  # silu_mul's place calls down_proj(silu_mul(...)), nothing more
+            try:
+                with seeded(5):
+                    got = cls.forward(model.train(training), x)
+                ok = got.shape == want.shape
+                ok = ok and bool(((got - want).abs() <= PROBE_TOL * want.abs().max()).all())
+            except Exception as e:
+                raise UnsupportedModel(f"{where} ({type(mlp).__name__}) could not be checked: {e}") from None
+            if not ok and training:
+                raise UnsupportedModel(
+                    f"{where} ({type(mlp).__name__}) computes down(silu(gate(x)) * up(x)) only in eval mode: "
+                    "in training it does more (dropout?), which silu_mul's place would skip"
+                )
+            if not ok:
+                raise UnsupportedModel(
+                    f"{where} ({type(mlp).__name__}) does not compute down(silu(gate(x)) * up(x)) "
+                    f"(its act_fn is {type(act).__name__}): only a SiLU MLP fuses into silu_mul"
+                )
     return cls, type(act)
 
 
@@ -358,16 +404,25 @@ def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> None:
         model = stand_in(layer, cls, children)
         x, r = torch.randn(2, 2, 5, n, dtype=torch.float64)
     fused = LayerState(
-        ops["silu_mul"], ops["add_rms_norm"], ops["rms_norm"], spec, spec, Mlp, nn.SiLU, defaults, None, 0
+        *(_unowned(ops[op]) for op in ("silu_mul", "add_rms_norm", "rms_norm")),
+        spec,
+        spec,
+        Mlp,
+        nn.SiLU,
+        defaults,
+        None,
+        0,
     )
     unfused = dataclasses.replace(fused, silu_mul=None, add_rms_norm=None, rms_norm=None)
     named = {name: _Sentinel(name) for name in defaults}
     named["probe_extra"] = _Sentinel("probe_extra")  # **kwargs pass through to attention too
     try:
         with torch.no_grad():
-            for kwargs in (named, {}):
+            for training, kwargs in ((False, named), (False, {}), (True, named)):
                 calls.clear()
-                want = cls.forward(model, x + r, **kwargs)
+                model.train(training)
+                with seeded(6):
+                    want = cls.forward(model, x + r, **kwargs)
                 if not isinstance(want, torch.Tensor):
                     raise UnsupportedModel(
                         f"{where} ({type(layer).__name__}) returns a {type(want).__name__}, not the "
@@ -377,14 +432,16 @@ def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> None:
                 for state, pair in ((fused, True), (fused, False), (unfused, False)):
                     model.__dict__[STATE] = state
                     for first, rest in ((x + r, None), (x, r)):  # layer 0's form, the others'
-                        out = layer_body(model, first, rest, pair=pair, **kwargs)
+                        with seeded(6):
+                            out = layer_body(model, first, rest, pair=pair, **kwargs)
                         got.append(out[0] + out[1] if pair else out)
                 same_args = len(calls) == 1 + len(got) and all(c == calls[0] for c in calls)
                 for out in got:
                     if not same_args or not (out - want).abs().max() <= PROBE_TOL * want.abs().max():
+                        mode = " in training (dropout?)" if training else ""
                         raise UnsupportedModel(
                             f"{where} ({type(layer).__name__}) is not the pre-norm layer "
-                            "x + attn(norm(x)), then h + mlp(norm(h)): profuse cannot fuse it exactly"
+                            f"x + attn(norm(x)), then h + mlp(norm(h)){mode}: profuse cannot fuse it exactly"
                         )
     except UnsupportedModel:
         raise

@@ -21,17 +21,22 @@ output_hidden_states or output_attentions is asked) do not count. Global module 
 (torch.nn.modules.module.register_module_forward_hook, as profuse.profile installs) see the
 modules that run, fused or not, and do not count either.
 
-Probes run on float64 stand-ins: `stand_in` builds an instance of a class around stand-in
+Probes run on float64 stand-ins, in eval mode and in training mode (PROBE_MODES), each pair of
+forwards compared from the same RNG state (`seeded`): a module that behaves differently in
+training (dropout) passes where the fused forward keeps that behaviour and fails where it would
+skip it. `stand_in` builds an instance of a class around stand-in
 submodules, with the real module's plain attributes (its config, sizes, flags), without copying
 the module itself (an FSDP-sharded module cannot be copied).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import types
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 STATE = "_profuse_fusion"  # a fused module's state (what it calls); the decoder stack's record
@@ -122,17 +127,67 @@ def fused_class(owner: type, kind: str, forward: Callable, attrs: dict | None = 
         **(attrs or {}),
     }
 
+    forward = with_signature(forward, owner)
+
     def __init_subclass__(sub, **kwargs):
         super(cls, sub).__init_subclass__(**kwargs)
         if getattr(sub.__dict__.get("forward"), "__wrapped__", None) is forward:
             sub.forward = forward  # a checkpointing wrap of the fused forward, undone
 
     namespace["__init_subclass__"] = classmethod(__init_subclass__)
+    namespace["__reduce_ex__"] = _refuse_pickle
+    namespace["__deepcopy__"] = _deepcopy
+    namespace["__copy__"] = _copy
     cls = type(owner.__name__, (owner,), namespace)
     cls.forward = forward
     cls.__call__ = nn.Module.__call__
     _FUSED_CLASSES[key] = cls
     return cls
+
+
+def with_signature(forward: Callable, owner: type) -> Callable:
+    """`forward` (self, *args, **kwargs) as `owner`'s class's forward: the same signature for
+    everything that reads it (Trainer's dataset columns and label names, generate's attention
+    mask, position ids and logits_to_keep, PEFT, accelerate), the same name and docstring. The
+    fused forwards take arguments by position in the order of the original's."""
+    signature = inspect.signature(owner.forward)
+
+    def fused_forward(self, *args, **kwargs):
+        return forward(self, *args, **kwargs)
+
+    fused_forward.__signature__ = signature
+    fused_forward.__name__ = "forward"
+    fused_forward.__qualname__ = f"{owner.__qualname__}.forward"
+    fused_forward.__module__ = owner.__module__
+    fused_forward.__doc__ = getattr(owner.forward, "__doc__", None)
+    fused_forward._profuse_forward = forward  # what it calls
+    return fused_forward
+
+
+def _refuse_pickle(self, protocol):
+    """A fused model does not pickle (torch.save(model)): its classes are made at fuse time."""
+    from profuse.errors import UsageError
+
+    raise UsageError(
+        f"a model fused by profuse does not pickle ({type(self).__name__} is a class made at fuse time): "
+        "save its state_dict() or save_pretrained(), or profuse.unfuse(model) before torch.save(model)"
+    )
+
+
+def _deepcopy(self, memo):
+    """copy.deepcopy as Python's default makes it (pickling is refused, copying is not)."""
+    import copy
+
+    new = type(self).__new__(type(self))
+    memo[id(self)] = new
+    new.__setstate__(copy.deepcopy(self.__dict__, memo))
+    return new
+
+
+def _copy(self):
+    new = type(self).__new__(type(self))
+    new.__setstate__(dict(self.__dict__))
+    return new
 
 
 def _rebase(cls: type, old: type, new: type) -> type | None:
@@ -194,6 +249,19 @@ def stand_in(module: nn.Module, cls: type, children: dict[str, nn.Module], **att
     for name, value in attrs.items():
         setattr(fresh, name, value)
     return fresh.train(False)
+
+
+PROBE_MODES = (False, True)  # every probe runs in eval mode, then in training mode
+
+
+@contextlib.contextmanager
+def seeded(seed: int):
+    """The global RNG at `seed` inside, as it was outside: a probe's two forwards draw the same
+    dropout masks, so behaviour that only training has (dropout, anything stochastic) compares
+    equal where the fused forward keeps it, and unequal where it skips it."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def innermost(func: Callable) -> Callable:
@@ -261,6 +329,7 @@ def _function_like(func: types.FunctionType, code, globals_: dict, closure) -> t
 __all__ = [
     "FUSED_MARK",
     "ORIGINAL",
+    "PROBE_MODES",
     "STATE",
     "forward_owner",
     "fused_class",
@@ -271,6 +340,7 @@ __all__ = [
     "parameter_names",
     "rebuilt",
     "runs_as",
+    "seeded",
     "stand_in",
     "unfused_class",
 ]

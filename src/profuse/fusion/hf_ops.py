@@ -7,13 +7,16 @@ fused with it computes bitwise what it computed unfused (what a labelled trace s
 `bound_op` turns one op of a set into what a fused module calls: the kernels take bf16, fp16
 and fp32, so a call with any other dtype (a model moved to float64) runs HF_EAGER's op instead,
 the model's own math in the same structure; with `label=True` each call runs inside the op's
-profiler range (BLOCK_OP_RANGES). `unavailable` says why an implementation cannot run here (no
+profiler range (BLOCK_OP_RANGES). A Triton op handed CPU tensors without TRITON_INTERPRET=1
+(a model fused on the CPU) runs HF_EAGER's op too: the fused structure in plain torch, where the
+kernels would raise (FuseSummary says so). `unavailable` says why an implementation cannot run here (no
 triton, or a kernel module missing from this build).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 
 import torch
@@ -90,20 +93,47 @@ def unavailable(ops: BlockOps, op: str) -> str | None:
     return None
 
 
+def interpreted() -> bool:
+    """Whether Triton kernels run on CPU tensors here (TRITON_INTERPRET=1, read when fusing)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def runs_kernels(ops: BlockOps, op: str) -> bool:
+    """Whether `ops`' `op` is one of profuse's Triton kernels."""
+    return getattr(ops, op) in _KERNEL_MODULES
+
+
+# The ops whose backward can write its input gradients over buffers the caller owns
+# (blockops' inplace_backward): what a fused place passes as owned=True.
+_OWNED_OPS = {SILU_MUL, ADD_RMS_NORM, RMS_NORM}
+
+
 def bound_op(ops: BlockOps, op: str, label: bool) -> Callable:
     """`ops`' `op` as a fused module calls it: HF_EAGER's for dtypes the kernels do not take, and
-    inside the op's profiler range when `label`."""
+    for CPU tensors where the Triton kernels cannot run them (no TRITON_INTERPRET=1 when fused);
+    inside the op's profiler range when `label`. A call may say `owned=True`: the place owns the
+    buffers the op's backward could write its input gradients over (a projection's output, the
+    gradients autograd hands it), and profuse's kernels then do (inplace_backward); every other
+    implementation ignores it."""
     impl, fallback, n = getattr(ops, op), getattr(HF_EAGER, op), _TENSOR_ARGS[op]
+    kernels = runs_kernels(ops, op)
+    inplace = op in _OWNED_OPS and kernels
+    cpu_ok = not kernels or interpreted()
     if impl is fallback:
-        call = impl
+
+        def call(*args, owned: bool = False, **kwargs):
+            return impl(*args, **kwargs)
+
     else:
 
-        def call(*args, **kwargs):
-            if all(t.dtype in SUPPORTED_DTYPES for t in args[:n]):
+        def call(*args, owned: bool = False, **kwargs):
+            if all(t.dtype in SUPPORTED_DTYPES for t in args[:n]) and (cpu_ok or not args[0].is_cpu):
+                if owned and inplace:
+                    return impl(*args, inplace_backward=True, **kwargs)
                 return impl(*args, **kwargs)
-            return fallback(*args, **kwargs)  # float64: the model's own math
+            return fallback(*args, **kwargs)  # float64, or the CPU: the model's own math
 
     return labelled(call, BLOCK_OP_RANGES[op]) if label else call
 
 
-__all__ = ["HF_EAGER", "add_rms_norm_hf", "bound_op", "unavailable"]
+__all__ = ["HF_EAGER", "add_rms_norm_hf", "bound_op", "interpreted", "runs_kernels", "unavailable"]

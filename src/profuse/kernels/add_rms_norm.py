@@ -42,7 +42,7 @@ from profuse.kernels import configs as C
 from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing, compiled_op, scratch_key
 from profuse.kernels.colsum import col_sum_launch
 from profuse.kernels.configs import KernelConfig
-from profuse.kernels.rows import as_rows, check_runnable, double_backward_error
+from profuse.kernels.rows import as_rows, check_runnable, double_backward_error, fits
 
 MAX_COLS = C.ADD_RMS_NORM_MAX_COLS
 
@@ -64,12 +64,13 @@ def _add_rms_norm_fwd_kernel(
     n_rows,
     n_cols,
     eps,
+    w_offset,  # added to w in fp32: 1.0 for Gemma's (1 + w) norms, else 0.0
     BLOCK_M: tl.constexpr,  # rows per tile: several when rows are narrow
     BLOCK_N: tl.constexpr,  # next power of two >= n_cols: the whole row is held
     NUM_STAGES: tl.constexpr,  # pipelining of the tile loop (persistent grids)
     STORE_RSTD: tl.constexpr,
 ):
-    """Tiles of BLOCK_M whole rows: h = x + r (rounded to h's dtype), y = h * rstd * w.
+    """Tiles of BLOCK_M whole rows: h = x + r (rounded to h's dtype), y = h * rstd * (w + w_offset).
 
     Program p takes tiles p, p + P, ...: one tile each when the grid covers every tile, or a
     persistent loop that loads the next tile while it reduces this one.
@@ -79,7 +80,7 @@ def _add_rms_norm_fwd_kernel(
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    w = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    w = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + w_offset
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
     for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
         rows = tl.cast(tile, tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M).to(tl.int64)
@@ -114,6 +115,7 @@ def _add_rms_norm_bwd_kernel(
     h_row_stride,
     n_rows,
     n_cols,
+    w_offset,  # added to w in fp32 (the forward's)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,  # whole row
     NUM_STAGES: tl.constexpr,  # software pipelining of the tile loop: the next tile loads early
@@ -124,7 +126,7 @@ def _add_rms_norm_bwd_kernel(
 ):
     """Persistent grid: program p takes row tiles p, p + P, ... and, per row,
 
-    x_hat    = h * rstd
+    x_hat    = h * rstd,  w = the weight + w_offset
     dh_total = rstd * (w * dy - x_hat * mean(x_hat * w * dy)) + dh   -> D1 (and D2), rounded once
     dw      += dy * x_hat                                           (fp32, this program's rows)
     """
@@ -132,7 +134,7 @@ def _add_rms_norm_bwd_kernel(
     n_programs = tl.num_programs(0)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    w = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    w = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + w_offset
     dw_acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     n_tiles = tl.cdiv(n_rows, BLOCK_M)
     for tile in tl.range(pid, n_tiles, n_programs, num_stages=NUM_STAGES):
@@ -222,14 +224,20 @@ class _BackwardPlan:
         self.col_sum = col_sum_launch(n_cols) if need_w else None
         self.partials: dict = {}  # scratch_key -> the (programs, N) fp32 dw partials
 
-    def __call__(self, dy, dh, h, w, rstd, like) -> tuple[torch.Tensor | None, ...]:
+    def __call__(
+        self, dy, dh, h, w, rstd, like, over=(None, None), w_offset: float = 0.0
+    ) -> tuple[torch.Tensor | None, ...]:
         """(dx, dresidual, dweight) over 2-D row views: dx and dresidual shaped and strided as
         `like` (the saved h itself), one tensor where their dtypes agree and both are asked
-        for; None where not asked for."""
+        for; None where not asked for. `over`: buffers to write D1 and D2 into instead of new
+        ones (inplace_backward; the caller checked they fit: rows.fits)."""
         n_rows, n_cols = h.shape
         cf, d1_dtype, d2_dtype = torch.contiguous_format, self.d1_dtype, self.d2_dtype
-        d1 = torch.empty_like(like, dtype=d1_dtype, memory_format=cf) if d1_dtype is not None else None
-        d2 = torch.empty_like(like, dtype=d2_dtype, memory_format=cf) if d2_dtype is not None else None
+        d1 = d2 = None
+        if d1_dtype is not None:
+            d1 = over[0] if over[0] is not None else torch.empty_like(like, dtype=d1_dtype, memory_format=cf)
+        if d2_dtype is not None:
+            d2 = over[1] if over[1] is not None else torch.empty_like(like, dtype=d2_dtype, memory_format=cf)
         partial = None
         if self.col_sum is not None:
             key = scratch_key(h.device)
@@ -241,7 +249,7 @@ class _BackwardPlan:
         # Pointers not used get any tensor: their flag is off, the kernel never touches them.
         self.main(dy, h if dh is None else dh, h, w, rstd, h if d1 is None else d1, h if d2 is None else d2,
                   h if partial is None else partial, dy.stride(0), 0 if dh is None else dh.stride(0),
-                  h.stride(0), n_rows, n_cols)  # fmt: skip
+                  h.stride(0), n_rows, n_cols, w_offset)  # fmt: skip
         dw = None
         if partial is not None:
             # One reduction over the programs' partials, in a fixed order: the same bits every run.
@@ -264,9 +272,11 @@ def add_rms_norm_forward(
     eps: float,
     config: KernelConfig | None = None,
     store_rstd: bool = True,
+    w_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch the forward on (..., N) inputs: (y, h, rstd), y in x's dtype, h in the promoted
     dtype, rstd fp32 shaped x.shape[:-1] (None when `store_rstd` is off: no gradient wanted).
+    `w_offset` is added to the weight in fp32 (1.0: Gemma's (1 + w)).
 
     `config` runs that launch shape; without it the shape's plan runs (tuned on its first call).
     """
@@ -284,7 +294,8 @@ def add_rms_norm_forward(
         return y, h, rstd
     # Without rstd, y stands in for its pointer (STORE_RSTD is off).
     w = weight.contiguous()
-    args = (xr, rr, w, y, h, y if rstd is None else rstd, xr.stride(0), rr.stride(0), n_rows, n_cols, eps)
+    args = (xr, rr, w, y, h, y if rstd is None else rstd, xr.stride(0), rr.stride(0), n_rows, n_cols, eps,
+            w_offset)  # fmt: skip
     if config is not None:
         launch = _forward_launch(config, n_rows, n_cols, store_rstd)
     else:
@@ -323,12 +334,17 @@ def add_rms_norm_backward(
     residual_dtype: torch.dtype,
     needs: tuple[bool, bool, bool],
     config: KernelConfig | None = None,
+    inplace: bool = False,
+    w_offset: float = 0.0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(dx, dresidual, dweight) from dy (required), dh (None: h needs no gradient), the saved h
     and rstd; None where `needs` says no. Where x and residual share a dtype and both gradients
     are asked for, dx and dresidual are the same tensor (autograd hands it to both).
 
     `config` runs that launch shape; without it the shape's plan runs (tuned on its first call).
+    `inplace`: the first gradient (dx, or dresidual alone) is written over dy and a dresidual of
+    its own dtype over dh, each where it fits (rows.fits); a program reads its rows of
+    dy and dh before it stores them, so the same math.
     """
     n_cols = h.shape[-1]
     hr = as_rows(h, n_cols)
@@ -353,7 +369,12 @@ def add_rms_norm_backward(
             plan = _backward_plan(key, (dyr, dhr, hr, w, rstd, h))
             if not capturing(h.device):  # a plan made inside a graph capture is untuned: not kept
                 _BWD_PLANS.add(key, plan)
-    return plan(dyr, dhr, hr, w, rstd, h)
+    over = (None, None)
+    if inplace:
+        d1 = dy if plan.d1_dtype is not None and fits(dy, h.shape, plan.d1_dtype) else None
+        d2 = dh if plan.d2_dtype is not None and fits(dh, h.shape, plan.d2_dtype) else None
+        over = (d1, d2)
+    return plan(dyr, dhr, hr, w, rstd, h, over, w_offset)
 
 
 def _backward_plan(key: tuple, args: tuple) -> _BackwardPlan:
@@ -373,12 +394,12 @@ def _backward_plan(key: tuple, args: tuple) -> _BackwardPlan:
 
 
 def _forward_op(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, w_offset: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return add_rms_norm_forward(x, residual, weight, eps)
+    return add_rms_norm_forward(x, residual, weight, eps, w_offset=w_offset)
 
 
-def _forward_fake(x, residual, weight, eps):
+def _forward_fake(x, residual, weight, eps, w_offset):
     h = x.new_empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype))
     return x.new_empty(x.shape), h, x.new_empty(x.shape[:-1], dtype=torch.float32)
 
@@ -395,19 +416,20 @@ def _backward_op(
     need_x: bool,
     need_residual: bool,
     need_weight: bool,
+    w_offset: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dresidual, dweight); an empty tensor where not asked for, and in dresidual's place
     where it is dx itself (same dtype, both asked for): an op's outputs may not alias each other,
     so each empty is its own (one shared empty fails torch's aliasing check when only one
     gradient is asked for)."""
     dx, dr, dw = add_rms_norm_backward(dy, dh if has_dh else None, h, weight, rstd, x_dtype, residual_dtype,
-                                       (need_x, need_residual, need_weight))  # fmt: skip
+                                       (need_x, need_residual, need_weight), w_offset=w_offset)  # fmt: skip
     return (h.new_empty(0) if dx is None else dx, h.new_empty(0) if dr is None or dr is dx else dr,
             h.new_empty(0) if dw is None else dw)  # fmt: skip
 
 
 def _backward_fake(
-    dy, dh, h, weight, rstd, x_dtype, residual_dtype, has_dh, need_x, need_residual, need_weight
+    dy, dh, h, weight, rstd, x_dtype, residual_dtype, has_dh, need_x, need_residual, need_weight, w_offset
 ):
     shared = need_x and need_residual and x_dtype == residual_dtype
     return (h.new_empty(h.shape, dtype=x_dtype) if need_x else h.new_empty(0),
@@ -432,13 +454,14 @@ class AddRMSNormFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, residual, weight, eps):
+    def forward(ctx, x, residual, weight, eps, inplace=False, w_offset=0.0):
+        ctx.inplace, ctx.w_offset = inplace, w_offset
         if torch.compiler.is_compiling():
             ctx.set_materialize_grads(False)  # the call Dynamo knows
-            y, h, rstd = _forward_compiled(x)(x, residual, weight, eps)
+            y, h, rstd = _forward_compiled(x)(x, residual, weight, eps, w_offset)
         else:
             ctx.materialize_grads = False  # what set_materialize_grads(False) does, one frame fewer
-            y, h, rstd = add_rms_norm_forward(x, residual, weight, eps)
+            y, h, rstd = add_rms_norm_forward(x, residual, weight, eps, w_offset=w_offset)
         ctx.save_for_backward(h, weight, rstd)
         ctx.dtypes = (x.dtype, residual.dtype)
         return y, h
@@ -452,33 +475,44 @@ class AddRMSNormFunction(torch.autograd.Function):
             # y fed nothing that needs a gradient: dh passes through the add (as add's backward
             # does it, no kernel), and dweight is zero (None).
             if dh is None:
-                return None, None, None, None
-            return (dh.to(x_dtype) if need_x else None), (dh.to(r_dtype) if need_r else None), None, None
+                return None, None, None, None, None, None
+            return (dh.to(x_dtype) if need_x else None), (dh.to(r_dtype) if need_r else None), *([None] * 4)
         if torch.compiler.is_compiling():
             has_dh = dh is not None
             dx, dr, dw = _backward_compiled(h)(
-                dy, dh if has_dh else h, h, weight, rstd, x_dtype, r_dtype, has_dh, need_x, need_r, need_w
-            )
+                dy, dh if has_dh else h, h, weight, rstd, x_dtype, r_dtype, has_dh, need_x, need_r, need_w,
+                ctx.w_offset,
+            )  # fmt: skip
             if need_x and need_r and x_dtype == r_dtype:
                 dr = dx
-            return (dx if need_x else None), (dr if need_r else None), (dw if need_w else None), None
+            return (
+                (dx if need_x else None),
+                (dr if need_r else None),
+                (dw if need_w else None),
+                None,
+                None,
+                None,
+            )
         if torch.is_grad_enabled():  # create_graph=True: the kernel's gradients have no grad_fn
             raise double_backward_error("add_rms_norm", "profuse.blockops.add_rms_norm_eager")
-        return (
-            *add_rms_norm_backward(dy, dh, h, weight, rstd, x_dtype, r_dtype, (need_x, need_r, need_w)),
-            None,
+        needs = (need_x, need_r, need_w)
+        grads = add_rms_norm_backward(
+            dy, dh, h, weight, rstd, x_dtype, r_dtype, needs, inplace=ctx.inplace, w_offset=ctx.w_offset
         )
+        return (*grads, None, None, None)
 
 
-def add_rms_norm_fused(x, residual, weight, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm_fused(
+    x, residual, weight, eps: float, inplace_backward: bool = False, w_offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(y, h) on checked inputs: through autograd where a gradient is wanted, else the forward
     launch alone (no autograd node, no rstd stored). Rows wider than MAX_COLS: ValueError."""
     if x.shape[-1] > MAX_COLS:
         raise _too_wide(x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or residual.requires_grad or weight.requires_grad):
-        return AddRMSNormFunction.apply(x, residual, weight, eps)
+        return AddRMSNormFunction.apply(x, residual, weight, eps, inplace_backward, w_offset)
     if torch.compiler.is_compiling():
-        y, h, _ = _forward_compiled(x)(x, residual, weight, eps)
+        y, h, _ = _forward_compiled(x)(x, residual, weight, eps, w_offset)
         return y, h
-    y, h, _ = add_rms_norm_forward(x, residual, weight, eps, store_rstd=False)
+    y, h, _ = add_rms_norm_forward(x, residual, weight, eps, store_rstd=False, w_offset=w_offset)
     return y, h

@@ -98,9 +98,11 @@ def _cross_entropy_kernel(
     n_rows,
     n_cols,
     ignore_index,
+    softcap,  # the cap of final-logit soft-capping (SOFTCAP only)
     BLOCK_SIZE: tl.constexpr,  # columns per step of the row loops
     WRITE_GRAD: tl.constexpr,  # write dz over the logits (False: the loss alone)
     KEEP_L2: tl.constexpr,  # pass 1 marks the row evict_last so pass 2 re-reads it from L2
+    SOFTCAP: tl.constexpr,  # the loss is of c = softcap * tanh(z / softcap), not of z
 ):
     """Rows row = program, program + programs, ... of a persistent grid. Per row:
     pass 1: m, s = the running max and sum of exp(z - m) over blocks of the row (fp32), so
@@ -108,6 +110,9 @@ def _cross_entropy_kernel(
     pass 2: dz = exp(z - lse) / n, minus 1/n at column y, stored over z.
     An ignored row reads nothing and writes zeros; a row whose target lies outside [0, n_cols)
     gets NaN loss and NaN gradient (nothing is read out of bounds).
+    With SOFTCAP (Gemma 2 and 3's final-logit soft-capping) every z read is first made
+    c = softcap * tanh(z / softcap) in fp32, the softmax is over c, and pass 2 stores
+    dz = dc * (1 - (c / softcap)^2), the tanh's derivative, over z.
     Bytes a row: reads 2 x n_cols (pass 2 from L2 when the grid's rows in flight fit it), writes
     n_cols, in the logits' dtype."""
     pid = tl.program_id(0)
@@ -132,12 +137,17 @@ def _cross_entropy_kernel(
             else:
                 z = tl.load(x_row + cols, mask=cols < n_cols, other=float("-inf"))
             z = z.to(tl.float32)
+            if SOFTCAP:
+                z = softcap * (2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0)  # -inf -> -softcap
+                z = tl.where(cols < n_cols, z, float("-inf"))
             m_new = tl.maximum(m, tl.max(z, axis=0))
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
             m = m_new
         # An ignored row's lse is 0 (not -inf), so pass 2 computes nothing undefined.
         lse = tl.where(counted, m, 0.0) + tl.log(tl.where(counted, s, 1.0))
         z_y = tl.load(x_row + y, mask=counted & in_range, other=0.0).to(tl.float32)
+        if SOFTCAP:
+            z_y = softcap * (2.0 * tl.sigmoid(2.0 * z_y / softcap) - 1.0)
         loss = tl.where(counted, lse - z_y, 0.0)
         loss = tl.where(counted & (~in_range), float("nan"), loss)
         tl.store(Loss_ptr + row, loss)
@@ -149,8 +159,14 @@ def _cross_entropy_kernel(
             for start in range(0, n_cols, BLOCK_SIZE):
                 cols = start + tl.arange(0, BLOCK_SIZE)
                 z = tl.load(x_row + cols, mask=cols < n_read, other=0.0, eviction_policy="evict_first")
-                p = tl.exp(z.to(tl.float32) - lse) * g_row
+                z = z.to(tl.float32)
+                if SOFTCAP:
+                    t = 2.0 * tl.sigmoid(2.0 * z / softcap) - 1.0
+                    z = softcap * t
+                p = tl.exp(z - lse) * g_row
                 dz = tl.where(counted, tl.where(cols == y, p - g_row, p), 0.0)
+                if SOFTCAP:
+                    dz = dz * (1.0 - t * t)
                 tl.store(x_row + cols, dz.to(X_ptr.dtype.element_ty), mask=cols < n_cols)
 
 
@@ -288,11 +304,12 @@ def out_dtype_works(device: torch.device, dtype: torch.dtype) -> bool:
     return _OUT_DTYPE_WORKS[key]
 
 
-def ce_launch(cfg: KernelConfig, n_rows: int, write_grad: bool) -> Launch:
+def ce_launch(cfg: KernelConfig, n_rows: int, write_grad: bool, softcap: bool = False) -> Launch:
     programs = min(n_rows, cfg.programs) if cfg.programs else n_rows
     return Launch(
         _cross_entropy_kernel, (max(1, programs),), cfg, "cross_entropy",
-        BLOCK_SIZE=cfg.block_n, WRITE_GRAD=write_grad, KEEP_L2=cfg.l2 == "keep", num_warps=cfg.num_warps,
+        BLOCK_SIZE=cfg.block_n, WRITE_GRAD=write_grad, KEEP_L2=cfg.l2 == "keep", SOFTCAP=softcap,
+        num_warps=cfg.num_warps,
     )  # fmt: skip
 
 
@@ -321,6 +338,7 @@ def _plan(
     requested: int,
     accumulate: str,
     config,
+    softcap: bool = False,
 ) -> Plan:
     """The plan for a new signature: the chunk (`requested`, else the rule, which reads the free
     memory once here), the accumulator, the kernel launches; kept under `key`."""
@@ -342,8 +360,8 @@ def _plan(
     write_grad = need_gh or need_gw
     last = n_tokens % chunk
     plan = Plan(
-        chunk, acc, out_dtype_mm, ce_launch(cfg, min(chunk, n_tokens), write_grad),
-        ce_launch(cfg, last, write_grad) if last and n_tokens > chunk else None,
+        chunk, acc, out_dtype_mm, ce_launch(cfg, min(chunk, n_tokens), write_grad, softcap),
+        ce_launch(cfg, last, write_grad, softcap) if last and n_tokens > chunk else None,
     )  # fmt: skip
     return PLANS.add(key, plan)
 
@@ -412,6 +430,7 @@ def linear_cross_entropy_forward(
     need_grad_hidden: bool,
     need_grad_weight: bool,
     config: KernelConfig | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(loss, grad_hidden, grad_weight) for g = 1, chunk by chunk (module docstring); a gradient
     not asked for is None and costs nothing. `hidden` is (N, H), `target` (N,); `num_items`, a
@@ -424,12 +443,13 @@ def linear_cross_entropy_forward(
         _check_targets(target, vocab, ignore_index)
     target = target.to(device)
     key = (n_tokens, hidden_size, vocab, hidden.dtype, weight.dtype, mm_dtype, device, chunk_size,
-           accumulate, config, need_grad_hidden, need_grad_weight)  # fmt: skip
+           accumulate, config, need_grad_hidden, need_grad_weight, softcap > 0)  # fmt: skip
     plan = PLANS.get(key)
     if plan is None:
         plan = _plan(
-            key, hidden, weight, mm_dtype, need_grad_hidden, need_grad_weight, chunk_size, accumulate, config
-        )
+            key, hidden, weight, mm_dtype, need_grad_hidden, need_grad_weight, chunk_size, accumulate, config,
+            softcap > 0,
+        )  # fmt: skip
     with torch.autocast(device.type, enabled=False):
         count = _divisor(target, ignore_index, num_items, num_items_value, device)
         w = weight.to(mm_dtype)  # once a call: under amp, the one V x H copy in the matmul dtype
@@ -459,6 +479,7 @@ def linear_cross_entropy_forward(
                 end - start,
                 vocab,
                 ignore_index,
+                softcap,
             )
             if grad_hidden is not None:
                 _product_into(grad_hidden[start:end], z, w, plan.out_dtype_mm)
@@ -520,10 +541,11 @@ def _forward_op(
     accumulate: str,
     need_grad_hidden: bool,
     need_grad_weight: bool,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     loss, gh, gw = linear_cross_entropy_forward(
         hidden, weight, target, num_items, num_items_value, ignore_index, mm_dtype, chunk_size, accumulate,
-        need_grad_hidden, need_grad_weight,
+        need_grad_hidden, need_grad_weight, softcap=softcap,
     )  # fmt: skip
     # An op returns tensors only: an empty one stands for "not asked for".
     return loss, (hidden.new_empty(0) if gh is None else gh), (weight.new_empty(0) if gw is None else gw)
@@ -531,7 +553,7 @@ def _forward_op(
 
 @_forward_op.register_fake
 def _forward_fake(hidden, weight, target, num_items, num_items_value, ignore_index, mm_dtype, chunk_size,
-                  accumulate, need_grad_hidden, need_grad_weight):  # fmt: skip
+                  accumulate, need_grad_hidden, need_grad_weight, softcap):  # fmt: skip
     loss = hidden.new_empty((), dtype=torch.float32)
     gh = hidden.new_empty(hidden.shape) if need_grad_hidden else hidden.new_empty(0)
     gw = weight.new_empty(weight.shape) if need_grad_weight else weight.new_empty(0)
@@ -556,14 +578,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, target, num_items, num_items_value, ignore_index, mm_dtype, chunk_size,
-                accumulate, config):  # fmt: skip
+                accumulate, config, softcap=0.0):  # fmt: skip
         need_gh, need_gw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         args = (hidden, weight, target, num_items, num_items_value, ignore_index, mm_dtype, chunk_size,
                 accumulate, need_gh, need_gw)  # fmt: skip
         if torch.compiler.is_compiling():
-            loss, gh, gw = torch.ops.profuse.linear_cross_entropy(*args)
+            loss, gh, gw = torch.ops.profuse.linear_cross_entropy(*args, softcap)
         else:
-            loss, gh, gw = linear_cross_entropy_forward(*args, config)
+            loss, gh, gw = linear_cross_entropy_forward(*args, config, softcap)
             gh = hidden.new_empty(0) if gh is None else gh
             gw = weight.new_empty(0) if gw is None else gw
             ctx.spent = False
@@ -589,7 +611,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             ctx.spent = True
             scale_(gh, g)
             scale_(gw, g)
-        return (gh if need_gh else None), (gw if need_gw else None), *([None] * 8)
+        return (gh if need_gh else None), (gw if need_gw else None), *([None] * 9)
 
 
 def matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -615,12 +637,14 @@ def linear_cross_entropy_fused(
     chunk_size: int | None = None,
     accumulate: str | None = None,
     config: KernelConfig | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """The loss of profuse.crossentropy.linear_cross_entropy on checked inputs: hidden (..., H),
     weight (V, H), target_flat (N,) with N = hidden's leading elements. Differentiable once,
     towards hidden and weight. `chunk_size` (tokens a chunk; else PROFUSE_CE_CHUNK, else the
     rule), `accumulate` ("fp32" or "weight"; else PROFUSE_CE_ACCUM, else "fp32") and `config`
-    (the cross-entropy kernel's launch; eager calls only) are for tests and benchmarks."""
+    (the cross-entropy kernel's launch; eager calls only) are for tests and benchmarks.
+    `softcap`: the loss is of softcap * tanh(logits / softcap) (Gemma 2 and 3), None or 0 for none."""
     hidden_size = hidden.shape[-1]
     hidden2d = hidden.reshape(-1, hidden_size)
     if target_flat.shape != (hidden2d.shape[0],):
@@ -642,12 +666,25 @@ def linear_cross_entropy_fused(
         if not num_items_in_batch >= 0:
             raise ValueError(f"num_items_in_batch must be 0 or more, got {num_items_in_batch}")
         num_value = float(num_items_in_batch)
+    cap = float(softcap or 0.0)
+    if not cap >= 0:
+        raise ValueError(f"softcap must be a positive number (or None), got {softcap!r}")
     compiling = torch.compiler.is_compiling()
     if config is not None and compiling:
         raise ValueError("config picks the launch of eager calls only; under torch.compile leave it out")
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         loss = LinearCrossEntropyFunction.apply(
-            hidden2d, weight, target_flat, num_items, num_value, ignore_index, mm_dtype, chunk, acc, config
+            hidden2d,
+            weight,
+            target_flat,
+            num_items,
+            num_value,
+            ignore_index,
+            mm_dtype,
+            chunk,
+            acc,
+            config,
+            cap,
         )
     elif compiling:
         loss = torch.ops.profuse.linear_cross_entropy(
@@ -662,10 +699,11 @@ def linear_cross_entropy_fused(
             acc,
             False,
             False,
+            cap,
         )[0]
     else:
         loss = linear_cross_entropy_forward(
             hidden2d, weight, target_flat, num_items, num_value, ignore_index, mm_dtype, chunk, acc,
-            False, False, config,
+            False, False, config, cap,
         )[0]  # fmt: skip
     return loss

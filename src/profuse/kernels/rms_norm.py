@@ -53,6 +53,7 @@ def _rms_norm_fwd_kernel(
     n_rows,
     n_cols,
     eps,
+    w_offset,  # added to w in fp32: 1.0 for Gemma's (1 + w) norms, else 0.0
     BLOCK_M: tl.constexpr,  # rows per tile: several when rows are narrow
     BLOCK_N: tl.constexpr,  # next power of two >= n_cols: the whole row is held
     NUM_STAGES: tl.constexpr,  # pipelining of the tile loop (persistent grids)
@@ -64,7 +65,7 @@ def _rms_norm_fwd_kernel(
     eps = tl.cast(eps, tl.float32)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < n_cols
-    w = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    w = tl.load(W_ptr + cols, mask=col_mask, other=0.0).to(tl.float32) + w_offset
     for tile in tl.range(
         tl.program_id(0), tl.cdiv(n_rows, BLOCK_M), tl.num_programs(0), num_stages=NUM_STAGES
     ):
@@ -128,6 +129,7 @@ def rms_norm_forward(
     eps: float,
     config: KernelConfig | None = None,
     store_rstd: bool = True,
+    w_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y, rstd) for x (..., N): y in x's dtype, contiguous; rstd fp32 shaped x.shape[:-1]
     (None when `store_rstd` is off: no gradient wanted). `config` runs that launch shape;
@@ -142,7 +144,17 @@ def rms_norm_forward(
     if n_rows == 0:
         return y, rstd
     # Without rstd, y stands in for its pointer (STORE_RSTD is off).
-    args = (xr, weight.contiguous(), y, y if rstd is None else rstd, xr.stride(0), n_rows, n_cols, eps)
+    args = (
+        xr,
+        weight.contiguous(),
+        y,
+        y if rstd is None else rstd,
+        xr.stride(0),
+        n_rows,
+        n_cols,
+        eps,
+        w_offset,
+    )
     if config is not None:
         launch = _forward_launch(config, n_rows, store_rstd)
     else:
@@ -163,11 +175,14 @@ def rms_norm_backward(
     rstd: torch.Tensor,
     needs: tuple[bool, bool] = (True, True),
     config: KernelConfig | None = None,
+    inplace: bool = False,
+    w_offset: float = 0.0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(dx, dweight), None where `needs` says no: add_rms_norm's backward with h = x, no dh."""
+    """(dx, dweight), None where `needs` says no: add_rms_norm's backward with h = x, no dh
+    (`inplace`: dx over dy where it fits)."""
     need_x, need_w = needs
     dx, _, dw = add_rms_norm_backward(
-        dy, None, x, weight, rstd, x.dtype, x.dtype, (need_x, False, need_w), config
+        dy, None, x, weight, rstd, x.dtype, x.dtype, (need_x, False, need_w), config, inplace, w_offset
     )
     return dx, dw
 
@@ -177,24 +192,32 @@ def rms_norm_backward(
 # --------------------------------------------------------------------------------------------
 
 
-def _forward_op(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    y, rstd = rms_norm_forward(x, weight, eps)
+def _forward_op(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, w_offset: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    y, rstd = rms_norm_forward(x, weight, eps, w_offset=w_offset)
     return y, rstd
 
 
-def _forward_fake(x, weight, eps):
+def _forward_fake(x, weight, eps, w_offset):
     return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=torch.float32)
 
 
 def _backward_op(
-    dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor, need_x: bool, need_w: bool
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    need_x: bool,
+    need_w: bool,
+    w_offset: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dx, dweight); an empty tensor (each its own) where not asked for."""
-    dx, dw = rms_norm_backward(dy, x, weight, rstd, (need_x, need_w))
+    dx, dw = rms_norm_backward(dy, x, weight, rstd, (need_x, need_w), w_offset=w_offset)
     return (x.new_empty(0) if dx is None else dx), (x.new_empty(0) if dw is None else dw)
 
 
-def _backward_fake(dy, x, weight, rstd, need_x, need_w):
+def _backward_fake(dy, x, weight, rstd, need_x, need_w, w_offset):
     return (x.new_empty(x.shape) if need_x else x.new_empty(0),
             weight.new_empty(weight.shape) if need_w else x.new_empty(0))  # fmt: skip
 
@@ -210,11 +233,12 @@ class RMSNormFunction(torch.autograd.Function):
     the launchers; a traced call, to the compiled ops. Double backward is refused in one line."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, inplace=False, w_offset=0.0):
+        ctx.inplace, ctx.w_offset = inplace, w_offset
         if torch.compiler.is_compiling():
-            y, rstd = _forward_compiled(x)(x, weight, eps)
+            y, rstd = _forward_compiled(x)(x, weight, eps, w_offset)
         else:
-            y, rstd = rms_norm_forward(x, weight, eps)
+            y, rstd = rms_norm_forward(x, weight, eps, w_offset=w_offset)
         ctx.save_for_backward(x, weight, rstd)
         return y
 
@@ -223,20 +247,25 @@ class RMSNormFunction(torch.autograd.Function):
         x, weight, rstd = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
         if torch.compiler.is_compiling():
-            dx, dw = _backward_compiled(x)(dy, x, weight, rstd, need_x, need_w)
-            return (dx if need_x else None), (dw if need_w else None), None
+            dx, dw = _backward_compiled(x)(dy, x, weight, rstd, need_x, need_w, ctx.w_offset)
+            return (dx if need_x else None), (dw if need_w else None), None, None, None
         if torch.is_grad_enabled():  # create_graph=True: the kernel's gradients have no grad_fn
             raise double_backward_error("rms_norm", "profuse.blockops.rms_norm_eager")
-        return (*rms_norm_backward(dy, x, weight, rstd, (need_x, need_w)), None)
+        grads = rms_norm_backward(
+            dy, x, weight, rstd, (need_x, need_w), inplace=ctx.inplace, w_offset=ctx.w_offset
+        )
+        return (*grads, None, None, None)
 
 
-def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_fused(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, inplace_backward: bool = False, w_offset: float = 0.0
+) -> torch.Tensor:
     """y on checked inputs: through autograd where a gradient is wanted, else the forward launch
     alone (no autograd node, no rstd stored). Rows wider than MAX_COLS: ValueError."""
     if x.shape[-1] > MAX_COLS:
         raise _too_wide(x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return RMSNormFunction.apply(x, weight, eps)
+        return RMSNormFunction.apply(x, weight, eps, inplace_backward, w_offset)
     if torch.compiler.is_compiling():
-        return _forward_compiled(x)(x, weight, eps)[0]
-    return rms_norm_forward(x, weight, eps, store_rstd=False)[0]
+        return _forward_compiled(x)(x, weight, eps, w_offset)[0]
+    return rms_norm_forward(x, weight, eps, store_rstd=False, w_offset=w_offset)[0]

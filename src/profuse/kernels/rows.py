@@ -49,3 +49,33 @@ def double_backward_error(op: str, instead: str) -> RuntimeError:
         f"profuse: {op} does not support double backward (create_graph=True): its gradients come "
         f"from a Triton kernel autograd cannot differentiate; use {instead} for higher-order gradients"
     )
+
+
+def fits(t: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> bool:
+    """Whether a result of `shape` and `dtype` can be written over `t`: contiguous, that shape
+    and dtype. (Whether it may be is the caller's: an incoming gradient has no grad_fn to tell.)"""
+    return t is not None and t.dtype == dtype and t.shape == shape and t.is_contiguous()
+
+
+def can_write_over(t: torch.Tensor | None, shape: torch.Size, dtype: torch.dtype) -> bool:
+    """Whether a gradient may be written over a saved input `t`: it fits, and an op autograd
+    recorded made it (an intermediate; a leaf, a user's own tensor, never)."""
+    return t is not None and t.grad_fn is not None and fits(t, shape, dtype)
+
+
+def mark_written(*tensors: torch.Tensor) -> None:
+    """Bump the version counters of tensors a backward wrote over (a Triton store does not), so
+    anything else that saved one of them fails autograd's version check instead of reading a
+    gradient as its activation."""
+    bump = getattr(torch.autograd.graph, "increment_version", None) or torch._C._increment_version
+    for t in tensors:
+        bump(t)
+
+
+def second_backward_error(op: str) -> RuntimeError:
+    """The refusal of a second backward through a graph whose op wrote its input gradients over
+    the buffers it saved (inplace_backward=True): those inputs are gone."""
+    return RuntimeError(
+        f"profuse: {op} with inplace_backward=True wrote its gradients over the tensors it saved; "
+        "run the forward again rather than a second backward (retain_graph=True)"
+    )

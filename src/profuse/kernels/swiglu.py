@@ -34,7 +34,14 @@ import triton.language as tl
 from profuse.kernels import configs as C
 from profuse.kernels.autotune import TUNER, Launch, PlanCache, capturing, compiled_op
 from profuse.kernels.configs import KernelConfig
-from profuse.kernels.rows import as_rows, check_runnable, double_backward_error
+from profuse.kernels.rows import (
+    as_rows,
+    can_write_over,
+    check_runnable,
+    double_backward_error,
+    mark_written,
+    second_backward_error,
+)
 
 # --------------------------------------------------------------------------------------------
 # Kernels
@@ -219,27 +226,44 @@ def silu_mul_backward(
     up: torch.Tensor,
     needs: tuple[bool, bool] = (True, True),
     config: KernelConfig | None = None,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(dgate, dup), each (..., F) and contiguous; None (and no work) where `needs` says no."""
+    """(dgate, dup), each (..., F) and contiguous; None (and no work) where `needs` says no.
+    With `inplace`, dgate is written over gate and dup over up where each is a contiguous
+    intermediate (rows.can_write_over; else a new tensor), and their versions are bumped: a tile
+    reads its g and u before it stores, so the same math."""
     n_cols = gate.shape[-1]
-    dg = torch.empty_like(gate, memory_format=torch.contiguous_format) if needs[0] else None
-    du = torch.empty_like(gate, memory_format=torch.contiguous_format) if needs[1] else None
+    like = (gate.shape, gate.dtype)
+    # Two views of one storage (silu_mul(x, x), overlapping slices): a tile's store could reach
+    # what another tile has still to read.
+    inplace = inplace and gate.untyped_storage().data_ptr() != up.untyped_storage().data_ptr()
+    over_g = inplace and needs[0] and can_write_over(gate, *like)
+    over_u = inplace and needs[1] and can_write_over(up, *like)
+    cf = torch.contiguous_format
+    dg = (gate if over_g else torch.empty_like(gate, memory_format=cf)) if needs[0] else None
+    du = (up if over_u else torch.empty_like(gate, memory_format=cf)) if needs[1] else None
     if dg is not None or du is not None:
         _backward(as_rows(grad, n_cols), as_rows(gate, n_cols), as_rows(up, n_cols), 0, dg, du,
                   n_cols, 0, n_cols, needs, config)  # fmt: skip
+    mark_written(*([gate] if over_g else []), *([up] if over_u else []))
     return dg, du
 
 
 def silu_mul_packed_backward(
-    grad: torch.Tensor, gate_up: torch.Tensor, config: KernelConfig | None = None
+    grad: torch.Tensor, gate_up: torch.Tensor, config: KernelConfig | None = None, inplace: bool = False
 ) -> torch.Tensor:
-    """The gradient of the packed (..., 2F) input as one tensor: dgate | dup along the last dim."""
+    """The gradient of the packed (..., 2F) input as one tensor: dgate | dup along the last dim.
+    With `inplace`, written over gate_up itself where it is a contiguous intermediate
+    (rows.can_write_over), its version bumped."""
     n_cols = gate_up.shape[-1] // 2
     gu = as_rows(gate_up, 2 * n_cols)
-    dgu = torch.empty_like(gate_up, memory_format=torch.contiguous_format)
+    over = inplace and can_write_over(gate_up, gate_up.shape, gate_up.dtype)
+    dgu = gate_up if over else torch.empty_like(gate_up, memory_format=torch.contiguous_format)
     _backward(
         as_rows(grad, n_cols), gu, gu, n_cols, dgu, dgu, 2 * n_cols, n_cols, n_cols, (True, True), config
     )
+    if over:
+        mark_written(gate_up)
     return dgu
 
 
@@ -288,27 +312,41 @@ _packed_backward_compiled = compiled_op(
 class SiluMulFunction(torch.autograd.Function):
     """gate and up as two tensors: saves them (nothing new: they are alive anyway), returns a
     gradient for each. Eager calls go to the launchers; a traced call, to the compiled ops.
-    Double backward (create_graph=True) is refused in one line (rows.double_backward_error)."""
+    Double backward (create_graph=True) is refused in one line (rows.double_backward_error).
+
+    `inplace` (the op's inplace_backward): the eager backward writes dgate over gate and dup over
+    up (Liger-Kernel's SwiGLU does the same), for a caller whose gate and up are intermediates
+    no one else reads after the op: a matmul's outputs, which its own backward does not keep.
+    Two (..., F) tensors of the backward's memory less at its moment. The saved inputs are then
+    gone: a second backward through the graph (retain_graph=True) is refused in one line, and
+    anything else that saved them fails autograd's version check. Under torch.compile the
+    backward stays out of place (the compiled ops are functional; Inductor plans their buffers)."""
 
     @staticmethod
-    def forward(ctx, gate, up):
+    def forward(ctx, gate, up, inplace=False):
         if torch.compiler.is_compiling():
             a = _forward_compiled(gate)(gate, up)
         else:
             a = silu_mul_forward(gate, up)
         ctx.save_for_backward(gate, up)
+        ctx.inplace = inplace
         return a
 
     @staticmethod
     def backward(ctx, grad):
-        gate, up = ctx.saved_tensors
-        need_g, need_u = ctx.needs_input_grad
+        need_g, need_u = ctx.needs_input_grad[:2]
         if torch.compiler.is_compiling():
+            gate, up = ctx.saved_tensors
             dg, du = _backward_compiled(gate)(grad, gate, up, need_g, need_u)
-            return (dg if need_g else None), (du if need_u else None)
+            return (dg if need_g else None), (du if need_u else None), None
         if torch.is_grad_enabled():  # create_graph=True: the kernel's gradients have no grad_fn
             raise double_backward_error("silu_mul", "profuse.blockops.silu_mul_eager")
-        return silu_mul_backward(grad, gate, up, (need_g, need_u))
+        if ctx.inplace:
+            if ctx.inplace == "spent":  # checked before the saved tensors' own version check
+                raise second_backward_error("silu_mul")
+            ctx.inplace = "spent"
+        gate, up = ctx.saved_tensors
+        return (*silu_mul_backward(grad, gate, up, (need_g, need_u), inplace=bool(ctx.inplace)), None)
 
 
 class SiluMulPackedFunction(torch.autograd.Function):
@@ -316,38 +354,44 @@ class SiluMulPackedFunction(torch.autograd.Function):
     Double backward (create_graph=True) is refused in one line, as SiluMulFunction's."""
 
     @staticmethod
-    def forward(ctx, gate_up):
+    def forward(ctx, gate_up, inplace=False):
         if torch.compiler.is_compiling():
             a = _packed_forward_compiled(gate_up)(gate_up)
         else:
             a = silu_mul_packed_forward(gate_up)
         ctx.save_for_backward(gate_up)
+        ctx.inplace = inplace
         return a
 
     @staticmethod
     def backward(ctx, grad):
-        (gate_up,) = ctx.saved_tensors
         if torch.compiler.is_compiling():
-            return _packed_backward_compiled(gate_up)(grad, gate_up)
+            (gate_up,) = ctx.saved_tensors
+            return _packed_backward_compiled(gate_up)(grad, gate_up), None
         if torch.is_grad_enabled():  # create_graph=True: the kernel's gradient has no grad_fn
             raise double_backward_error("silu_mul", "profuse.blockops.silu_mul_eager")
-        return silu_mul_packed_backward(grad, gate_up)
+        if ctx.inplace:
+            if ctx.inplace == "spent":
+                raise second_backward_error("silu_mul")
+            ctx.inplace = "spent"
+        (gate_up,) = ctx.saved_tensors
+        return silu_mul_packed_backward(grad, gate_up, inplace=bool(ctx.inplace)), None
 
 
-def silu_mul_pair(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def silu_mul_pair(gate: torch.Tensor, up: torch.Tensor, inplace_backward: bool = False) -> torch.Tensor:
     """silu(gate) * up on checked inputs: through autograd where a gradient is wanted, else the
-    forward launch alone (no autograd node)."""
+    forward launch alone (no autograd node). `inplace_backward`: see SiluMulFunction."""
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
-        return SiluMulFunction.apply(gate, up)
+        return SiluMulFunction.apply(gate, up, inplace_backward)
     if torch.compiler.is_compiling():
         return _forward_compiled(gate)(gate, up)
     return silu_mul_forward(gate, up)
 
 
-def silu_mul_packed(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_mul_packed(gate_up: torch.Tensor, inplace_backward: bool = False) -> torch.Tensor:
     """silu(gate) * up for the halves of a checked (..., 2F) gate_up; its gradient is one tensor."""
     if torch.is_grad_enabled() and gate_up.requires_grad:
-        return SiluMulPackedFunction.apply(gate_up)
+        return SiluMulPackedFunction.apply(gate_up, inplace_backward)
     if torch.compiler.is_compiling():
         return _packed_forward_compiled(gate_up)(gate_up)
     return silu_mul_packed_forward(gate_up)

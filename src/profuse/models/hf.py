@@ -327,6 +327,20 @@ class HFSpec(ModelSpec):
 
         return fuse(model, ops, label=label)
 
+    def fix_causal_mask(self, model: nn.Module) -> str:
+        """The decoder stack (transformers' base_model) takes hf_mask's class, as profuse.fuse
+        installs it, and nothing else changes; '' where done, else hf_mask's reason."""
+        from profuse.fusion.hf_mask import plan_mask
+
+        stack = getattr(model, "base_model", None)
+        if not isinstance(stack, nn.Module) or stack is model:
+            return f"{type(model).__name__} has no decoder stack apart from its head"
+        plan = plan_mask(stack)
+        if plan.target is None:
+            return plan.reason or "hf_mask found no way to skip the mask"
+        stack.__class__ = plan.target
+        return ""
+
     def label(self, model: nn.Module) -> nn.Module:
         """The fused structure with the model's own eager math (profuse.fusion.HF_EAGER: bitwise
         what the unfused model computes), each op in its profiler range."""
@@ -376,8 +390,18 @@ def hf_spec(
     seq_len: int | None = None,
 ) -> HFSpec:
     """The spec for `--model hf:ARCH` with `--preset` (default tiny) or `--hf-config PATH`."""
+    if arch not in FAMILIES and "/" in arch:  # a Hub model id: profuse builds a shape, it downloads nothing
+        preset = next((p for p in PRESETS if arch.endswith("/" + p)), None)
+        same = f"--model hf:{PRESETS[preset][0]} --preset {preset}, or " if preset else ""
+        raise UsageError(
+            f"hf:{arch} is a Hub model id, and hf: takes an architecture ({', '.join(FAMILIES)}): for its "
+            f"shape with random weights use {same}--model hf:ARCH --hf-config with its config.json"
+        )
     if arch not in FAMILIES:
-        raise UsageError(f"unknown Hugging Face architecture {arch!r}: choose from {', '.join(FAMILIES)}")
+        raise UsageError(
+            f"unknown Hugging Face architecture {arch!r}: choose from {', '.join(FAMILIES)} "
+            "(another size of one: --hf-config PATH to its config.json)"
+        )
     require_transformers()
     if config_path is not None:
         if preset is not None:

@@ -179,6 +179,13 @@ class ModelSpec(ABC):
         profuse.fusion.BlockOps (default the Triton kernels). `label` wraps each in the profiler
         ranges fusion.BLOCK_OP_RANGES. Returns what fusion says it did."""
 
+    def fix_causal_mask(self, model: nn.Module) -> str:
+        """Let the unfused `model`'s plain causal call reach attention as SDPA's is_causal under
+        torch.compile too, the math unchanged: what profuse.fuse does for the fused model
+        (profuse.fusion.hf_mask), so a compile baseline runs on the fused one's terms. Returns ''
+        where done, else why not (the model then runs as it is)."""
+        return "its attention builds no mask to skip (SDPA's is_causal, under torch.compile too)"
+
     @abstractmethod
     def label(self, model: nn.Module) -> nn.Module:
         """The unfused `model` with the ops fusion would replace in profiler ranges, the math

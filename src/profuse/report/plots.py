@@ -21,7 +21,7 @@ from pathlib import Path
 
 from profuse.errors import UsageError
 from profuse.files import atomic_path
-from profuse.report.sweep import SavedRun, VariantRow, parse
+from profuse.report.sweep import SavedRun, VariantRow, ci_terms, parse
 from profuse.report.units import fmt_bandwidth
 
 try:
@@ -339,7 +339,8 @@ def speedup_figure(data: dict | SavedRun):
         notes.append((_hollow_handle(), UNSTEADY_NOTE))
     reference = [(base, f"{run.baseline_label} (baseline) = 1.0")]
     _legend(ax, layout, reference, _variant_handles(series, colors, layout), notes)
-    ax.set_ylabel(f"speedup over {run.baseline_label} (x), median and 95% CI")
+    ci = ci_terms(r.speedup for r in run.variant_rows)[0]  # '95% CI', or order statistics' coverage
+    ax.set_ylabel(f"speedup over {run.baseline_label} (x), median and {ci}")
     ax.set_ylim(bottom=0)  # from zero, so the height of a bar is the size of the gain
     _finish(fig, ax, layout)
     return fig

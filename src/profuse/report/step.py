@@ -31,12 +31,15 @@ from profuse.report.stepchecks import (
     first_step_in_table,
     first_step_line,
     full_check_lines,
+    math_lines,
+    math_mark,
     memory_note,
     small_check_lines,
     speedup_words,
     weights_line,
 )
 from profuse.report.sweep import (
+    ci_terms,
     few_trials_note,
     interpreter_note,
     render_table,
@@ -76,6 +79,74 @@ def load_step(path: str | Path) -> dict | None:
     except (OSError, UnicodeDecodeError, ValueError):
         return None
     return data if isinstance(data, dict) and data.get("kind") == KIND else None
+
+
+def _idle(profile: dict) -> float | None:
+    """A variant's GPU idle share: its unsynchronised steps' where they match the timed loop,
+    none where they do not (steady_lines says so), the synchronised step's in older files."""
+    steady = profile.get("steady")
+    if steady:
+        return steady["gpu_idle_pct"] if steady.get("agrees") is not False else None
+    return profile["gpu_idle_pct"]
+
+
+def steady_lines(data: dict) -> list[str]:
+    """Where the GPU idle column and the bound come from, and the agreement they rest on: each
+    variant's unsynchronised profiled step beside its timed median and the trials' range."""
+    profiles = data.get("profiles") or {}
+    steady = {n: p["steady"] for n, p in profiles.items() if p.get("steady")}
+    if not data["config"]["device"].startswith("cuda") or not profiles:
+        return []
+    if not steady:
+        return ["GPU idle and the bound: from one synchronised profiled step (this file has no "
+                "unsynchronised profile; such a step runs longer than the timed loop)"]  # fmt: skip
+    n = next(iter(steady.values()))["steps"]
+    lines = [
+        f"GPU idle and the bound: from {n} consecutive unsynchronised profiled steps (GPU activity "
+        "alone), used where their step time is within the timed trials' range; profiled step vs "
+        "timed median:"
+    ]
+    for name, st in steady.items():
+        median = st.get("timed_median_ms")
+        if median is None:
+            lines.append(f"{name:>{W}}  {st['step_ms']:.3g} ms (no timed trials to set it beside)")
+            continue
+        off = st["step_ms"] / median - 1
+        word = "within" if st["agrees"] else "OUTSIDE (idle share not used)"
+        lines.append(
+            f"{name:>{W}}  {st['step_ms']:.3g} ms vs {median:.3g} ms ({off:+.1%}), {word} the trials' "
+            f"{st['timed_low_ms']:.3g}-{st['timed_high_ms']:.3g} ms; GPU idle {st['gpu_idle_pct']:.1f}%"
+        )
+    return lines
+
+
+def mask_lines(data: dict) -> list[str]:
+    """How each compiled variant's plain causal call reaches attention, and what compile+fused vs
+    compile then measures: the fusion alone where both take the same route."""
+    masks = data.get("masks") or {}
+    if not masks:
+        return []
+    fixed = [n for n, m in masks.items() if m["fixed"]]
+    own = {n: m["note"] for n, m in masks.items() if not m["fixed"]}
+    lines = []
+    if fixed:
+        lines.append(
+            f"causal mask under torch.compile: {', '.join(fixed)} with profuse's fix (a plain causal call "
+            "reaches SDPA as is_causal, no (B, 1, T, T) mask built while compiling)"
+        )
+    for name, note in own.items():
+        lines.append(f"causal mask under torch.compile: {name} as the model builds it ({note})")
+    pair = [masks.get(n) for n in ("compile", "compile+fused")]
+    if data.get("fusion_over_compile") and all(pair):
+        if pair[0]["fixed"] == pair[1]["fixed"]:
+            lines.append(
+                "compile+fused vs compile: both build their mask alike, so the ratio is the fusion alone"
+            )
+        else:
+            lines.append(
+                "compile+fused vs compile: NOT the fusion alone: one has the mask fix and the other not"
+            )
+    return lines
 
 
 def _speedup(sp: dict | None) -> str:
@@ -121,7 +192,11 @@ def _table(data: dict) -> list[str]:
     bounds = (verdict_of(data) or {}).get("bounds") or {}  # the run's decision (profuse.verdict)
     unit = time_unit(results[cmp["baseline"]]["median_s"])
     launches = next((p["launch_unit"] for p in profiles.values()), "kernels")
-    header = f"{'variant':>{W}}  {'median':>10}  {'vs eager (95% CI)':<38}  {'per trial':>9}"
+    ci = ci_terms(r["speedup"] for r in results.values())[0]  # '95% CI', or order statistics' coverage
+    header = f"{'variant':>{W}}  {'median':>10}  {f'vs eager ({ci})':<38}  {'per trial':>9}"
+    checked = bool(data.get("math"))  # the math column: full, small or NO (math_lines says how)
+    if checked:
+        header += f"  {'math':>5}"
     if cuda:
         header += f"  {'host':>17}"
     old_first = first_step_in_table(data)  # dropped since the full-size check (first_step_line)
@@ -143,6 +218,8 @@ def _table(data: dict) -> list[str]:
             m = pt["median"]
             paired = f"{m:.2f}x" if m >= 0.5 else f"{1 / m:.3g}x slower" if m > 0 else "-"
         row += f"  {paired:>9}"
+        if checked:
+            row += f"  {math_mark(data, name) or '-':>5}"
         if cuda:
             host, timing = r["host_s"], cmp["timings"].get(name) or {}
             shown = fmt_time(host, unit).strip() if host is not None else "-"
@@ -159,12 +236,29 @@ def _table(data: dict) -> list[str]:
             row += (
                 f"  {p['launches_per_step']:>14.0f}  {p['memory_bound_pct']:>11.1f}%" if p else f"  {'-':>14}"
             )
-            if cuda and p and p["gpu_idle_pct"] is not None:
-                row += f"  {p['gpu_idle_pct']:>7.1f}%"
+            idle = _idle(p) if cuda and p else None
+            if idle is not None:
+                row += f"  {idle:>7.1f}%"
         if cuda and bounds.get(name):
             row += f"  {bounds[name]}"
         lines.append(row.rstrip())
     return lines
+
+
+def trial_words(cmp: dict) -> str:
+    """What one trial of a saved comparison is, from its saved design: 'each trial the mean of 3
+    steps back to back between two CUDA events, after 1 untimed step'. Files saved before the
+    design was recorded say what their timer did."""
+    design = TrialDesign.from_dict(cmp.get("design"))
+    cuda = str(cmp.get("device", "")).startswith("cuda")
+    if design is not None and design.blocks:
+        between = "two CUDA events" if cuda else "two clock reads"
+        discard = design.discard
+        after = f", after {discard} untimed step{'s' if discard != 1 else ''}" if discard else ""
+        return f"each trial the mean of {design.calls} steps back to back between {between}{after}"
+    if cmp.get("timing") == "loop":  # timers.LoopTimer: each trial the median of its `reps` calls
+        return "steps back to back as a training loop runs them, each trial the median of 3 single steps"
+    return "one step a trial, wall clock"
 
 
 def again_command(data: dict) -> str:
@@ -299,6 +393,7 @@ def format_step(data: dict) -> str:
     for name, c in data.get("checks", {}).items():
         lines += small_check_lines(data, c, name)
     lines += full_check_lines(data)
+    lines += math_lines(data)
     for name, why in data["skipped"].items():
         lines.append(f"{name:>{W}}: skipped ({why})")
     for name, why in data["failed"].items():
@@ -308,11 +403,7 @@ def format_step(data: dict) -> str:
     if cmp is None:
         lines.append("nothing timed: the eager step did not run")
         return "\n".join(lines)
-    how = (
-        "steps back to back as a training loop runs them, each trial the median of 3"
-        if cmp["timing"] == "loop"
-        else "wall clock"
-    )
+    how = trial_words(cmp)
     lines.append(f"step time: {cmp['trials']} interleaved trials, {how} ({cmp['timer']})")
     lines += _table(data)
     over = data.get("fusion_over_compile")
@@ -320,6 +411,7 @@ def format_step(data: dict) -> str:
         lines.append(
             f"{'':>{W}}  fusion on top of torch.compile (compile+fused vs compile): {_speedup(over)}"
         )
+    lines += mask_lines(data)
     notes = [f"statistic: {STATISTIC}"]
     if kind == "cuda":
         notes.append("host = CPU time to issue one step; " + memory_note(data))
@@ -328,6 +420,7 @@ def format_step(data: dict) -> str:
     if data["profiles"]:
         basis = next(iter(data["profiles"].values()))["basis"]
         notes.append(f"per step and memory-bound share: from a short profile of each variant ({basis})")
+    notes += steady_lines(data)
     triton_ops = "Triton" in data["block_ops"]  # not the eager stand-ins (fusion.EAGER)
     fused_timed = [n for n in ("fused", "compile+fused") if triton_ops and n in data["results"]]
     warmed = {name: t["warmup_calls"] for name, t in cmp["timings"].items() if "warmup_calls" in t}
@@ -339,7 +432,8 @@ def format_step(data: dict) -> str:
     notes += [line for line in (first_step_line(data), weights_line(data)) if line]
     if _is_hf(data) and "precision_text" in cfg:  # files before the model's own loss computed profuse's
         notes.append(HF_LOSS_NOTE)
-    lines += notes + few_trials_note(cmp["trials"]) + interpreter_note(data["env"], fused_timed)
+    methods = ci_terms(r["speedup"] for r in data["results"].values())[2]
+    lines += notes + few_trials_note(cmp["trials"], methods) + interpreter_note(data["env"], fused_timed)
     lines += step_warnings(data)
     amdahl = amdahl_lines(data)
     if amdahl:

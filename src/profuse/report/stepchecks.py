@@ -40,7 +40,7 @@ def small_check_lines(data: dict, c: dict | None = None, name: str = "") -> list
     if not c:
         return []
     m = c["model"]
-    what = f"{name} ({LIGER_OPS[name]})" if name else data["block_ops"]
+    what = f"{name} ({LIGER_OPS[name]})" if name in LIGER_OPS else name or data["block_ops"]
     head = (
         f"same math ({what} vs the unfused step, both against float64, on a "
         f"{m['n_layer']}-layer copy, {m['batch_size']} x {m['seq_len']} tokens):"
@@ -93,6 +93,37 @@ def full_check_lines(data: dict) -> list[str]:
     if note:
         lines.append(note)
     return lines
+
+
+def math_lines(data: dict) -> list[str]:
+    """Each variant's row: its math checked or not before it was timed, at which size, against
+    what (samemath.MathStatus); files written before the rows existed print nothing here."""
+    rows = data.get("math") or {}
+    if not rows:
+        return []
+    lines = [
+        "math checked before timing (full size: the timed shapes and batch; small copy: a 2-layer copy):"
+    ]
+    for name, r in rows.items():
+        if not r["checked"]:
+            lines.append(
+                f"{name:>{W}}  NOT checked ({r['note']})" if r["note"] else f"{name:>{W}}  NOT checked"
+            )
+            continue
+        how = "; ".join(f"{s} against {a}" for s, a in zip(r["sizes"], r["against"]))
+        word = "passed" if r["passed"] else "FAILED"
+        lines.append(f"{name:>{W}}  {how}: {word}" + (f" ({r['note']})" if r["note"] else ""))
+    return lines
+
+
+def math_mark(data: dict, name: str) -> str:
+    """The table's short word for a variant's check: 'full', 'small', 'NO' ('' for old files)."""
+    r = (data.get("math") or {}).get(name)
+    if not r:
+        return ""
+    if not r["checked"]:
+        return "NO"
+    return "full" if "full size" in r["sizes"] else "small"
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,16 +13,29 @@ import shlex
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from profuse.bench.stats import FEW_TRIALS, steadiness, time_ratio_ci, unsteady_warning
+from profuse.bench import DEFAULT_TRIALS
+from profuse.bench.stats import (
+    FEW_TRIALS,
+    ORDER_STATISTICS,
+    ci_label,
+    median_ranks,
+    steadiness,
+    time_ratio_ci,
+    unsteady_warning,
+)
 from profuse.bench.timing import STEADY_CALLS, STEADY_RATIO, WARMUP_BUDGET_S, warmup_warning
 from profuse.env import card_name, describe, oversubscribed
 from profuse.errors import UsageError
 from profuse.files import atomic_path
 from profuse.report.units import fmt_bandwidth, fmt_time, speedup_terms
 
+# The provenance each CSV row carries (the JSON beside it holds the whole of it): a table pasted
+# elsewhere still names its commit, card and run.
+PROVENANCE_CSV = ("commit", "dirty", "card", "card_uuid", "torch", "started_utc", "ended_utc")
 CSV_FIELDS = (
     "rows", "cols", "dtype", "backward", "variant", "median_s", "speedup", "ci_low", "ci_high",
     "verdict", "achieved_GBps", "fraction_of_copy", "passed", "host_s", "host_bound", "timing", "unsteady",
+    "ci_coverage", "ci_method", *PROVENANCE_CSV,
 )  # fmt: skip
 
 BASELINE_VERDICT = "baseline"
@@ -373,13 +386,41 @@ def threads_flag(env: dict) -> list[str]:
     return ["--threads", str(threads)]
 
 
-def few_trials_note(trials: int) -> list[str]:
-    """The caveat on every CI of a run with fewer than FEW_TRIALS trials (none otherwise)."""
+def ci_terms(speedups) -> tuple[str, str, set[str]]:
+    """(label, how, methods) of a table's saved speedups (dicts): '96.1% CI' where every row's
+    interval has that coverage ('CI' where they differ), how it was made in words, and the
+    methods as saved (files before order statistics hold 'BCa' or 'percentile' only)."""
+    sps = [sp for sp in speedups if sp]
+    labels = {ci_label(sp) for sp in sps}
+    methods = {str(sp.get("method", "")) for sp in sps}
+    label = labels.pop() if len(labels) == 1 else "CI"
+    if methods and all(m.startswith(ORDER_STATISTICS) for m in methods):
+        how = "from order statistics of the paired per-trial ratios (distribution-free)"
+    else:
+        how = "from a paired bootstrap"
+    return label, how, methods
+
+
+def few_trials_note(trials: int, methods: set[str] | None = None) -> list[str]:
+    """What a CI of a run with fewer than FEW_TRIALS trials is (none otherwise): order statistics
+    with their exact coverage, or, in a file saved before that, a bootstrap that covers less
+    than it says (`methods`: the methods its CIs were made with)."""
     if trials >= FEW_TRIALS:
         return []
+    if methods and not all(m.startswith(ORDER_STATISTICS) for m in methods):
+        return [
+            f"WARNING only {trials} trials, and this file's CIs are a bootstrap's "
+            f"({', '.join(sorted(methods))}), "
+            f"which at so few trials covers less than the 95% it names; `profuse report --vs BASELINE` "
+            f"recomputes them from the saved trials with order statistics, or time it again with "
+            f"--trials {DEFAULT_TRIALS}"
+        ]
+    k, coverage = median_ranks(trials, 0.95)
     return [
-        f"WARNING only {trials} trials: a bootstrap over so few cannot see the spread of the timings, "
-        f"so each 95% CI is rough; use --trials {FEW_TRIALS} or more (the default is 30)"
+        f"note: {trials} trials, under {FEW_TRIALS}: each CI is the median per-trial ratio's "
+        f"distribution-free interval (order statistics {k} and {trials + 1 - k} of {trials}), "
+        f"{ci_label({'coverage': coverage})} as printed, not a bootstrap's; --trials {DEFAULT_TRIALS} "
+        "for BCa"
     ]
 
 
@@ -417,7 +458,7 @@ def timing_warnings(run: SavedRun) -> list[str]:
         dict.fromkeys(r.variant for r in run.variant_rows if r.variant in INTERPRETED_VARIANTS and r.median_s)
     )
     return (
-        few_trials_note(run.trials)
+        few_trials_note(run.trials, ci_terms(r.speedup for r in run.variant_rows)[2])
         + unsteady_notes(run)
         + threads_note(run.env)
         + interpreter_note(run.env, timed)
@@ -426,8 +467,9 @@ def timing_warnings(run: SavedRun) -> list[str]:
 
 def _notes(run: SavedRun) -> list[str]:
     bytes_model = {4: "3 inputs read + 1 output written", 11: "forward 4 tensors + backward 7 tensors"}
+    label, how, _ = ci_terms(r.speedup for r in run.variant_rows)
     notes = [
-        f"speedup: median({run.baseline_label}) / median(variant) with a 95% CI from a paired bootstrap "
+        f"speedup: median({run.baseline_label}) / median(variant), its CI ({label}) {how} "
         f"over {run.trials} interleaved trials; 'no measurable gain' where the CI holds 1.0",
     ]
     if run.model_tensors is not None:  # None: no size ran, so there is no byte model to name
@@ -469,7 +511,8 @@ def format_run(run: SavedRun, markdown: bool = False) -> str:
     host = any(r.host_s is not None for r in run.variant_rows)
     header = ["size", "variant", f"median ({run.timing})" if host else "median"]
     header += ["host/call"] if host else []
-    header += [f"speedup vs {run.baseline_label} (95% CI)", "bandwidth"]
+    header += [f"speedup vs {run.baseline_label} ({ci_terms(r.speedup for r in run.variant_rows)[0]})"]
+    header += ["bandwidth"]
     header += ["% of copy"] if ceiling else []
     body = []
     last = None
@@ -513,9 +556,27 @@ def format_report(data: dict, markdown: bool = False) -> str:
 # --------------------------------------------------------------------------------------------
 
 
+def _provenance_columns(data: dict) -> dict:
+    """The PROVENANCE_CSV columns of a saved run ('' each where it recorded none)."""
+    prov = data.get("provenance") or {}
+    source, card = prov.get("source") or {}, prov.get("card") or {}
+    name = card.get("name") or (f"{card.get('cpu_model')} ({card.get('cpu_count')} cores)" if card else "")
+    values = {
+        "commit": source.get("commit"),
+        "dirty": source.get("dirty"),
+        "card": name,
+        "card_uuid": card.get("uuid"),
+        "torch": (prov.get("versions") or {}).get("torch"),
+        "started_utc": prov.get("started_utc"),
+        "ended_utc": prov.get("ended_utc"),
+    }
+    return {k: "" if v is None else v for k, v in values.items()}
+
+
 def csv_rows(data: dict) -> list[dict]:
     out = []
     run = parse(data)
+    provenance = _provenance_columns(data)
     timing = run.timing
     for r in run.variant_rows:
         sp = r.speedup or {}
@@ -540,6 +601,9 @@ def csv_rows(data: dict) -> list[dict]:
                 "host_bound": r.host_bound,
                 "timing": timing,
                 "unsteady": r.unsteady,
+                "ci_coverage": ci_label(sp).removesuffix(" CI") if sp else "",
+                "ci_method": sp.get("method", ""),
+                **provenance,
             }
         )
     return out

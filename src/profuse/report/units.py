@@ -1,5 +1,7 @@
 """Numbers with units a person reads at a glance."""
 
+from profuse.bench.stats import ci_label
+
 
 def time_unit(seconds: float) -> str:
     """The unit a column of times around `seconds` reads best in."""
@@ -48,7 +50,7 @@ def fmt_speedup(sp, baseline_label: str) -> str:
     """'speedup vs eager 2.14x  (95% CI 2.11-2.16)', '2.17x slower than eager  (95% CI 2.10-2.25)',
     or 'no measurable gain' when the CI holds 1.0."""
     ratio, ci = speedup_terms(sp.median, sp.low, sp.high, sp.verdict)
-    ci = f"({sp.confidence:.0%} CI {ci})"
+    ci = f"({ci_label(sp)} {ci})"
     if sp.verdict == "no measurable gain":
         return f"no measurable gain vs {baseline_label}  {ci}"
     if sp.verdict == "slower":

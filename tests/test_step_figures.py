@@ -1,0 +1,106 @@
+"""Part C's figures from the steps as they were timed: the GPU idle share and the bound from
+consecutive unsynchronised profiled steps set beside the timed trials, read from fake traces and
+fake timings (no clock, no GPU)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from profuse.report.step import _idle, steady_lines
+from profuse.stepprofile import SteadySteps, agreement, read_steady
+from profuse.verdict import SYNCED_SOURCE, decide
+
+
+def kernel_trace(kernels: list[tuple[float, float]], host: int = 3) -> dict:
+    """A Chrome trace of device events at (start us, duration us), a few host events among them
+    (which the reading must ignore), shuffled as a trace file may order them."""
+    events = [
+        {"ph": "X", "cat": random.choice(["kernel", "gpu_memcpy", "gpu_memset"]), "name": f"k{i}",
+         "ts": ts, "dur": dur, "pid": 0, "tid": 7, "args": {}}
+        for i, (ts, dur) in enumerate(kernels)
+    ]  # fmt: skip
+    events += [
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": -500.0 + i, "dur": 5000.0, "pid": 1, "tid": 1,
+         "args": {}}
+        for i in range(host)
+    ]  # fmt: skip
+    random.shuffle(events)
+    return {"traceEvents": events}
+
+
+def test_steady_steps_read_the_gpu_timeline_between_the_first_kernel_and_the_last():
+    rng = random.Random(11)
+    steps, t, kernels, busy = 7, 1000.0, [], 0.0
+    for _ in range(steps * 5):
+        gap, dur = rng.uniform(0, 30), rng.uniform(5, 80)
+        t += gap
+        kernels.append((t, dur))
+        kernels.append((t + dur / 3, dur / 3))  # a second stream's event inside it: counted once
+        busy += dur
+        t += dur
+    window = t - kernels[0][0]
+    s = read_steady(kernel_trace(kernels), steps, wall_s=window * 1.1e-6, trace_path="x.json")
+    assert s.window_ms == pytest.approx(window / 1e3)
+    assert s.busy_ms == pytest.approx(busy / 1e3)
+    assert s.gpu_idle_pct == pytest.approx(100 * (window - busy) / window)
+    assert s.step_ms == pytest.approx(window / 1e3 / steps) and s.device_s == pytest.approx(
+        busy / steps / 1e6
+    )
+    assert s.to_dict()["gpu_idle_pct"] == s.gpu_idle_pct and s.trace_path == "x.json"
+    with pytest.raises(ValueError, match="no kernel"):
+        read_steady(kernel_trace([]), steps, 1.0)
+
+
+def test_agreement_is_the_profiled_step_within_the_trials_range():
+    s = SteadySteps(steps=10, window_ms=1000.0, busy_ms=950.0, wall_ms=1010.0)  # 100 ms a step
+    trials = [0.099, 0.1005, 0.102, 0.0995]
+    agreement(s, trials)
+    assert s.agrees and s.timed_median_ms == pytest.approx(100.0) and s.timed_low_ms == pytest.approx(99.0)
+    slow = agreement(SteadySteps(10, 1040.0, 950.0, 1050.0), trials)  # 104 ms: the profiler's own cost
+    assert slow.agrees is False and slow.timed_high_ms == pytest.approx(102.0)
+    assert agreement(SteadySteps(10, 1000.0, 950.0, 1000.0), []).agrees is None
+
+
+def _cuda_run(sync_idle: float, steady: SteadySteps | None, host_s: float = 0.05) -> dict:
+    """A saved CUDA run of eager and fused, a profile of eager with a synchronised idle share of
+    `sync_idle` and the unsynchronised `steady` beside it."""
+    times = {"eager": [0.1, 0.101, 0.099, 0.1], "fused": [0.08, 0.081, 0.079, 0.08]}
+    profile = {"basis": "GPU kernel time", "time_per_step_us": 60_000.0, "gpu_idle_pct": sync_idle,
+               "steady": steady.to_dict() if steady else None}  # fmt: skip
+    return {
+        "config": {"device": "cuda:0"},
+        "comparison": {"baseline": "eager", "timings": {n: {"times_s": t} for n, t in times.items()}},
+        "results": {"eager": {"host_s": host_s, "speedup": None}, "fused": {"host_s": None, "speedup": None}},
+        "profiles": {"eager": profile},
+    }
+
+
+def test_the_bound_reads_the_unsynchronised_steps_where_they_match_the_timed_loop():
+    # synchronised, the GPU drained between steps: 40% idle; unsynchronised, 4%: device-bound
+    steady = agreement(SteadySteps(10, 1000.0, 960.0, 1001.0), [0.099, 0.1, 0.101, 0.1])
+    v = decide(_cuda_run(40.0, steady))
+    assert v.bound == "device-bound"
+    assert v.bound_why.startswith("10 unsynchronised profiled steps, as fast as the timed loop: ")
+    assert "idles 4.0%" in v.bound_why
+    data = _cuda_run(40.0, steady)
+    assert _idle(data["profiles"]["eager"]) == pytest.approx(4.0)
+    text = "\n".join(steady_lines(data))
+    assert "from 10 consecutive unsynchronised profiled steps" in text
+    assert "100 ms vs 100 ms (+0.0%), within the trials' 99-101 ms; GPU idle 4.0%" in text
+
+
+def test_a_profile_slower_than_the_timed_loop_does_not_decide_the_bound():
+    # 130 ms a step under the profiler against trials of 99-101 ms: its idle share is not used;
+    # the held host time (50 ms) against the kernels' (96 ms a step) decides
+    steady = agreement(SteadySteps(10, 1300.0, 960.0, 1301.0), [0.099, 0.1, 0.101, 0.1])
+    data = _cuda_run(40.0, steady)
+    v = decide(data)
+    assert v.bound == "device-bound" and "outside the timed trials' 99-101 ms" in v.bound_why
+    assert "idles" not in v.bound_why and "its kernels take 96 ms" in v.bound_why
+    assert _idle(data["profiles"]["eager"]) is None
+    assert "OUTSIDE (idle share not used)" in "\n".join(steady_lines(data))
+    old = decide(_cuda_run(40.0, None))  # a file from before: the synchronised share, said so
+    assert old.bound_why.startswith(SYNCED_SOURCE)
+    assert "one synchronised profiled step" in steady_lines(_cuda_run(40.0, None))[0]
