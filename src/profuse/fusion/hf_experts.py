@@ -102,7 +102,10 @@ def apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
     """The fused experts' activation: silu(g) * u from the packed (S, 2I) [g | u], one pass."""
     st: ExpertsState = self.__dict__[STATE]
     if _fuses(self, st):
-        return st.silu_mul(gate_up)
+        # gate_up is the up projection's own output in every probed implementation, saved by
+        # nothing (a matmul's backward reads its input and weight): the backward may write its
+        # gradient over it (owned), one (S, 2I) buffer fewer at the step's peak.
+        return st.silu_mul(gate_up, owned=True)
     return st.owner._apply_gate(self, gate_up)
 
 
@@ -330,7 +333,7 @@ def _same_forward(
     expert weight; the fused `_apply_gate` (eager math) must run."""
     calls = []
 
-    def counted(gate_up):
+    def counted(gate_up, owned=False):
         calls.append(1)
         return blockops.silu_mul_eager(gate_up)
 
