@@ -29,12 +29,13 @@ forward is down(silu_mul(gate(x), up(x))).
 
 Probes, on float64 stand-ins (CPU, small widths, the module's own expert count and flags): the
 experts class's `_apply_gate` must compute silu(g) * u on the concatenated halves (gpt-oss's
-interleaved, clamped, biased `(u + 1) * g * sigmoid(alpha * g)` does not: it waits for its own
-fused op); then, for each implementation, the fused forward against the class's own, in eval
-mode under no_grad and in train mode with the gradients of the input, the routing weights and
-the expert weights. A dense MLP passes hf_layer.probe_mlp. A place that fails is left unfused
-with its reason. At each call a place runs fused only where its act_fn is still the one probed
-(hf_modules.runs_as); else the class's own math.
+interleaved, clamped, biased `(u + 1) * g * sigmoid(alpha * g)` does not: blockops.clamped_swiglu
+computes it, and its place waits for a fuse op of its own); then, for each implementation, the
+fused forward against the class's own, in eval mode under no_grad and in train mode with the
+gradients of the input, the routing weights and the expert weights. A dense MLP passes
+hf_layer.probe_mlp. A place that fails is left unfused with its reason. At each call a place runs
+fused only where its act_fn is still the one probed (hf_modules.runs_as); else the class's own
+math.
 """
 
 from __future__ import annotations
@@ -292,8 +293,9 @@ def _probe_experts(experts: nn.Module, op: Callable, where: str):
         raise UnsupportedModel(
             f"{where} ({name}) do not compute silu(gate) * up on [gate | up] halves"
             + (
-                " (gpt-oss's clamped, biased, interleaved (up + 1) * gate * sigmoid(alpha * gate) waits "
-                "for its fused op in profuse.kernels)"
+                " (gpt-oss's clamped, biased, interleaved (up + 1) * gate * sigmoid(alpha * gate): "
+                "blockops.clamped_swiglu computes it, but fuse has no op for it yet, so it waits for "
+                "one (a BlockOps clamped_swiglu)"
                 if hasattr(experts, "limit") and hasattr(experts, "alpha")
                 else f" (its act_fn is {type(act).__name__}): only a SiLU gate fuses into silu_mul"
             )
