@@ -56,6 +56,21 @@ def test_no_git_or_no_checkout_records_none_and_never_fails(fresh):
     assert P.source_words(env.source_tree()).startswith("not a git checkout")
 
 
+@pytest.mark.parametrize(("dirty_text", "dirty"), [("1", True), ("0", False)])
+def test_a_copy_without_its_git_takes_the_commit_its_sender_names(fresh, dirty_text, dirty):
+    """A tree sent to a GPU machine travels without .git: the sender names the commit."""
+    fresh.setattr(env.shutil, "which", lambda name: None)
+    fresh.setenv(env.SOURCE_COMMIT_ENV, "f00d" * 10)
+    fresh.setenv(env.SOURCE_DIRTY_ENV, dirty_text)
+    tree = env.source_tree()
+    assert tree["commit"] == "f00d" * 10 and tree["dirty"] is dirty
+    assert tree["told_by"] == env.SOURCE_COMMIT_ENV
+    env.source_tree.cache_clear()
+    fresh.setattr(env.shutil, "which", lambda name: f"/usr/bin/{name}")
+    fresh.setattr(env, "_git", fake_git("a1b2c3d4" * 5, ""))
+    assert env.source_tree()["commit"] == "a1b2c3d4" * 5  # git, where it answers, comes first
+
+
 def test_versions_name_every_package_and_none_where_missing(fresh):
     import importlib.metadata
 

@@ -187,6 +187,10 @@ def environment(device: torch.device) -> dict:
 PACKAGES = ("torch", "triton", "transformers", "liger-kernel", "numpy", "scipy")
 # Environment variables that change what profuse does or where it runs; PROFUSE_* too.
 BEHAVIOUR_ENV = ("TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES", "PYTORCH_CUDA_ALLOC_CONF")
+# Where a tree copied without its .git came from, said by whoever copied it: the commit, and 1
+# where the copy held uncommitted changes.
+SOURCE_COMMIT_ENV = "PROFUSE_SOURCE_COMMIT"
+SOURCE_DIRTY_ENV = "PROFUSE_SOURCE_DIRTY"
 # The card, as nvidia-smi names its fields.
 CARD_FIELDS = (
     "name",
@@ -251,14 +255,20 @@ def source_tree(root: str | None = None) -> dict:
     where = Path(root) if root else Path(__file__).resolve().parent
     out: dict = {"commit": None, "dirty": None, "path": str(where)}
     git = shutil.which("git")
-    if git is None:
-        return out
     try:
-        commit = _git(git, where, "rev-parse", "HEAD")
-        status = _git(git, where, "status", "--porcelain", "--", ".")
+        if git is not None:
+            commit = _git(git, where, "rev-parse", "HEAD")
+            status = _git(git, where, "status", "--porcelain", "--", ".")
+            out.update(commit=commit or None, dirty=bool(status) if commit else None)
     except (OSError, subprocess.SubprocessError):
-        return out
-    out.update(commit=commit or None, dirty=bool(status) if commit else None)
+        pass
+    if out["commit"] is None and os.environ.get(SOURCE_COMMIT_ENV):
+        # a copy of a checkout without its .git (a tree sent to a GPU machine): the sender says
+        out.update(
+            commit=os.environ[SOURCE_COMMIT_ENV],
+            dirty=os.environ.get(SOURCE_DIRTY_ENV, "").lower() in ("1", "true", "yes"),
+            told_by=SOURCE_COMMIT_ENV,
+        )
     return out
 
 

@@ -37,7 +37,8 @@ def source_words(source: dict) -> str:
         return f"not a git checkout ({source.get('path') or 'path not recorded'}): no commit recorded"
     dirty = source.get("dirty")
     state = " with uncommitted changes" if dirty else "" if dirty is False else " (clean or not: unknown)"
-    return f"commit {commit[:12]}{state}"
+    told = f" (as {source['told_by']} says: a copy without .git)" if source.get("told_by") else ""
+    return f"commit {commit[:12]}{state}{told}"
 
 
 _VERSION_NAMES = {"cuda_runtime": "CUDA", "cudnn": "cuDNN", "liger-kernel": "liger-kernel"}
