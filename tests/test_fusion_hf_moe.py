@@ -11,6 +11,8 @@ router's top-k indices), the same loss and aux loss, every gradient; unfuse is e
 from __future__ import annotations
 
 import copy
+import dataclasses
+import importlib.util
 from collections import Counter
 
 import pytest
@@ -126,7 +128,7 @@ def tiny_moe(family: str, seed: int = 0, dtype=torch.float32, **overrides) -> nn
 
 def batch(seed: int):
     gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, VOCAB, (2, 11), generator=gen)
+    ids = torch.randint(0, VOCAB, (2, 8), generator=gen)
     labels = ids.clone()
     labels[torch.rand(ids.shape, generator=gen) < 0.3] = -100
     labels[:, 0] = ids[:, 0]
@@ -176,9 +178,12 @@ def assert_same_step(got, want, reference=None):
     assert not bad, bad
 
 
-def silu_mul_places(family: str) -> int:
-    """Experts modules, plus Qwen2-MoE's shared experts (dense SiLU MLPs), over 2 layers."""
-    return {"qwen2_moe": 4, "gpt_oss": 0}.get(family, 2)
+def gate_places(family: str) -> dict[str, int]:
+    """The experts' gate places over 2 layers, by op: silu_mul in each experts module and
+    Qwen2-MoE's shared experts (dense SiLU MLPs); clamped_swiglu in gpt-oss's experts."""
+    if family == "gpt_oss":
+        return {fusion.CLAMPED_SWIGLU: 2}
+    return {fusion.SILU_MUL: 4 if family == "qwen2_moe" else 2}
 
 
 # --------------------------------------------------------------------------------------------
@@ -191,35 +196,35 @@ def silu_mul_places(family: str) -> int:
 def test_moe_model_fused_gives_the_same_routing_loss_aux_loss_and_gradients(family, dtype):
     if not (has_kernel(fusion.SILU_MUL) and has_kernel(fusion.LINEAR_CROSS_ENTROPY)):
         pytest.skip("the Triton kernels are not in this build")
+    if family == "gpt_oss" and importlib.util.find_spec("profuse.kernels.gated") is None:
+        pytest.skip("clamped_swiglu's kernel is not in this build")
     seed = FAMILIES.index(family)
     model = tiny_moe(family, seed, dtype)
     ids, labels = batch(seed)
     want = run(model, ids, labels)
     reference = None
-    if dtype == torch.bfloat16:  # grouped_mm takes no float64 on the CPU: the eager loop, same math
+    if dtype == torch.bfloat16:  # grouped_mm takes no float64 on the CPU: batched_mm, the same math
         double = copy.deepcopy(model).double()
-        double.set_experts_implementation("eager")
+        double.set_experts_implementation("batched_mm")
         reference = run(double, ids, labels)
     original = {name: type(m) for name, m in model.named_modules()}
 
-    if dtype == torch.float32:  # every op, dry: what this family fuses and why not the rest
-        whole = fuse(model, dry_run=True)  # (the probes run float64 stand-ins: the same in bf16)
-        assert whole.counts.get(fusion.SILU_MUL, 0) == silu_mul_places(family)
-        assert whole.counts[fusion.LINEAR_CROSS_ENTROPY] == 1  # the MoE head, aux loss and all
-        if family == "gpt_oss":  # its experts' clamped, biased activation: said in one line
-            (why,) = [r for r in whole.left_unfused if r.startswith(fusion.SILU_MUL)]
-            assert "gpt-oss" in why and "waits for its fused op" in why and "\n" not in why
-        else:
-            assert not any(r.startswith(fusion.SILU_MUL) for r in whole.left_unfused)
-    # The MoE places alone with the Triton kernels (the norms and RoPE have their own tests, and
-    # the interpreter's time goes with each kernel run).
-    ops = (
-        [fusion.LINEAR_CROSS_ENTROPY]
-        if family == "gpt_oss"
-        else [fusion.SILU_MUL, fusion.LINEAR_CROSS_ENTROPY]
+    # Every op placed, the MoE places (the experts' gate, the head) with the Triton kernels and
+    # the norms and RoPE with their eager versions: those kernels have their own tests, and the
+    # interpreter's time goes with each kernel run.
+    ops = dataclasses.replace(
+        fusion.FUSED,
+        add_rms_norm=fusion.EAGER.add_rms_norm,
+        rms_norm=fusion.EAGER.rms_norm,
+        rope=fusion.EAGER.rope,
+        qk_norm_rope=fusion.EAGER.qk_norm_rope,
+        name="the MoE places' kernels",
     )
     summary = fuse(model, ops)
-    assert summary.counts == {op: silu_mul_places(family) if op == fusion.SILU_MUL else 1 for op in ops}
+    gates = {op: n for op, n in summary.counts.items() if op in (fusion.SILU_MUL, fusion.CLAMPED_SWIGLU)}
+    assert gates == gate_places(family)  # gpt-oss's clamped, biased gate: clamped_swiglu
+    assert summary.counts[fusion.LINEAR_CROSS_ENTROPY] == 1  # the MoE head, aux loss and all
+    assert not any(r.startswith((fusion.SILU_MUL, fusion.CLAMPED_SWIGLU)) for r in summary.left_unfused)
     got = run(model, ids, labels)
     assert_same_step(got, want, reference)
     with torch.no_grad():  # the aux loss is the model's own on the model's own router logits
@@ -358,3 +363,48 @@ def test_moe_presets_have_the_published_sizes_and_the_tiny_ones_fuse():
         assert out.aux_loss is not None and torch.isfinite(out.loss)
         summary = fuse(model, dry_run=True)
         assert summary.counts[fusion.SILU_MUL] == 2 and summary.counts[fusion.LINEAR_CROSS_ENTROPY] == 1
+
+
+def test_experts_with_a_forward_of_their_own_fuse_only_where_the_probe_saw_their_output():
+    """A class with a forward of its own: SquaredWeights dispatches as transformers' does (with
+    the top-k weights squared), so batched_mm and grouped_mm fuse through _apply_gate but
+    profuse's eager loop is not its math; Scaled runs transformers' eager loop times 1.5 and
+    calls no _apply_gate, so nothing fuses, and the summary says why in one line."""
+    from profuse.fusion.hf_modules import STATE, innermost
+
+    model = tiny_moe("mixtral", seed=9)
+    base = type(model.model.layers[0].mlp.experts)
+
+    class SquaredWeights(base):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return base.forward(self, hidden_states, top_k_index, top_k_weights * top_k_weights)
+
+    class Scaled(base):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return 1.5 * innermost(base.forward)(self, hidden_states, top_k_index, top_k_weights)
+
+    for layer in model.model.layers:
+        layer.mlp.experts.__class__ = Scaled
+    summary = fuse(model, impl=fusion.EAGER, dry_run=True)
+    (why,) = [r for r in summary.left_unfused if r.startswith(fusion.SILU_MUL)]
+    assert "Scaled" in why and "do not compute their own forward" in why and "\n" not in why
+    assert fusion.SILU_MUL not in summary.counts
+
+    for layer in model.model.layers:
+        layer.mlp.experts.__class__ = SquaredWeights
+    ids, labels = batch(9)
+    want = {}
+    for impl in ("eager", "grouped_mm"):
+        model.set_experts_implementation(impl)
+        want[impl] = run(model, ids, labels)
+    calls = Counter()
+    summary = fuse(model, impl=counting_ops(calls, only=(fusion.SILU_MUL,)))
+    assert summary.counts[fusion.SILU_MUL] == 2
+    assert model.model.layers[0].mlp.experts.__dict__[STATE].implementations == ("batched_mm", "grouped_mm")
+    (why,) = [r for r in summary.left_unfused if r.startswith(fusion.SILU_MUL)]
+    assert "SquaredWeights) runs its own math under eager: differs" in why and "\n" not in why
+    for impl, fused in (("grouped_mm", True), ("eager", False)):  # eager: the class's own forward
+        model.set_experts_implementation(impl)
+        calls.clear()
+        assert_same_step(run(model, ids, labels), want[impl])
+        assert (calls[fusion.SILU_MUL] > 0) == fused

@@ -16,6 +16,7 @@ the same profiler ranges (BLOCK_OP_RANGES). OP_NAMES lists the ops by name.
 from profuse.fusion.gpt import (
     ADD_RMS_NORM,
     BLOCK_OP_RANGES,
+    CLAMPED_SWIGLU,
     EAGER,
     FUSED,
     LINEAR_CROSS_ENTROPY,
@@ -41,6 +42,7 @@ __all__ = [
     "LINEAR_CROSS_ENTROPY",
     "OP_NAMES",
     "QK_NORM_ROPE",
+    "CLAMPED_SWIGLU",
     "RMS_NORM",
     "ROPE",
     "SILU_MUL",

@@ -36,7 +36,8 @@ SILU_MUL, ADD_RMS_NORM = "silu_mul", "add_rms_norm"
 # The ops of the rest of the step, which Hugging Face models fuse (profuse.fusion.hf)
 RMS_NORM, ROPE, QK_NORM_ROPE = "rms_norm", "rope", "qk_norm_rope"
 LINEAR_CROSS_ENTROPY = "linear_cross_entropy"
-OP_NAMES = (SILU_MUL, ADD_RMS_NORM, RMS_NORM, ROPE, QK_NORM_ROPE, LINEAR_CROSS_ENTROPY)
+CLAMPED_SWIGLU = "clamped_swiglu"  # gpt-oss's experts' gate (profuse.fusion.hf_experts)
+OP_NAMES = (SILU_MUL, ADD_RMS_NORM, RMS_NORM, ROPE, QK_NORM_ROPE, LINEAR_CROSS_ENTROPY, CLAMPED_SWIGLU)
 
 # Profiler ranges around each op, by op: what Part C looks for in the eager trace.
 BLOCK_OP_RANGES = {op: f"profuse.block_op: {op}" for op in OP_NAMES}
@@ -55,6 +56,8 @@ class BlockOps:
     rope: Callable | None = None  # (q, k, cos, sin) -> (q, k), (B, H, T, D)
     qk_norm_rope: Callable | None = None  # (q, k, q_weight, k_weight, cos, sin, eps), q, k (B, T, H, D)
     linear_cross_entropy: Callable | None = None  # (hidden, weight, labels, **HF loss kwargs) -> loss
+    # (gate_up, alpha=, limit=, interleaved=) -> (clamp(u, -limit, limit) + 1) * g * sigmoid(alpha g)
+    clamped_swiglu: Callable | None = None
 
 
 # profuse's Triton kernels (profuse.kernels: swiglu, add_rms_norm, rms_norm, rope, cross_entropy).
@@ -66,6 +69,7 @@ FUSED = BlockOps(
     rope=rotary.rope,
     qk_norm_rope=rotary.qk_norm_rope,
     linear_cross_entropy=crossentropy.linear_cross_entropy,
+    clamped_swiglu=blockops.clamped_swiglu,
 )
 # The same math one op at a time, through the ops' own eager versions: a stand-in for the fused
 # ops that runs anywhere (it tests the plumbing; it fuses nothing).
@@ -77,6 +81,7 @@ EAGER = BlockOps(
     rope=rotary.rope_eager,
     qk_norm_rope=rotary.qk_norm_rope_eager,
     linear_cross_entropy=crossentropy.linear_cross_entropy_eager,
+    clamped_swiglu=blockops.clamped_swiglu_eager,
 )
 
 

@@ -4,6 +4,9 @@ Llama, Mistral, Qwen2 and Qwen3 (and any model with their decoder layer) get the
 of a training step fused, each in its place:
 
     silu_mul               each MLP's silu(gate) * up                                  L places
+                           (a mixture of experts: each experts module's, in every
+                           experts implementation, and each shared or dense MLP beside
+                           them: profuse.fusion.hf_experts)
     add_rms_norm           each residual add with the norm after it, the last one
                            with the final norm (profuse.fusion.hf_layer)               2L places
     rms_norm               layer 0's input norm, which has no add in front             1 place
@@ -11,7 +14,8 @@ of a training step fused, each in its place:
     qk_norm_rope           Qwen3: q_norm and k_norm with the rotary embedding,         L places
                            in place of rope (profuse.fusion.hf_attention)
     linear_cross_entropy   the causal-LM head and its loss, in training with labels    1 place
-                           (in training with labels, no logits: profuse.fusion.hf_head)
+                           (in training with labels, no logits: profuse.fusion.hf_head;
+                           an MoE head adds the router's aux loss as it did: hf_moe_head)
 
 Which implementation runs is a BlockOps: FUSED (the default), profuse's Triton kernels; EAGER,
 the ops' eager versions, anywhere; HF_EAGER, the model's own eager math, so the fused model
@@ -77,6 +81,7 @@ from profuse.errors import UnsupportedModel, UsageError
 from profuse.fusion.gpt import (
     ADD_RMS_NORM,
     BLOCK_OP_RANGES,
+    CLAMPED_SWIGLU,
     FUSED,
     LINEAR_CROSS_ENTROPY,
     OP_NAMES,
@@ -87,7 +92,7 @@ from profuse.fusion.gpt import (
     BlockOps,
 )
 from profuse.fusion.hf_attention import plan_attention
-from profuse.fusion.hf_experts import has_experts, plan_experts
+from profuse.fusion.hf_experts import has_clamped_experts, has_experts, plan_experts
 from profuse.fusion.hf_head import plan_head
 from profuse.fusion.hf_layer import (
     MIN_TRANSFORMERS,
@@ -121,6 +126,7 @@ _WHAT = {
     RMS_NORM: "each norm with no add in front",
     ROPE: "the rotary embedding of q and k, one launch",
     QK_NORM_ROPE: "q_norm and k_norm with the rotary embedding, one launch",
+    CLAMPED_SWIGLU: "gpt-oss's experts' (clamp(up) + 1) * g * sigmoid(alpha * g), g = clamp(gate)",
     LINEAR_CROSS_ENTROPY: "lm_head and the loss: in training with labels, no logits (logits='always')",
 }
 # The logits policy (profuse.fusion.hf_head): "auto" skips the logits only in training with labels
@@ -372,6 +378,8 @@ def _has_place(op: str, model: nn.Module, stack: nn.Module) -> bool:
     """Whether the model has a place for `op` at all (a decoder stack has one for the others)."""
     if op == QK_NORM_ROPE:
         return all(isinstance(getattr(layer.self_attn, "q_norm", None), nn.Module) for layer in stack.layers)
+    if op == CLAMPED_SWIGLU:
+        return has_clamped_experts(stack)
     if op == LINEAR_CROSS_ENTROPY:
         return plan_head(model, stack, lambda *args, **kwargs: None, probe=False).absent is None
     return True
@@ -422,14 +430,14 @@ def _plan(
         elif _has_place(op, model, stack):
             reasons[op] = why
     installs, counts = _plan_layers(stack, bound, reasons, what)
-    if SILU_MUL in bound and SILU_MUL not in counts and has_experts(stack):  # MoE: each MLP place by class
-        mlps = plan_experts(stack, bound[SILU_MUL])
-        reasons.pop(SILU_MUL, None)
-        if mlps.installs:
-            installs += mlps.installs
-            counts[SILU_MUL] = len(mlps.installs)
-        if mlps.reasons:
-            reasons[SILU_MUL] = "; ".join(mlps.reasons)
+    silu = bound.get(SILU_MUL) if SILU_MUL not in counts else None
+    if (silu or bound.get(CLAMPED_SWIGLU)) and has_experts(stack):  # MoE: each MLP place by class
+        mlps = plan_experts(stack, silu, bound.get(CLAMPED_SWIGLU))
+        if silu is not None:
+            reasons.pop(SILU_MUL, None)
+        installs += mlps.installs
+        counts.update(mlps.counts)
+        reasons.update({op: "; ".join(why) for op, why in mlps.reasons.items()})
     attention = plan_attention(
         [layer.self_attn for layer in layers], bound.get(ROPE), bound.get(QK_NORM_ROPE), what
     )

@@ -29,12 +29,13 @@ forward is down(silu_mul(gate(x), up(x))).
 
 Probes, on float64 stand-ins (CPU, small widths, the module's own expert count and flags): the
 experts class's `_apply_gate` must compute silu(g) * u on the concatenated halves (gpt-oss's
-interleaved, clamped, biased `(u + 1) * g * sigmoid(alpha * g)` does not: it waits for its own
-fused op); then, for each implementation, the fused forward against the class's own, in eval
-mode under no_grad and in train mode with the gradients of the input, the routing weights and
-the expert weights. A dense MLP passes hf_layer.probe_mlp. A place that fails is left unfused
-with its reason. At each call a place runs fused only where its act_fn is still the one probed
-(hf_modules.runs_as); else the class's own math.
+interleaved, clamped, biased `(u + 1) * g * sigmoid(alpha * g)` does not: blockops.clamped_swiglu
+computes it, and its place waits for a fuse op of its own); then, for each implementation, the
+fused forward against the class's own, in eval mode under no_grad and in train mode with the
+gradients of the input, the routing weights and the expert weights. A dense MLP passes
+hf_layer.probe_mlp. A place that fails is left unfused with its reason. At each call a place runs
+fused only where its act_fn is still the one probed (hf_modules.runs_as); else the class's own
+math.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from torch import nn
 
 from profuse import blockops
 from profuse.errors import UnsupportedModel
+from profuse.fusion.gpt import CLAMPED_SWIGLU, SILU_MUL
 from profuse.fusion.hf_layer import PROBE_TOL, probe_mlp
 from profuse.fusion.hf_modules import STATE, forward_owner, fused_class, fused_target, runs_as, stand_in
 
@@ -60,13 +62,16 @@ _EAGER = "eager"
 
 @dataclass(frozen=True)
 class ExpertsState:
-    """What a fused experts module calls: silu_mul, the classes probed, the implementations whose
-    forward was seen to give the class's own output with it."""
+    """What a fused experts module calls: its gate's op (silu_mul, or clamped_swiglu with the
+    module's alpha and limit), the classes probed, the implementations whose forward was seen to
+    give the class's own output with it."""
 
-    silu_mul: Callable
+    gate: Callable
+    kind: str  # SILU_MUL or CLAMPED_SWIGLU: which op `gate` is
     owner: type  # the experts class, whose forward and _apply_gate are the unfused math
-    act_cls: type
+    act_cls: type | None  # the act_fn's class (silu_mul); None for clamped_swiglu (no act_fn)
     implementations: tuple[str, ...]
+    not_fused: tuple[str, ...] = ()  # "implementation: why" for each probed one that runs unfused
 
 
 @dataclass(frozen=True)
@@ -94,14 +99,31 @@ def _act_runs_as(module: nn.Module, act_cls: type) -> bool:
 
 
 def _fuses(module: nn.Module, st: ExpertsState) -> bool:
-    return _implementation(module) in st.implementations and _act_runs_as(module, st.act_cls)
+    if _implementation(module) not in st.implementations:
+        return False
+    if st.kind == CLAMPED_SWIGLU:  # alpha and limit are read at each call
+        return all(isinstance(getattr(module, k, None), (int, float)) for k in ("alpha", "limit"))
+    return _act_runs_as(module, st.act_cls)
 
 
 def apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
-    """The fused experts' activation: silu(g) * u from the packed (S, 2I) [g | u], one pass."""
+    """The fused experts' activation from the packed (S, 2I) gate_up, one pass: silu(g) * u on
+    its halves, or gpt-oss's (clamp(u, -limit, limit) + 1) * g * sigmoid(alpha * g),
+    g = min(g, limit), on its interleaved columns."""
     st: ExpertsState = self.__dict__[STATE]
     if _fuses(self, st):
-        return st.silu_mul(gate_up)
+        # gate_up is the up projection's own output in every probed implementation, saved by
+        # nothing (a matmul's backward reads its input and weight): the backward may write its
+        # gradient over it (owned), one (S, 2I) buffer fewer at the step's peak.
+        if st.kind == CLAMPED_SWIGLU:
+            return st.gate(
+                gate_up,
+                alpha=float(self.alpha),
+                limit=float(self.limit),
+                interleaved=not getattr(self, "is_concatenated", True),
+                owned=True,
+            )
+        return st.gate(gate_up, owned=True)
     return st.owner._apply_gate(self, gate_up)
 
 
@@ -172,52 +194,83 @@ def _is_dense_mlp(module: nn.Module) -> bool:
 
 @dataclass
 class ExpertsPlan:
-    """The MLP places of an MoE stack: (module, fused class, state) to install, reasons for the
-    places left unfused (one line per kind of failure)."""
+    """The MLP places of an MoE stack: (module, fused class, state) to install, places by op, and
+    the reasons for places left unfused, by op (one line per kind of failure)."""
 
     installs: list[tuple[nn.Module, type, object]] = field(default_factory=list)
-    reasons: list[str] = field(default_factory=list)
-    experts: int = 0  # experts modules fused
-    mlps: int = 0  # dense MLPs fused
+    counts: dict[str, int] = field(default_factory=dict)
+    reasons: dict[str, list[str]] = field(default_factory=dict)
+
+    def refuse(self, op: str, why: str) -> None:
+        self.reasons.setdefault(op, []).append(why)
+
+
+class _Refused(UnsupportedModel):
+    """A place that cannot be fused, and the op it is the place of."""
+
+    def __init__(self, op: str, why: str):
+        super().__init__(why)
+        self.op = op
 
 
 def has_experts(stack: nn.Module) -> bool:
     return any(is_experts(m) for m in stack.modules())
 
 
-def plan_experts(stack: nn.Module, op: Callable) -> ExpertsPlan:
-    """The experts modules and the dense MLPs of the stack's layers, each probed by class; the
-    layer's own MLP place (hf_layer) is not fused when this runs."""
+def has_clamped_experts(stack: nn.Module) -> bool:
+    """Experts with gpt-oss's clamped gate (an alpha and a limit): clamped_swiglu's places."""
+    return any(is_experts(m) and hasattr(m, "alpha") and hasattr(m, "limit") for m in stack.modules())
+
+
+def plan_experts(stack: nn.Module, silu_mul: Callable | None, clamped_swiglu: Callable | None) -> ExpertsPlan:
+    """The experts modules and the dense MLPs of the stack's layers, each probed by class, for the
+    ops given (None: not asked for); the layer's own MLP place (hf_layer) is not fused here."""
     plan = ExpertsPlan()
-    checked: dict[type, object] = {}  # class -> state, or the reason it fails
+    ops = {SILU_MUL: silu_mul, CLAMPED_SWIGLU: clamped_swiglu}
+    checked: dict[type, object] = {}  # class -> (op, target, state), None (not asked) or _Refused
+    first_of: dict[type, nn.Module] = {}  # class -> its first module (where its notes are said)
     for name, module in stack.layers.named_modules():
         if is_experts(module):
-            probe, make, kind = _probe_experts, _experts_class, "experts"
-        elif _is_dense_mlp(module):
-            probe, make, kind = _probe_dense, _mlp_class, "mlp"
+            kind = "experts"
+        elif _is_dense_mlp(module) and silu_mul is not None:
+            kind = "mlp"
         else:
             continue
         cls = type(module)
+        first_of.setdefault(cls, module)
         if cls not in checked:
             try:
-                owner, state = probe(module, op, f"layer {name}")
-                target = fused_target(module, owner, make(owner))
-                if target is None:
-                    raise UnsupportedModel(
-                        f"{cls.__name__} is derived from {owner.__name__} with a forward of its own"
-                    )
-                checked[cls] = (target, state)
+                if kind == "experts":
+                    found = _probe_experts(module, ops, f"layer {name}")
+                else:
+                    owner, act = probe_mlp(module, f"layer {name}")
+                    found = SILU_MUL, owner, MlpState(silu_mul, owner, act)
+                if found is not None:
+                    op, owner, state = found
+                    make = _experts_class if kind == "experts" else _mlp_class
+                    target = fused_target(module, owner, make(owner))
+                    if target is None:
+                        raise _Refused(
+                            op, f"{cls.__name__} is derived from {owner.__name__} with a forward of its own"
+                        )
+                    found = op, target, state
+                checked[cls] = found
             except UnsupportedModel as e:
-                checked[cls] = str(e)
-                plan.reasons.append(str(e))
+                checked[cls] = e if isinstance(e, _Refused) else _Refused(SILU_MUL, str(e))
+                plan.refuse(checked[cls].op, str(e))
         found = checked[cls]
-        if isinstance(found, str) or "forward" in module.__dict__:
-            if not isinstance(found, str):
-                plan.reasons.append(f"layer {name} ({cls.__name__}) has a forward of its own")
+        if found is None or isinstance(found, _Refused):
             continue
-        plan.installs.append((module, *found))
-        plan.experts += kind == "experts"
-        plan.mlps += kind == "mlp"
+        op, target, state = found
+        if "forward" in module.__dict__:
+            plan.refuse(op, f"layer {name} ({cls.__name__}) has a forward of its own")
+            continue
+        if kind == "experts" and state.not_fused and module is first_of[cls]:
+            plan.refuse(
+                op, f"layer {name} ({cls.__name__}) runs its own math under " + "; ".join(state.not_fused)
+            )
+        plan.installs.append((module, target, state))
+        plan.counts[op] = plan.counts.get(op, 0) + 1
     return plan
 
 
@@ -229,27 +282,23 @@ def _mlp_class(owner: type) -> type:
     return fused_class(owner, "mlp", mlp_forward)
 
 
-def _probe_dense(mlp: nn.Module, op: Callable, where: str):
-    owner, act = probe_mlp(mlp, where)
-    return owner, MlpState(op, owner, act)
-
-
-def _probe_experts(experts: nn.Module, op: Callable, where: str):
-    """Check the experts class's activation and, per implementation, its forward fused against
-    its own (float64 stand-ins, eval and train, with gradients); return (class, state)."""
+def _probe_experts(experts: nn.Module, ops: dict[str, Callable | None], where: str):
+    """Check the experts class's activation (silu_mul's or clamped_swiglu's) and, per
+    implementation, its forward fused against its own (float64 stand-ins, eval and train, with
+    gradients); return (op, class, state), or None where that op was not asked for."""
     name = type(experts).__name__
     owner = forward_owner(type(experts))
     if type(experts) is not owner or "forward" in experts.__dict__:
-        raise UnsupportedModel(f"{where}'s experts ({name}) run a forward other than their class's")
+        raise UnsupportedModel(f"{where} ({name}) run a forward other than their class's")
     gate = getattr(owner, "_apply_gate", None)
     config = getattr(experts, "config", None)
     if gate is None or not hasattr(config, "_experts_implementation"):
         raise UnsupportedModel(
-            f"{where}'s experts ({name}) are not transformers' use_experts_implementation experts "
+            f"{where} ({name}) are not transformers' use_experts_implementation experts "
             "(transformers >= 5): profuse cannot tell which implementation runs"
         )
     if not getattr(experts, "has_gate", True) or getattr(experts, "has_post_expert_norm", False):
-        raise UnsupportedModel(f"{where}'s experts ({name}) are not gated experts without a post-expert norm")
+        raise UnsupportedModel(f"{where} ({name}) are not gated experts without a post-expert norm")
     act = getattr(experts, "act_fn", None)
     n, h, i = experts.num_experts, 8, 12  # rows of 16-byte multiples in fp32: grouped_mm needs them
     transposed = bool(getattr(experts, "is_transposed", False))
@@ -272,22 +321,17 @@ def _probe_experts(experts: nn.Module, op: Callable, where: str):
     try:
         with torch.no_grad():
             want = gate(plain, gate_up)
-        g, u = gate_up.chunk(2, dim=-1)
-        ok = want.shape == g.shape and bool(
-            ((want - F.silu(g) * u).abs() <= PROBE_TOL * want.abs().max()).all()
-        )
+        kind = next((k for k, math in _gate_math(experts).items() if _close(want, math(gate_up))), None)
     except Exception as e:
-        raise UnsupportedModel(f"{where}'s experts ({name}) could not be checked: {e}") from None
-    if not ok:
+        raise UnsupportedModel(f"{where} ({name}) could not be checked: {e}") from None
+    if kind is None:
         raise UnsupportedModel(
-            f"{where}'s experts ({name}) do not compute silu(gate) * up on [gate | up] halves"
-            + (
-                " (gpt-oss's clamped, biased, interleaved (up + 1) * gate * sigmoid(alpha * gate) waits "
-                "for its fused op in profuse.kernels)"
-                if hasattr(experts, "limit") and hasattr(experts, "alpha")
-                else f" (its act_fn is {type(act).__name__}): only a SiLU gate fuses into silu_mul"
-            )
+            f"{where} ({name}) do not compute silu(gate) * up on [gate | up] halves, nor gpt-oss's "
+            f"clamped gate (its act_fn is {type(act).__name__}): only those fuse"
         )
+    if ops[kind] is None:
+        return None
+    act_cls = type(act) if kind == SILU_MUL else None
 
     fused = _experts_class(owner)
     implementations, failures = [], []
@@ -298,7 +342,7 @@ def _probe_experts(experts: nn.Module, op: Callable, where: str):
         for dtype in (torch.float64, torch.float32):
             try:
                 ok = _same_forward(
-                    experts, owner, fused, cfg, children, weights, x, top_k_index, top_k_weights, dtype
+                    experts, owner, fused, cfg, children, weights, x, top_k_index, top_k_weights, dtype, kind
                 )
                 break
             except Exception as e:  # an implementation this torch or card cannot run: not fused for it
@@ -308,24 +352,40 @@ def _probe_experts(experts: nn.Module, op: Callable, where: str):
         else:
             failures.append(ok or f"{impl}: differs")
     if not implementations:
-        raise UnsupportedModel(
-            f"{where}'s experts ({name}) fused do not compute their own forward ({'; '.join(failures)}): "
-            "profuse cannot fuse them exactly"
+        raise _Refused(
+            kind,
+            f"{where} ({name}) fused do not compute their own forward ({'; '.join(failures)}): "
+            "profuse cannot fuse them exactly",
         )
-    return owner, ExpertsState(op, owner, type(act), tuple(implementations))
+    state = ExpertsState(ops[kind], kind, owner, act_cls, tuple(implementations), tuple(failures))
+    return kind, owner, state
+
+
+def _gate_math(experts: nn.Module) -> dict[str, Callable]:
+    """The gates profuse fuses, as eager math on a packed gate_up: by op."""
+    math = {SILU_MUL: blockops.silu_mul_eager}
+    alpha, limit = getattr(experts, "alpha", None), getattr(experts, "limit", None)
+    if isinstance(alpha, (int, float)) and isinstance(limit, (int, float)) and limit > 0:
+        interleaved = not getattr(experts, "is_concatenated", True)
+        math[CLAMPED_SWIGLU] = lambda gu: blockops.clamped_swiglu_eager(
+            gu, alpha=float(alpha), limit=float(limit), interleaved=interleaved
+        )
+    return math
 
 
 def _same_forward(
-    experts, owner, fused, cfg, children, weights, x, top_k_index, top_k_weights, dtype
+    experts, owner, fused, cfg, children, weights, x, top_k_index, top_k_weights, dtype, kind
 ) -> bool:
     """The fused class's forward against the owner's on one stand-in of each, eval under no_grad
     and train with the gradients of (out * out).sum() for the input, the routing weights and every
     expert weight; the fused `_apply_gate` (eager math) must run."""
     calls = []
 
-    def counted(gate_up):
+    math = _gate_math(experts)[kind]
+
+    def counted(gate_up, owned=False, **kwargs):  # the module's alpha and limit: in `math` already
         calls.append(1)
-        return blockops.silu_mul_eager(gate_up)
+        return math(gate_up)
 
     for train in (False, True):
         results = []
@@ -333,8 +393,9 @@ def _same_forward(
             params = {k: nn.Parameter(w.to(dtype)) for k, w in weights.items()}
             module = stand_in(experts, cls, children, **params).train(train)
             module.config = cfg
+            act_cls = type(getattr(experts, "act_fn", None)) if kind == SILU_MUL else None
             module.__dict__[STATE] = ExpertsState(
-                counted, owner, type(getattr(experts, "act_fn", None)), (cfg._experts_implementation,)
+                counted, kind, owner, act_cls, (cfg._experts_implementation,)
             )
             xs = x.to(dtype).requires_grad_(train)
             ws = top_k_weights.to(dtype).requires_grad_(train)
@@ -366,6 +427,7 @@ __all__ = [
     "apply_gate",
     "eager_experts",
     "experts_forward",
+    "has_clamped_experts",
     "has_experts",
     "is_experts",
     "mlp_forward",

@@ -44,6 +44,15 @@ from profuse.fusion.hf_modules import (
     seeded,
     stand_in,
 )
+from profuse.fusion.hf_moe_head import (
+    moe_cases,
+    reads_router_logits,
+    same_scalar,
+    stack_fields,
+    stack_output,
+    takes_router_flag,
+    tuple_logits_index,
+)
 
 _HEAD, _LOSS, _FORWARD = "_profuse_head", "_profuse_loss", "_profuse_lce_forward"
 
@@ -141,7 +150,7 @@ def without_logits(out):
     ModelOutput's logits are LOGITS_NOT_MADE; a tuple leaves them out, as transformers does for
     logits=None."""
     if isinstance(out, tuple):  # (loss, logits, ...) or MoE's (loss, aux_loss, logits, ...): probed
-        i = hf_moe_head.tuple_logits_index(out)
+        i = tuple_logits_index(out)
         return out[:i] + out[i + 1 :]
     return type(out)(**{k: LOGITS_NOT_MADE if k == "logits" else v for k, v in out.items()})
 
@@ -246,14 +255,14 @@ def _holds(module: nn.Module, target: nn.Module) -> bool:
 
 class _Base(nn.Module):
     """The decoder stack's stand-in: its output is a fixed last hidden state (and, for an MoE
-    head, fixed router logits: hf_moe_head)."""
+    head, fixed router logits: profuse.fusion.hf_moe_head)."""
 
     def __init__(self, hidden: torch.Tensor, fields: dict):
         super().__init__()
         self.hidden, self.fields = hidden, fields
 
     def forward(self, *args, **kwargs):
-        return hf_moe_head.stack_output(self.hidden, self.fields)
+        return stack_output(self.hidden, self.fields)
 
 
 def _probe(head: nn.Module, fused: type, stack: nn.Module, st: HeadState, name: str) -> None:
@@ -280,9 +289,9 @@ def _probe(head: nn.Module, fused: type, stack: nn.Module, st: HeadState, name: 
         config = copy.copy(head.config)
         config.vocab_size = v
         attrs = {"config": config, **({"vocab_size": v} if "vocab_size" in head.__dict__ else {})}
-        moe = hf_moe_head.takes_router_flag(parameter_names(owner.forward))
-        reads = hf_moe_head.reads_router_logits(owner.forward)
-        fields = hf_moe_head.stack_fields(head, hidden) if reads else {}
+        moe = takes_router_flag(parameter_names(owner.forward))
+        reads = reads_router_logits(owner.forward)
+        fields = stack_fields(head, hidden) if reads else {}
         model = stand_in(head, fused, {base: _Base(hidden, fields), "lm_head": lm_head}, **attrs)
         model.__dict__[STATE] = HeadState(counted, st.loss_function, st.labels_index)
         shifted = torch.cat((labels[:, 1:], torch.full((2, 1), -100)), dim=1)
@@ -291,7 +300,7 @@ def _probe(head: nn.Module, fused: type, stack: nn.Module, st: HeadState, name: 
             {"labels": labels, "num_items_in_batch": torch.tensor(7)},
             {"labels": labels, "shift_labels": shifted.roll(1, dims=1)},
             {"labels": labels, "return_dict": False},
-            *(hf_moe_head.cases(labels) if moe else ()),
+            *(moe_cases(labels) if moe else ()),
         ]
         ok = True
         with torch.no_grad():
@@ -326,7 +335,7 @@ def _same(got, want) -> bool:
         keys = [k for k in want.keys() if k != "logits"]
         pairs = [(got[k], want[k]) for k in keys if k != "loss"]
         loss_got, loss_want = got.loss, want.loss
-    if any(a is not b and not hf_moe_head.same_scalar(a, b, PROBE_TOL) for a, b in pairs):
+    if any(a is not b and not same_scalar(a, b, PROBE_TOL) for a, b in pairs):
         return False
     return loss_got.shape == loss_want.shape and bool(
         (loss_got - loss_want).abs() <= PROBE_TOL * loss_want.abs()

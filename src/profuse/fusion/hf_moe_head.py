@@ -71,7 +71,7 @@ def stack_output(hidden: torch.Tensor, fields: dict):
     return cls(last_hidden_state=hidden, **fields)
 
 
-def cases(labels: torch.Tensor) -> list[dict]:
+def moe_cases(labels: torch.Tensor) -> list[dict]:
     """The probe's extra calls for an MoE head: the aux loss added, without and with padding."""
     mask = torch.ones_like(labels)
     mask[0, -2:] = 0
@@ -101,7 +101,7 @@ def same_scalar(got, want, tol: float) -> bool:
 
 __all__ = [
     "ROUTER_FLAG",
-    "cases",
+    "moe_cases",
     "reads_router_logits",
     "same_scalar",
     "stack_fields",

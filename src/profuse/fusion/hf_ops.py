@@ -25,6 +25,7 @@ from profuse import blockops, crossentropy, rotary
 from profuse.fusion.gpt import (
     ADD_RMS_NORM,
     BLOCK_OP_RANGES,
+    CLAMPED_SWIGLU,
     LINEAR_CROSS_ENTROPY,
     QK_NORM_ROPE,
     RMS_NORM,
@@ -61,10 +62,19 @@ HF_EAGER = BlockOps(
     rope=rotary.rope_eager,
     qk_norm_rope=rotary.qk_norm_rope_eager,
     linear_cross_entropy=crossentropy.linear_cross_entropy_eager,
+    clamped_swiglu=blockops.clamped_swiglu_eager,  # GptOssExperts._apply_gate op for op
 )
 
 # How many leading arguments of each op are tensors whose dtype the kernels must take.
-_TENSOR_ARGS = {SILU_MUL: 2, ADD_RMS_NORM: 3, RMS_NORM: 2, ROPE: 4, QK_NORM_ROPE: 6, LINEAR_CROSS_ENTROPY: 2}
+_TENSOR_ARGS = {
+    SILU_MUL: 2,
+    ADD_RMS_NORM: 3,
+    RMS_NORM: 2,
+    ROPE: 4,
+    QK_NORM_ROPE: 6,
+    LINEAR_CROSS_ENTROPY: 2,
+    CLAMPED_SWIGLU: 1,
+}
 
 # profuse's Triton ops and the kernel module each needs: an op whose module is not in this build
 # (a kernel not merged yet, or triton missing) is left unfused with that reason.
@@ -75,6 +85,7 @@ _KERNEL_MODULES = {
     rotary.rope: "profuse.kernels.rope",
     rotary.qk_norm_rope: "profuse.kernels.rope",
     crossentropy.linear_cross_entropy: "profuse.kernels.cross_entropy",
+    blockops.clamped_swiglu: "profuse.kernels.gated",
 }
 
 
