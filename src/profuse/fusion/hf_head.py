@@ -28,7 +28,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import profuse.fusion.hf_moe_head as hf_moe_head
 from profuse.errors import UnsupportedModel, UsageError
 from profuse.fusion.hf_layer import PROBE_TOL
 from profuse.fusion.hf_modules import (
