@@ -122,7 +122,8 @@ def steady_lines(data: dict) -> list[str]:
         word = "within" if st["agrees"] else "OUTSIDE (idle share not used)"
         lines.append(
             f"{name:>{W}}  {st['step_ms']:.3g} ms vs {median:.3g} ms ({off:+.1%}), {word} the trials' "
-            f"{st['timed_low_ms']:.3g}-{st['timed_high_ms']:.3g} ms; GPU idle {st['gpu_idle_pct']:.1f}%"
+            f"{st['timed_low_ms']:.3g}-{st['timed_high_ms']:.3g} ms or 1% of their median; "
+            f"GPU idle {st['gpu_idle_pct']:.1f}%"
         )
     return lines
 
