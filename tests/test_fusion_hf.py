@@ -418,12 +418,7 @@ def _with_instance_forward(model):
 _LAYER_OPS = ("silu_mul", "add_rms_norm", "rms_norm")
 # case -> (model, the ops left unfused, the reason)
 PARTLY = {
-    "gemma-offset-norm": (
-        lambda: tiny("gemma", seed=61, hidden_act="silu"),
-        ("add_rms_norm", "rms_norm"),
-        r"\(1 \+ weight\)",
-    ),
-    "gelu-mlp": (lambda: tiny("llama", seed=62, hidden_act="gelu"), ("silu_mul",), "only a SiLU MLP"),
+    "relu-mlp": (lambda: tiny("llama", seed=62, hidden_act="relu"), ("silu_mul",), "with act SiLU or GELU"),
     "parallel-block": (
         lambda: _with_parallel_layers(tiny("llama", seed=63)),
         _LAYER_OPS,

@@ -48,9 +48,8 @@ def test_every_fused_class_keeps_its_originals_forward_signature(arch):
     model = tiny(arch, seed=201, layers=2)
     fuse(model, fusion.EAGER)
     fused = {type(m) for m in fused_modules(model)}
-    # the layers, the final norm, the attentions, the head and the stack (causal mask); Gemma's
-    # offset norms and GELU MLP leave its layers and final norm as they are
-    assert len(fused) == (3 if arch == "gemma" else 5)
+    # the layers, the final norm, the attentions, the head and the stack (causal mask)
+    assert len(fused) == 5
     for cls in fused:
         original = getattr(cls, ORIGINAL)
         assert inspect.signature(cls.forward) == inspect.signature(original.forward), cls

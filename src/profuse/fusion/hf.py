@@ -1,18 +1,22 @@
 """Fusion applied to a Hugging Face Llama-family model, in place: `fuse(model)` and `unfuse(model)`.
 
-Llama, Mistral, Qwen2 and Qwen3 (and any model with their decoder layer) get the memory-bound ops
-of a training step fused, each in its place:
+Llama, Mistral, Qwen2, Qwen3 and Gemma (and any model with their decoder layer) get the
+memory-bound ops of a training step fused, each in its place:
 
     silu_mul               each MLP's silu(gate) * up                                  L places
+                           (Gemma's GeGLU: gelu(gate) * up, tanh or exact, through
+                           blockops.gelu_mul; the probe reads which from the MLP)
                            (a mixture of experts: each experts module's, in every
                            experts implementation, and each shared or dense MLP beside
                            them: profuse.fusion.hf_experts)
     add_rms_norm           each residual add with the norm after it, the last one
-                           with the final norm (profuse.fusion.hf_layer)               2L places
+                           with the final norm (profuse.fusion.hf_layer); Gemma's      2L places
+                           (1 + w) norms with weight_offset=1.0, in its fp32 order
     rms_norm               layer 0's input norm, which has no add in front             1 place
     rope                   attention's rotary embedding, q and k in one launch         L places
     qk_norm_rope           Qwen3: q_norm and k_norm with the rotary embedding,         L places
-                           in place of rope (profuse.fusion.hf_attention)
+                           in place of rope (profuse.fusion.hf_attention); not
+                           Gemma 3's (1 + w) q/k norms: the kernel takes no offset
     linear_cross_entropy   the causal-LM head and its loss, in training with labels    1 place
                            (in training with labels, no logits: profuse.fusion.hf_head;
                            an MoE head adds the router's aux loss as it did: hf_moe_head)
@@ -59,9 +63,9 @@ its classes), PEFT (LoRA, LN tuning, modules_to_save, before or after fusing), u
 The model is recognised by structure and behaviour, not by class name: one decoder stack (a
 module with `layers` and a final `norm`); layers with exactly self_attn, mlp, input_layernorm and
 post_attention_layernorm; and probes on small float64 stand-ins (on the CPU, whatever device the
-model is on): each norm class's forward must compute rms_norm(x) * weight with the eps it holds
-(Gemma's (1 + w) fails this), the MLP class's down(silu(gate(x)) * up(x)) (a GELU fails), the
-layer class's forward must equal the fused one, the attention's and the head's rebuilt forwards
+model is on): each norm class's forward must compute rms_norm(x) * weight, or Gemma's
+rms_norm(x) * (1 + weight), with the eps it holds; the MLP class's down(act(gate(x)) * up(x))
+with act SiLU or GELU, tanh or exact (a ReLU fails); the layer class's forward must equal the fused one, the attention's and the head's rebuilt forwards
 their own. An op whose place fails is left unfused with the reason (FuseSummary.left_unfused);
 the others still fuse, unless the op was asked for by name: then, as when nothing can be fused, a
 model already fused, or one with accelerate hooks, fuse raises profuse.errors.UnsupportedModel in
@@ -110,9 +114,11 @@ from profuse.fusion.hf_modules import STATE, forward_owner, fused_class, fused_t
 from profuse.fusion.hf_ops import (
     HF_EAGER,
     add_rms_norm_hf,
+    bound_gated,
     bound_op,
     interpreted,
     runs_kernels,
+    takes_offset,
     unavailable,
 )
 
@@ -121,7 +127,7 @@ TRANSFORMERS_MISSING = "transformers is not installed: pip install 'profuse[hf]'
 _LAYER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
 _LAYER_OPS = (SILU_MUL, ADD_RMS_NORM, RMS_NORM)
 _WHAT = {
-    SILU_MUL: "the MLP's silu(gate) * up",
+    SILU_MUL: "the MLP's silu(gate) * up (a GeGLU's gelu(gate) * up: gelu_mul)",
     ADD_RMS_NORM: "each residual add with the norm after it",
     RMS_NORM: "each norm with no add in front",
     ROPE: "the rotary embedding of q and k, one launch",
@@ -243,7 +249,19 @@ class _Plan:
     summary: FuseSummary
 
 
-def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str):
+def _offset_norms(specs, impl: BlockOps, ops: Iterable[str]) -> dict[str, str]:
+    """Why each of `impl`'s norm ops `ops` cannot stand in for the norms of `specs`: op -> reason,
+    for an op that takes no weight_offset where a norm scales by (1 + weight)."""
+    if not any(spec.offset for spec in specs):
+        return {}
+    return {
+        op: f"the norms scale by (1 + weight) and {impl.name!r}'s {op} takes no weight_offset"
+        for op in ops
+        if not takes_offset(impl, op)
+    }
+
+
+def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: BlockOps, label: bool):
     """The fused layers and final norm: (installs, counts); reasons filled for ops that fail."""
     wanted = [op for op in _LAYER_OPS if op in bound]
     if not wanted:
@@ -289,12 +307,15 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str):
         return [], {}
 
     mlp = act = None
+    activation = "silu"
+    gated = None
     if SILU_MUL in wanted:
         try:
             found = {probe_mlp(layer.mlp, f"layer {i}'s mlp") for i, layer in enumerate(layers)}
             if len(found) != 1:
                 raise UnsupportedModel(f"{what}'s MLPs differ from layer to layer")
-            mlp, act = found.pop()
+            mlp, act, activation = found.pop()
+            gated = bound[SILU_MUL] if activation == "silu" else bound_gated(impl, activation, label)
         except UnsupportedModel as e:
             fail([SILU_MUL], str(e))
     norm_specs = None
@@ -311,7 +332,11 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str):
             norm_specs = tuple(specs)
         except UnsupportedModel as e:
             fail([ADD_RMS_NORM, RMS_NORM], str(e))
+        for op, why in _offset_norms(norm_specs or (), impl, [ADD_RMS_NORM, RMS_NORM]).items():
+            fail([op], why)
     ops = {op: bound[op] if op in wanted and op not in reasons else None for op in _LAYER_OPS}
+    if ops[SILU_MUL] is not None:
+        ops[SILU_MUL] = gated
     if not any(ops.values()):
         return [], {}
     try:  # the layer's wiring, with eager float64 math for each op
@@ -341,6 +366,7 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str):
             defaults,
             stack,
             i,
+            activation,
         )
         installs.append((layer, target, state))
 
@@ -349,6 +375,10 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str):
     if add is not None or rms is not None:
         try:
             spec = probe_norm(stack.norm, "the final norm")
+            norm_ops = [op for op in (ADD_RMS_NORM, RMS_NORM) if ops[op] is not None]
+            offsets = _offset_norms([spec], impl, norm_ops)
+            if offsets:
+                raise UnsupportedModel("; ".join(offsets.values()))
             norm_target = fused_target(
                 stack.norm, spec.cls, fused_class(spec.cls, "final_norm", final_norm_forward)
             )
@@ -429,7 +459,7 @@ def _plan(
             bound[op] = bound_op(impl, op, label)
         elif _has_place(op, model, stack):
             reasons[op] = why
-    installs, counts = _plan_layers(stack, bound, reasons, what)
+    installs, counts = _plan_layers(stack, bound, reasons, what, impl, label)
     silu = bound.get(SILU_MUL) if SILU_MUL not in counts else None
     if (silu or bound.get(CLAMPED_SWIGLU)) and has_experts(stack):  # MoE: each MLP place by class
         mlps = plan_experts(stack, silu, bound.get(CLAMPED_SWIGLU))

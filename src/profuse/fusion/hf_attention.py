@@ -241,6 +241,11 @@ def _probe_qk_norms(attentions: list[nn.Module], name: str) -> tuple[NormSpec, N
     for i, a in enumerate(attentions):
         q = probe_norm(a.q_norm, f"layer {i}'s q_norm")
         k = probe_norm(a.k_norm, f"layer {i}'s k_norm")
+        if q.offset or k.offset:
+            raise UnsupportedModel(
+                f"{name}'s q_norm and k_norm scale by (1 + weight): "
+                "the qk_norm_rope kernel takes no weight offset"
+            )
         if q.eps(a.q_norm) != k.eps(a.k_norm):
             raise UnsupportedModel(f"{name}'s q_norm and k_norm use different eps: qk_norm_rope takes one")
         specs.add((q, k))

@@ -243,7 +243,12 @@ def plan_experts(stack: nn.Module, silu_mul: Callable | None, clamped_swiglu: Ca
                 if kind == "experts":
                     found = _probe_experts(module, ops, f"layer {name}")
                 else:
-                    owner, act = probe_mlp(module, f"layer {name}")
+                    owner, act, activation = probe_mlp(module, f"layer {name}")
+                    if activation != "silu":
+                        raise UnsupportedModel(
+                            f"layer {name} ({cls.__name__}) is a {activation} MLP: beside experts, "
+                            "dense MLPs fuse SiLU only"
+                        )
                     found = SILU_MUL, owner, MlpState(silu_mul, owner, act)
                 if found is not None:
                     op, owner, state = found

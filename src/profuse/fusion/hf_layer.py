@@ -56,19 +56,27 @@ MIN_TRANSFORMERS = "4.54"
 
 @dataclass(frozen=True)
 class NormSpec:
-    """A norm class the probe checked, and the attribute that holds its eps (read at each call)."""
+    """A norm class the probe checked, the attribute that holds its eps (read at each call), and
+    the offset its weight is scaled by: 0.0 for rms_norm(x) * w, 1.0 for Gemma's (1 + w)."""
 
     cls: type
     eps_name: str
+    offset: float = 0.0
 
     def eps(self, norm: nn.Module) -> float:
         return getattr(norm, self.eps_name)
+
+    def kwargs(self) -> dict:
+        """What a norm op takes beyond (x, weight, eps): weight_offset, only where there is one
+        (so an op set without offsets still serves every plain norm)."""
+        return {"weight_offset": self.offset} if self.offset else {}
 
 
 @dataclass(frozen=True)
 class LayerState:
     """What a fused layer calls. An op is None where it is not fused; the norm and MLP classes are
-    those the probes checked; `stack` and `index` find the module that takes the layer's output."""
+    those the probes checked (`silu_mul` is the MLP's gated op for its `activation`: gelu_mul
+    for a GELU); `stack` and `index` find the module that takes the layer's output."""
 
     silu_mul: Callable | None
     add_rms_norm: Callable | None
@@ -80,6 +88,7 @@ class LayerState:
     attn_defaults: dict  # the arguments the layer's own forward hands attention by default
     stack: nn.Module | None  # None: always hand on the pair (the probe's stand-in)
     index: int
+    activation: str = "silu"  # the MLP's, a name in MLP_ACTIVATIONS: silu_mul holds its gated op
 
     def __deepcopy__(self, memo):
         """A deep copy of the model copies the stack once, and the copy's layers find the copy's
@@ -131,7 +140,7 @@ def norm_alone(
     """rms_norm(x) through the op where `norm` is as probed, else the module itself. `owned`: the
     gradient reaching the output is autograd's own (hf_ops.bound_op)."""
     if op is not None and spec is not None and runs_as(norm, spec.cls):
-        return op(x, norm.weight, spec.eps(norm), owned=owned)
+        return op(x, norm.weight, spec.eps(norm), owned=owned, **spec.kwargs())
     return norm(x)
 
 
@@ -139,7 +148,7 @@ def norm_after_add(add_op, op, spec: NormSpec | None, norm: nn.Module, x, residu
     """(norm(h), h), h = residual + x: add_rms_norm where `norm` is as probed, else the add and
     then norm_alone."""
     if add_op is not None and spec is not None and runs_as(norm, spec.cls):
-        return add_op(x, residual, norm.weight, spec.eps(norm), owned=owned)
+        return add_op(x, residual, norm.weight, spec.eps(norm), owned=owned, **spec.kwargs())
     h = residual + x
     return norm_alone(op, spec, norm, h, owned), h
 
@@ -209,7 +218,7 @@ def layer_body(self, x, residual, *, pair: bool, **kwargs):
         # gate and up are the projections' own outputs, read by nothing else unless a hook holds one
         gate, up = mlp.gate_proj(y), mlp.up_proj(y)
         owned = not _keeps_output(mlp.gate_proj, mlp.up_proj)
-        out = mlp.down_proj(st.silu_mul(gate, up, owned=owned))
+        out = mlp.down_proj(st.silu_mul(gate, up, owned=owned))  # silu_mul, or gelu_mul for a GELU
     else:
         out = mlp(y)
     return (out, residual) if pair else residual + out
@@ -234,10 +243,10 @@ def final_norm_forward(self, hidden_states):
     if isinstance(hidden_states, tuple):
         x, residual = hidden_states
         if st.add_rms_norm is not None:
-            return st.add_rms_norm(x, residual, self.weight, st.norm.eps(self))[0]
+            return st.add_rms_norm(x, residual, self.weight, st.norm.eps(self), **st.norm.kwargs())[0]
         hidden_states = residual + x
     if st.rms_norm is not None:
-        return st.rms_norm(hidden_states, self.weight, st.norm.eps(self))
+        return st.rms_norm(hidden_states, self.weight, st.norm.eps(self), **st.norm.kwargs())
     return st.norm.cls.forward(self, hidden_states)
 
 
@@ -248,9 +257,13 @@ def final_norm_forward(self, hidden_states):
 _EPS_NAMES = ("variance_epsilon", "eps")
 
 
+# The weight offsets a norm may scale by: w (Llama's) and 1 + w (Gemma's, its weight initialised at 0)
+NORM_OFFSETS = (0.0, 1.0)
+
+
 def probe_norm(norm: nn.Module, where: str) -> NormSpec:
-    """The norm's class and eps attribute, once its class's forward is seen to compute
-    rms_norm(x) * weight with that eps."""
+    """The norm's class, eps attribute and weight offset, once its class's forward is seen to
+    compute rms_norm(x) * (offset + weight) with that eps, for one offset of NORM_OFFSETS."""
     cls = forward_owner(type(norm))
     eps_name = next((n for n in _EPS_NAMES if isinstance(getattr(norm, n, None), float)), None)
     w = getattr(norm, "weight", None)
@@ -270,27 +283,36 @@ def probe_norm(norm: nn.Module, where: str) -> NormSpec:
         torch.randn(3, n, generator=gen, dtype=torch.float64)
         * torch.tensor([[1.0], [eps**0.5], [1e3]]).double()
     )
-    want = F.rms_norm(x, (n,), weight, eps)
+    normed = F.rms_norm(x, (n,), None, eps)
     try:
-        model, ok = stand_in(norm, cls, {}, weight=weight), True
+        model, got = stand_in(norm, cls, {}, weight=weight), []
         for training in PROBE_MODES:
             with torch.no_grad(), seeded(5):
-                got = cls.forward(model.train(training), x)
-            ok = ok and got.shape == want.shape
-            ok = ok and bool(((got - want).abs() <= PROBE_TOL * want.abs().amax(-1, True)).all())
+                got.append(cls.forward(model.train(training), x))
     except Exception as e:  # any failure of the stand-in is a layout profuse does not know
         raise UnsupportedModel(f"{where} ({type(norm).__name__}) could not be checked: {e}") from None
-    if not ok:
-        raise UnsupportedModel(
-            f"{where} ({type(norm).__name__}) does not compute rms_norm(x) * weight with eps={eps} "
-            "(an offset norm such as Gemma's (1 + weight)?): fusing it would change the model"
-        )
-    return NormSpec(cls, eps_name)
+    for offset in NORM_OFFSETS:
+        want = normed * (offset + weight.detach())
+        tol = PROBE_TOL * want.abs().amax(-1, True)
+        if all(y.shape == want.shape and bool(((y - want).abs() <= tol).all()) for y in got):
+            return NormSpec(cls, eps_name, offset)
+    raise UnsupportedModel(
+        f"{where} ({type(norm).__name__}) computes neither rms_norm(x) * weight nor "
+        f"rms_norm(x) * (1 + weight) with eps={eps}: fusing it would change the model"
+    )
 
 
-def probe_mlp(mlp: nn.Module, where: str) -> tuple[type, type]:
-    """The MLP's class and its act_fn's, once the class's forward is seen to compute
-    down(silu(gate(x)) * up(x))."""
+# The gated MLPs' activations, act(gate) * up, by name: SiLU (silu_mul) and GELU, tanh or exact (gelu_mul)
+MLP_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu": F.gelu,
+}
+
+
+def probe_mlp(mlp: nn.Module, where: str) -> tuple[type, type, str]:
+    """The MLP's class, its act_fn's, and the activation's name in MLP_ACTIVATIONS, once the
+    class's forward is seen to compute down(act(gate(x)) * up(x)) in train and eval mode."""
     cls = forward_owner(type(mlp))
     children = {name for name, _ in mlp.named_children()}
     act = getattr(mlp, "act_fn", None)
@@ -311,28 +333,33 @@ def probe_mlp(mlp: nn.Module, where: str) -> tuple[type, type]:
     if "act_fn" in children:
         modules["act_fn"] = act
     x = 2 * torch.randn(5, n, generator=gen, dtype=torch.float64)
+    got = {}
     with torch.no_grad():
-        want = down(F.silu(gate(x)) * up(x))
         model = stand_in(mlp, cls, modules)
-        for training in PROBE_MODES:  # silu_mul's place calls down_proj(silu_mul(...)), nothing more
+        for training in PROBE_MODES:  # the gated op's place calls down_proj(op(...)), nothing more
             try:
                 with seeded(5):
-                    got = cls.forward(model.train(training), x)
-                ok = got.shape == want.shape
-                ok = ok and bool(((got - want).abs() <= PROBE_TOL * want.abs().max()).all())
+                    got[training] = cls.forward(model.train(training), x)
             except Exception as e:
                 raise UnsupportedModel(f"{where} ({type(mlp).__name__}) could not be checked: {e}") from None
-            if not ok and training:
+        for name, fn in MLP_ACTIVATIONS.items():
+            want = down(fn(gate(x)) * up(x))
+            tol = PROBE_TOL * want.abs().max()
+            ok = {
+                training: y.shape == want.shape and bool(((y - want).abs() <= tol).all())
+                for training, y in got.items()
+            }
+            if all(ok.values()):
+                return cls, type(act), name
+            if ok.get(False):
                 raise UnsupportedModel(
-                    f"{where} ({type(mlp).__name__}) computes down(silu(gate(x)) * up(x)) only in eval mode: "
-                    "in training it does more (dropout?), which silu_mul's place would skip"
+                    f"{where} ({type(mlp).__name__}) computes down(act(gate(x)) * up(x)) only in eval mode: "
+                    "in training it does more (dropout?), which the gated op's place would skip"
                 )
-            if not ok:
-                raise UnsupportedModel(
-                    f"{where} ({type(mlp).__name__}) does not compute down(silu(gate(x)) * up(x)) "
-                    f"(its act_fn is {type(act).__name__}): only a SiLU MLP fuses into silu_mul"
-                )
-    return cls, type(act)
+    raise UnsupportedModel(
+        f"{where} ({type(mlp).__name__}) does not compute down(act(gate(x)) * up(x)) with act SiLU or GELU "
+        f"(its act_fn is {type(act).__name__}): only those fuse, into silu_mul or gelu_mul"
+    )
 
 
 class _Sentinel:
@@ -451,6 +478,8 @@ def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> None:
 
 __all__ = [
     "MIN_TRANSFORMERS",
+    "MLP_ACTIVATIONS",
+    "NORM_OFFSETS",
     "FinalNormState",
     "LayerState",
     "NormSpec",
