@@ -415,19 +415,20 @@ def _with_instance_forward(model):
     return model
 
 
-_LAYER_OPS = ("silu_mul", "add_rms_norm", "rms_norm")
+# A layer not fused whole leaves its norms; its MLP still fuses by its own class (hf_mlp)
+_NORM_OPS = ("add_rms_norm", "rms_norm")
 # case -> (model, the ops left unfused, the reason)
 PARTLY = {
     "relu-mlp": (lambda: tiny("llama", seed=62, hidden_act="relu"), ("silu_mul",), "with act SiLU or GELU"),
     "parallel-block": (
         lambda: _with_parallel_layers(tiny("llama", seed=63)),
-        _LAYER_OPS,
+        _NORM_OPS,
         "not the pre-norm layer",
     ),
-    "extra-module": (lambda: _with_extra_module(tiny("llama", seed=64)), _LAYER_OPS, "unknown layout"),
+    "extra-module": (lambda: _with_extra_module(tiny("llama", seed=64)), _NORM_OPS, "unknown layout"),
     "instance-forward": (
         lambda: _with_instance_forward(tiny("llama", seed=67)),
-        _LAYER_OPS,
+        _NORM_OPS,
         "forward of its own",
     ),
 }
@@ -470,7 +471,7 @@ REFUSED = {
     "no-decoder-stack": (lambda: nn.Sequential(nn.Linear(5, 7), nn.SiLU()), None, "no decoder stack"),
     "nothing-to-fuse": (
         lambda: _with_parallel_layers(tiny("llama", seed=63)),
-        fusion.BlockOps(fusion.EAGER.silu_mul, fusion.EAGER.add_rms_norm, "the pair"),
+        fusion.BlockOps(None, fusion.EAGER.add_rms_norm, "the norm"),  # the MLP alone would fuse
         "nothing to fuse .*not the pre-norm layer",
     ),
     "named-op-without-a-place": (

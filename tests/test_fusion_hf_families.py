@@ -1,5 +1,7 @@
 """profuse.fuse on the dense families past Llama's layout, by structure: Gemma's (1 + w) norms in
-its fp32-then-cast order and its GeGLU MLP (gelu tanh, and the exact erf form).
+its fp32-then-cast order and its GeGLU MLP (gelu tanh, and the exact erf form); the MLPs of
+layers not fused whole (Gemma 3, OLMo 2), and the packed gate_up_proj MLPs of Phi-3 and GLM-4,
+fused by their own class.
 
 Each family is fused against an unfused copy: the train-mode loss and every gradient, the eval
 logits, fp32 and bf16; HF_EAGER (the model's own math in the fused structure) must agree
@@ -48,6 +50,29 @@ def gemma(seed: int, layers: int = 2, dtype=torch.float32):
         for name, p in model.named_parameters():
             if "norm" in name:  # Gemma's init is 0, (1 + w) = 1: away from it, per channel
                 p.copy_(0.4 * torch.randn_like(p))
+    return model.to(dtype)
+
+
+def family(arch: str, seed: int, dtype=torch.float32, layers: int = 2, **overrides):
+    """A tiny model of `arch` (a transformers model type) with its norms perturbed."""
+    config = transformers.AutoConfig.for_model(
+        arch,
+        vocab_size=VOCAB,
+        hidden_size=40,
+        intermediate_size=52,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=20,
+        max_position_embeddings=32,
+        **{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides},
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.4 * torch.randn_like(p))
     return model.to(dtype)
 
 
@@ -179,3 +204,87 @@ def test_gemma_fused_with_the_triton_kernels_through_the_interpreter():
     summary = _compare(model, fusion.FUSED, torch.float32, seed=5, exact=False)
     assert summary.notes == ()  # the kernels ran (interpreted), not the eager fallback
     assert summary.counts == {**GEMMA_COUNTS, "silu_mul": 1, "add_rms_norm": 2, "rope": 1}
+
+
+# model type -> (the MLP's form, its activation, the other ops that fuse)
+MLP_FAMILIES = {
+    "phi3": (True, "silu", {"linear_cross_entropy": 1}),
+    "glm4": (True, "silu", {"linear_cross_entropy": 1}),
+    "olmo2": (False, "silu", {"linear_cross_entropy": 1}),
+    "gemma3_text": (False, "gelu_tanh", {"rope": 2, "linear_cross_entropy": 1}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("arch", list(MLP_FAMILIES))
+def test_mlps_of_layers_not_fused_whole_fuse_by_their_class_packed_or_not(arch, dtype):
+    packed, activation, others = MLP_FAMILIES[arch]
+    for impl, exact in ((fusion.HF_EAGER, True), (fusion.EAGER, False)):
+        model = family(arch, seed=21, dtype=dtype)
+        summary = _compare(model, impl, dtype, seed=6, exact=exact)
+        assert summary.counts == {"silu_mul": 2, **others}
+        spec = model.model.layers[1].mlp.__dict__[STATE].spec
+        assert (spec.packed, spec.activation) == (packed, activation)
+        assert "add_rms_norm" in dict(item.split(": ", 1) for item in summary.left_unfused)
+
+
+def test_a_packed_geglu_mlp_calls_gelu_mul_on_the_packed_output(monkeypatch):
+    calls = []
+    real = hf_ops._GELU_FORMS[fusion.EAGER.silu_mul]
+
+    def spy(gate, up=None, approximate="tanh"):
+        calls.append((up is None, gate.shape[-1], approximate))
+        return real(gate, up, approximate)
+
+    monkeypatch.setattr(hf_ops, "_GELU_FORMS", {fusion.EAGER.silu_mul: spy})
+    model = family("phi3", seed=22, hidden_act="gelu_pytorch_tanh")
+    summary = _compare(model, fusion.EAGER, torch.float32, seed=7, exact=False)
+    assert summary.counts["silu_mul"] == 2
+    assert calls and set(calls) == {(True, 2 * 52, "tanh")}
+
+
+def test_a_packed_mlp_that_computes_something_else_stays_unfused_with_the_reason():
+    class SwappedMLP(transformers.models.phi3.modeling_phi3.Phi3MLP):
+        def forward(self, x):  # act on the second half: not act(gate) * up
+            up, gate = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(up * self.activation_fn(gate))
+
+    class DroppedMLP(transformers.models.phi3.modeling_phi3.Phi3MLP):
+        def forward(self, x):  # dropout in training only
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            hidden = torch.nn.functional.dropout(up * self.activation_fn(gate), 0.5, self.training)
+            return self.down_proj(hidden)
+
+    for cls in (SwappedMLP, DroppedMLP):
+        model = family("phi3", seed=23)
+        for layer in model.model.layers:
+            layer.mlp.__class__ = cls
+        before = snapshot(model)
+        summary = fuse(model, fusion.EAGER, dry_run=True)
+        assert_untouched(model, before)
+        left = dict(item.split(": ", 1) for item in summary.left_unfused)
+        assert "silu_mul" not in summary.counts
+        assert "the MLP alone" in left["silu_mul"] and "does not compute down(act(g) * u)" in left["silu_mul"]
+
+
+def test_a_fused_mlp_whose_act_changed_runs_its_own_forward_and_unfuse_restores_it():
+    model = family("glm4", seed=24)
+    before = snapshot(model)
+    fuse(model, fusion.EAGER)
+    unfuse(model)
+    assert_untouched(model, before)
+    ref = copy.deepcopy(model)
+    fuse(model, fusion.EAGER)
+    for m in (model, ref):
+        for layer in m.model.layers:
+            layer.mlp.activation_fn = torch.nn.Tanh()
+    ids = ids_for(8)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+@pytest.mark.skipif(not _has_fused_kernels(), reason="triton or a kernel module is missing")
+def test_a_packed_mlp_fused_with_the_triton_kernels_through_the_interpreter():
+    model = family("phi3", seed=25, layers=1)
+    summary = _compare(model, fusion.FUSED, torch.float32, seed=9, exact=False)
+    assert summary.counts == {"silu_mul": 1, "linear_cross_entropy": 1} and summary.notes == ()

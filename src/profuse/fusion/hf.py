@@ -5,7 +5,8 @@ memory-bound ops of a training step fused, each in its place:
 
     silu_mul               each MLP's silu(gate) * up                                  L places
                            (Gemma's GeGLU: gelu(gate) * up, tanh or exact, through
-                           blockops.gelu_mul; the probe reads which from the MLP)
+                           blockops.gelu_mul; the probe reads which from the MLP;
+                           packed gate_up_proj, Phi-3 and GLM-4: the packed form)
                            (a mixture of experts: each experts module's, in every
                            experts implementation, and each shared or dense MLP beside
                            them: profuse.fusion.hf_experts)
@@ -65,11 +66,15 @@ module with `layers` and a final `norm`); layers with exactly self_attn, mlp, in
 post_attention_layernorm; and probes on small float64 stand-ins (on the CPU, whatever device the
 model is on): each norm class's forward must compute rms_norm(x) * weight, or Gemma's
 rms_norm(x) * (1 + weight), with the eps it holds; the MLP class's down(act(gate(x)) * up(x))
-with act SiLU or GELU, tanh or exact (a ReLU fails); the layer class's forward must equal the fused one, the attention's and the head's rebuilt forwards
-their own. An op whose place fails is left unfused with the reason (FuseSummary.left_unfused);
-the others still fuse, unless the op was asked for by name: then, as when nothing can be fused, a
-model already fused, or one with accelerate hooks, fuse raises profuse.errors.UnsupportedModel in
-one line before the model is changed.
+with act SiLU or GELU, tanh or exact (a ReLU fails); the layer class's forward must equal the
+fused one, the attention's and the head's rebuilt forwards their own. A model whose layers are
+not fused whole (Gemma 3's and GLM-4's four norms, OLMo 2's post-norms, Phi-3's residual
+dropouts) still gets each layer's `mlp` fused by its own class (profuse.fusion.hf_mlp), the
+packed gate_up_proj of Phi-3 and GLM-4 included: down(act(g) * u), g, u = gate_up(x).chunk(2),
+through the packed form of silu_mul or gelu_mul. An op whose place fails is left unfused with
+the reason (FuseSummary.left_unfused); the others still fuse, unless the op was asked for by
+name: then, as when nothing can be fused, a model already fused, or one with accelerate hooks,
+fuse raises profuse.errors.UnsupportedModel in one line before the model is changed.
 """
 
 from __future__ import annotations
@@ -110,6 +115,7 @@ from profuse.fusion.hf_layer import (
     probe_norm,
 )
 from profuse.fusion.hf_mask import plan_mask
+from profuse.fusion.hf_mlp import plan_mlps
 from profuse.fusion.hf_modules import STATE, forward_owner, fused_class, fused_target, is_fused, unfused_class
 from profuse.fusion.hf_ops import (
     HF_EAGER,
@@ -404,6 +410,23 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
     return installs, counts
 
 
+def _plan_mlps(layers: list[nn.Module], impl: BlockOps, label: bool, reasons: dict, counts: dict, what: str):
+    """The MLP places of layers not fused whole, each fused by its MLP's class (hf_mlp): installs;
+    counts and reasons filled for silu_mul."""
+    mlps = [layer._modules.get("mlp") for layer in layers]
+    try:
+        if any(mlp is None for mlp in mlps):
+            raise UnsupportedModel(f"{what}'s layers have no `mlp`")
+        installs = plan_mlps(mlps, lambda activation: bound_gated(impl, activation, label), what)
+    except UnsupportedModel as e:
+        layer_why = reasons.get(SILU_MUL)
+        reasons[SILU_MUL] = str(e) if layer_why in (None, str(e)) else f"{layer_why}; the MLP alone: {e}"
+        return []
+    reasons.pop(SILU_MUL, None)
+    counts[SILU_MUL] = len(layers)
+    return installs
+
+
 def _has_place(op: str, model: nn.Module, stack: nn.Module) -> bool:
     """Whether the model has a place for `op` at all (a decoder stack has one for the others)."""
     if op == QK_NORM_ROPE:
@@ -460,6 +483,8 @@ def _plan(
         elif _has_place(op, model, stack):
             reasons[op] = why
     installs, counts = _plan_layers(stack, bound, reasons, what, impl, label)
+    if SILU_MUL in bound and SILU_MUL not in counts and not has_experts(stack):
+        installs += _plan_mlps(layers, impl, label, reasons, counts, what)
     silu = bound.get(SILU_MUL) if SILU_MUL not in counts else None
     if (silu or bound.get(CLAMPED_SWIGLU)) and has_experts(stack):  # MoE: each MLP place by class
         mlps = plan_experts(stack, silu, bound.get(CLAMPED_SWIGLU))
