@@ -288,3 +288,58 @@ def test_a_packed_mlp_fused_with_the_triton_kernels_through_the_interpreter():
     model = family("phi3", seed=25, layers=1)
     summary = _compare(model, fusion.FUSED, torch.float32, seed=9, exact=False)
     assert summary.counts == {"silu_mul": 1, "linear_cross_entropy": 1} and summary.notes == ()
+
+
+def softcapped(arch: str, seed: int, dtype=torch.float32, layers: int = 2):
+    """Gemma 2 or 3 with its final-logit cap low enough that the tiny model's logits reach it."""
+    model = family(arch, seed, dtype, layers, final_logit_softcapping=2.0, attn_implementation="eager")
+    model.config._attn_implementation = "eager"
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text"])
+def test_a_soft_capped_head_fuses_and_passes_its_cap_to_the_loss(arch, dtype):
+    for impl, exact in ((fusion.HF_EAGER, True), (fusion.EAGER, False)):
+        model = softcapped(arch, seed=31, dtype=dtype)
+        summary = _compare(model, impl, dtype, seed=10, exact=exact)
+        assert summary.counts["linear_cross_entropy"] == 1 and summary.counts["rope"] == 2
+        assert summary.counts["silu_mul"] == 2  # the GeGLU MLP by its class: the sandwich layer stays
+
+
+def test_the_cap_is_read_at_each_call_and_a_loss_without_softcap_leaves_the_head_unfused():
+    model = softcapped("gemma2", seed=32)
+    ref = copy.deepcopy(model)
+    fuse(model, fusion.HF_EAGER)
+    for m in (model, ref):
+        m.config.final_logit_softcapping = 0.7
+    ids = ids_for(11)
+    model.train(), ref.train()
+    assert torch.equal(model(ids, labels=ids).loss, ref(ids, labels=ids).loss)
+
+    def no_cap(hidden, weight, labels, **kwargs):
+        return fusion.EAGER.linear_cross_entropy(hidden, weight, labels, **kwargs)
+
+    def plain(hidden, weight, labels, ignore_index=-100, num_items_in_batch=None, shift_labels=None):
+        return no_cap(
+            hidden,
+            weight,
+            labels,
+            ignore_index=ignore_index,
+            num_items_in_batch=num_items_in_batch,
+            shift_labels=shift_labels,
+        )
+
+    ops = fusion.BlockOps(
+        fusion.EAGER.silu_mul, fusion.EAGER.add_rms_norm, "no cap", linear_cross_entropy=plain
+    )
+    summary = fuse(softcapped("gemma2", seed=33), ops, dry_run=True)
+    left = dict(item.split(": ", 1) for item in summary.left_unfused)
+    assert "softcap" in left["linear_cross_entropy"] and "linear_cross_entropy" not in summary.counts
+
+
+@pytest.mark.skipif(not _has_fused_kernels(), reason="triton or a kernel module is missing")
+def test_a_soft_capped_head_fused_with_the_triton_kernels_through_the_interpreter():
+    model = softcapped("gemma2", seed=34, layers=1)
+    summary = _compare(model, fusion.FUSED, torch.float32, seed=12, exact=False)
+    assert summary.counts["linear_cross_entropy"] == 1 and summary.notes == ()

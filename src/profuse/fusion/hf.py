@@ -20,7 +20,9 @@ memory-bound ops of a training step fused, each in its place:
                            Gemma 3's (1 + w) q/k norms: the kernel takes no offset
     linear_cross_entropy   the causal-LM head and its loss, in training with labels    1 place
                            (in training with labels, no logits: profuse.fusion.hf_head;
-                           an MoE head adds the router's aux loss as it did: hf_moe_head)
+                           an MoE head adds the router's aux loss as it did: hf_moe_head;
+                           Gemma 2 and 3's final-logit soft-cap as softcap=, read at
+                           each call from the config)
 
 Which implementation runs is a BlockOps: FUSED (the default), profuse's Triton kernels; EAGER,
 the ops' eager versions, anywhere; HF_EAGER, the model's own eager math, so the fused model
@@ -102,7 +104,7 @@ from profuse.fusion.gpt import (
 )
 from profuse.fusion.hf_attention import plan_attention
 from profuse.fusion.hf_experts import has_clamped_experts, has_experts, plan_experts
-from profuse.fusion.hf_head import plan_head
+from profuse.fusion.hf_head import plan_head, softcaps
 from profuse.fusion.hf_layer import (
     MIN_TRANSFORMERS,
     FinalNormState,
@@ -124,6 +126,7 @@ from profuse.fusion.hf_ops import (
     bound_op,
     interpreted,
     runs_kernels,
+    takes_keyword,
     takes_offset,
     unavailable,
 )
@@ -509,6 +512,14 @@ def _plan(
         del bound[LINEAR_CROSS_ENTROPY]
         if _has_place(LINEAR_CROSS_ENTROPY, model, stack):
             reasons[LINEAR_CROSS_ENTROPY] = "logits='always': the head's own forward makes them in every call"
+    if LINEAR_CROSS_ENTROPY in bound and not takes_keyword(impl, LINEAR_CROSS_ENTROPY, "softcap"):
+        found = plan_head(model, stack, bound[LINEAR_CROSS_ENTROPY], probe=False).head
+        if found is not None and softcaps(forward_owner(type(found))):
+            del bound[LINEAR_CROSS_ENTROPY]
+            reasons[LINEAR_CROSS_ENTROPY] = (
+                f"{type(found).__name__} soft-caps its logits and {impl.name!r}'s linear_cross_entropy "
+                "takes no softcap"
+            )
     head = plan_head(model, stack, bound.get(LINEAR_CROSS_ENTROPY))
     absent = dict(attention.absent)
     if head.reason:

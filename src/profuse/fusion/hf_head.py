@@ -3,7 +3,10 @@
     loss = linear_cross_entropy(h, W_lm_head, labels, ignore_index, num_items_in_batch, shift_labels)
 
 with Hugging Face's ForCausalLMLoss semantics (profuse.crossentropy): the whole (tokens, vocab)
-logits are never made. The CausalLM's forward is its own, rebuilt once per class
+logits are never made. A head whose forward soft-caps the logits (Gemma 2 and 3: cap *
+tanh(logits / cap), cap = config.final_logit_softcapping) is rebuilt reading a view of its
+config without the cap, and the loss passes the cap, read at each call, as softcap=. The
+CausalLM's forward is its own, rebuilt once per class
 (hf_modules.rebuilt) with `self.lm_head` renamed to a pass-through (the "logits" it makes are the
 hidden states) and `self.loss_function` renamed to profuse's loss, which takes them with the
 lm_head's weight. The output then has no logits.
@@ -22,6 +25,7 @@ exactly as before. logits_to_keep passes through either way.
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -54,6 +58,28 @@ from profuse.fusion.hf_moe_head import (
 )
 
 _HEAD, _LOSS, _FORWARD = "_profuse_head", "_profuse_loss", "_profuse_lce_forward"
+# Gemma 2 and 3 soft-cap the logits between lm_head and the loss, reading the cap from the config:
+# a head class whose forward reads it is rebuilt with `config` renamed to a view without the cap,
+# and its loss passes the cap to linear_cross_entropy as softcap=.
+_SOFTCAP = "final_logit_softcapping"
+_CONFIG, _SOFTCAPS = "_profuse_config", "_profuse_softcaps"
+
+
+class _WithoutSoftcap:
+    """A config as the rebuilt forward reads it: the same attributes, but no final-logit cap (the
+    fused loss applies it)."""
+
+    __slots__ = ("_config",)
+
+    def __init__(self, config):
+        object.__setattr__(self, "_config", config)
+
+    def __getattr__(self, name):
+        return None if name == _SOFTCAP else getattr(self._config, name)
+
+
+def _config_without_softcap(self):
+    return _WithoutSoftcap(self.config)
 
 
 @dataclass(frozen=True)
@@ -84,6 +110,7 @@ def _loss(
     """loss_function, renamed in the rebuilt forward: `logits` are the hidden states."""
     st: HeadState = self.__dict__[STATE]
     weight = self._modules["lm_head"].weight
+    cap = getattr(self.config, _SOFTCAP, None) if getattr(type(self), _SOFTCAPS, False) else None
     return st.linear_cross_entropy(
         logits,
         weight,
@@ -91,6 +118,7 @@ def _loss(
         ignore_index=ignore_index,
         num_items_in_batch=num_items_in_batch,
         shift_labels=shift_labels,
+        **({"softcap": cap} if cap else {}),
     )
 
 
@@ -167,11 +195,23 @@ def head_forward(self, *args, **kwargs):
     return getattr(cls, ORIGINAL).forward(self, *args, **kwargs)
 
 
+def softcaps(owner: type) -> bool:
+    """Whether the head class's forward reads the config's final_logit_softcapping (Gemma 2, 3)."""
+    code = getattr(inspect.unwrap(owner.forward), "__code__", None)
+    return code is not None and _SOFTCAP in code.co_names
+
+
 def head_class(owner: type) -> type:
-    """Fused<owner>, its forward rebuilt with lm_head and loss_function renamed. Raises
-    ValueError with the reason when the forward cannot be rebuilt."""
-    forward = rebuilt(owner.forward, {"lm_head": _HEAD, "loss_function": _LOSS}, {})
-    return fused_class(owner, "head", head_forward, {_FORWARD: forward, _HEAD: _head, _LOSS: _loss})
+    """Fused<owner>, its forward rebuilt with lm_head and loss_function renamed (and, where it
+    soft-caps the logits, config renamed to a view without the cap). Raises ValueError with the
+    reason when the forward cannot be rebuilt."""
+    names = {"lm_head": _HEAD, "loss_function": _LOSS}
+    attrs = {_HEAD: _head, _LOSS: _loss}
+    if softcaps(owner):
+        names["config"] = _CONFIG
+        attrs.update({_CONFIG: property(_config_without_softcap), _SOFTCAPS: True})
+    forward = rebuilt(owner.forward, names, {})
+    return fused_class(owner, "head", head_forward, {_FORWARD: forward, **attrs})
 
 
 # --------------------------------------------------------------------------------------------
@@ -287,6 +327,8 @@ def _probe(head: nn.Module, fused: type, stack: nn.Module, st: HeadState, name: 
         labels[0, 1] = labels[1, 3] = -100
         config = copy.copy(head.config)
         config.vocab_size = v
+        if getattr(config, _SOFTCAP, None):  # a cap the stand-in's logits reach, so a dropped one shows
+            setattr(config, _SOFTCAP, 0.5)
         attrs = {"config": config, **({"vocab_size": v} if "vocab_size" in head.__dict__ else {})}
         moe = takes_router_flag(parameter_names(owner.forward))
         reads = reads_router_logits(owner.forward)
@@ -352,4 +394,5 @@ __all__ = [
     "head_forward",
     "head_runs_as",
     "plan_head",
+    "softcaps",
 ]

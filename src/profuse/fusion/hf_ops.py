@@ -116,11 +116,17 @@ _GELU_APPROXIMATE = {"gelu_tanh": "tanh", "gelu": "none"}
 def takes_offset(ops: BlockOps, op: str) -> bool:
     """Whether `ops`' norm op takes weight_offset (Gemma's (1 + w)), and so can stand in for an
     offset norm."""
+    return takes_keyword(ops, op, "weight_offset")
+
+
+def takes_keyword(ops: BlockOps, op: str, name: str) -> bool:
+    """Whether `ops`' `op` takes the keyword `name` (weight_offset, softcap): the probes run
+    float64, where HF_EAGER's op stands in, so they cannot see it."""
     try:
         params = inspect.signature(getattr(ops, op)).parameters
     except (TypeError, ValueError):
         return False
-    return "weight_offset" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def unavailable(ops: BlockOps, op: str) -> str | None:
@@ -216,6 +222,7 @@ __all__ = [
     "interpreted",
     "rms_norm_hf",
     "runs_kernels",
+    "takes_keyword",
     "takes_offset",
     "unavailable",
 ]

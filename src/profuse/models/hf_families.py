@@ -133,6 +133,6 @@ def build_tiny(config, seed: int = 0) -> nn.Module:
         warnings.simplefilter("ignore")
         try:
             model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-        except (ValueError, ImportError):  # a family without SDPA: its default attention
-            model = transformers.AutoModelForCausalLM.from_config(config)
+        except (ValueError, ImportError):  # a family without SDPA (Gemma 2): eager attention
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
     return model.float()
