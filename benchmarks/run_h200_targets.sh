@@ -11,12 +11,16 @@
 #
 #   bash benchmarks/run_h200_targets.sh [PREFIX]
 #
-# PREFIX defaults to benchmarks/results/h200-DATE; writes PREFIX-targets/: one folder a step (its
+# PREFIX defaults to benchmarks/results/CARD-DATE, CARD the GPU found (h100, h200); writes
+# PREFIX-targets/: one folder a step (its
 # step.json or other files, its console output as produced, stamped with seconds since the step
 # began) and driver.log, this script's own output. Needs torch, triton, transformers and
-# liger-kernel on a CUDA machine, PYTHONPATH=src. Writes PREFIX-targets/done when it ends.
+# liger-kernel on a CUDA machine, PYTHONPATH=src. Writes PREFIX-targets/done when it ends. A tree
+# copied to the machine without its git history names its commit in PROFUSE_SOURCE_COMMIT (and
+# PROFUSE_SOURCE_DIRTY=1 where it held uncommitted changes): every file's provenance records it.
 set -uo pipefail
-p=${1:-benchmarks/results/h200-$(date -u +%F)}
+card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E 'h100|h200|a100|b200' | tr A-Z a-z)
+p=${1:-benchmarks/results/${card:-gpu}-$(date -u +%F)}
 out="$p-targets"
 mkdir -p "$out"
 exec > >(tee -a "$out/driver.log") 2>&1
@@ -32,7 +36,8 @@ step() {
   local rc=${PIPESTATUS[0]}
   echo "### $name: rc=$rc after $((SECONDS - t0)) s"
 }
-echo "### driver $(date -u +%FT%TZ) git $(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo -dirty)"
+commit=${PROFUSE_SOURCE_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)$(git diff --quiet 2>/dev/null || echo -dirty)}
+echo "### driver $(date -u +%FT%TZ) commit $commit"
 nvidia-smi --query-gpu=name,uuid,clocks.sm,clocks.max.sm,clocks.mem,power.limit,driver_version --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 python3 -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))"

@@ -58,7 +58,8 @@ def test_no_git_or_no_checkout_records_none_and_never_fails(fresh):
 
 @pytest.mark.parametrize(("dirty_text", "dirty"), [("1", True), ("0", False)])
 def test_a_copy_without_its_git_takes_the_commit_its_sender_names(fresh, dirty_text, dirty):
-    """A tree sent to a GPU machine travels without .git: the sender names the commit."""
+    """A tree sent to a GPU machine travels without .git, or with a stale one: the sender names
+    the commit, and that is the one recorded."""
     fresh.setattr(env.shutil, "which", lambda name: None)
     fresh.setenv(env.SOURCE_COMMIT_ENV, "f00d" * 10)
     fresh.setenv(env.SOURCE_DIRTY_ENV, dirty_text)
@@ -67,8 +68,9 @@ def test_a_copy_without_its_git_takes_the_commit_its_sender_names(fresh, dirty_t
     assert tree["told_by"] == env.SOURCE_COMMIT_ENV
     env.source_tree.cache_clear()
     fresh.setattr(env.shutil, "which", lambda name: f"/usr/bin/{name}")
-    fresh.setattr(env, "_git", fake_git("a1b2c3d4" * 5, ""))
-    assert env.source_tree()["commit"] == "a1b2c3d4" * 5  # git, where it answers, comes first
+    fresh.setattr(env, "_git", fake_git("a1b2c3d4" * 5, " M x.py"))  # a stale .git in the copy
+    tree = env.source_tree()
+    assert tree["commit"] == "f00d" * 10 and tree["git_saw"] == {"commit": "a1b2c3d4" * 5, "dirty": True}
 
 
 def test_versions_name_every_package_and_none_where_missing(fresh):

@@ -262,8 +262,11 @@ def source_tree(root: str | None = None) -> dict:
             out.update(commit=commit or None, dirty=bool(status) if commit else None)
     except (OSError, subprocess.SubprocessError):
         pass
-    if out["commit"] is None and os.environ.get(SOURCE_COMMIT_ENV):
-        # a copy of a checkout without its .git (a tree sent to a GPU machine): the sender says
+    if os.environ.get(SOURCE_COMMIT_ENV):
+        # a copy of a checkout sent to a GPU machine: its sender knows the commit, where the copy
+        # has no .git or a stale one (seen 2026-12-07: the session's first commit, "dirty")
+        if out["commit"] is not None:
+            out["git_saw"] = {"commit": out["commit"], "dirty": out["dirty"]}
         out.update(
             commit=os.environ[SOURCE_COMMIT_ENV],
             dirty=os.environ.get(SOURCE_DIRTY_ENV, "").lower() in ("1", "true", "yes"),
