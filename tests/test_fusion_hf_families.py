@@ -20,9 +20,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from fusion_cases import assert_untouched, labels_for, loss_and_grads, snapshot  # noqa: E402
+from fusion_cases import assert_untouched, fused_modules, labels_for, loss_and_grads, snapshot  # noqa: E402
 
 from profuse import fusion  # noqa: E402
+from profuse.errors import UnsupportedModel  # noqa: E402
 from profuse.fusion import hf_ops  # noqa: E402
 from profuse.fusion.hf import fuse, unfuse  # noqa: E402
 from profuse.fusion.hf_modules import STATE  # noqa: E402
@@ -210,7 +211,7 @@ def test_gemma_fused_with_the_triton_kernels_through_the_interpreter():
 MLP_FAMILIES = {
     "phi3": (True, "silu", {"linear_cross_entropy": 1}),
     "glm4": (True, "silu", {"linear_cross_entropy": 1}),
-    "olmo2": (False, "silu", {"linear_cross_entropy": 1}),
+    "olmo2": (False, "silu", {"rms_norm": 1, "linear_cross_entropy": 1, "rms_norm_add": 4}),
     "gemma3_text": (False, "gelu_tanh", {"rope": 2, "linear_cross_entropy": 1}),
 }
 
@@ -219,13 +220,17 @@ MLP_FAMILIES = {
 @pytest.mark.parametrize("arch", list(MLP_FAMILIES))
 def test_mlps_of_layers_not_fused_whole_fuse_by_their_class_packed_or_not(arch, dtype):
     packed, activation, others = MLP_FAMILIES[arch]
-    for impl, exact in ((fusion.HF_EAGER, True), (fusion.EAGER, False)):
+    # OLMo 2's final norm multiplies by the weight in fp32, then casts; HF_EAGER's rms_norm is
+    # Llama's order (cast, then the weight): in bf16 one ulp apart (its rms_norm_add is bitwise)
+    hf_exact = not (arch == "olmo2" and dtype is BF16)
+    for impl, exact in ((fusion.HF_EAGER, hf_exact), (fusion.EAGER, False)):
         model = family(arch, seed=21, dtype=dtype)
         summary = _compare(model, impl, dtype, seed=6, exact=exact)
         assert summary.counts == {"silu_mul": 2, **others}
         spec = model.model.layers[1].mlp.__dict__[STATE].spec
         assert (spec.packed, spec.activation) == (packed, activation)
-        assert "add_rms_norm" in dict(item.split(": ", 1) for item in summary.left_unfused)
+        left = dict(item.split(": ", 1) for item in summary.left_unfused)
+        assert ("add_rms_norm" in left) == (arch != "olmo2")  # OLMo 2's post-norm layers have no such place
 
 
 def test_a_packed_geglu_mlp_calls_gelu_mul_on_the_packed_output(monkeypatch):
@@ -343,3 +348,52 @@ def test_a_soft_capped_head_fused_with_the_triton_kernels_through_the_interprete
     model = softcapped("gemma2", seed=34, layers=1)
     summary = _compare(model, fusion.FUSED, torch.float32, seed=12, exact=False)
     assert summary.counts["linear_cross_entropy"] == 1 and summary.notes == ()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_olmo2s_post_norm_layers_fuse_into_rms_norm_add_under_checkpointing_too(dtype):
+    model = family("olmo2", seed=41, dtype=dtype)
+    summary = _compare(model, fusion.HF_EAGER, dtype, seed=13, exact=dtype is torch.float32)
+    assert summary.counts["rms_norm_add"] == 4 and summary.counts["rms_norm"] == 1
+    assert "rms_norm_add" not in str(summary.left_unfused)
+    model = family("olmo2", seed=41, dtype=dtype)  # the final norm's order apart: bitwise in bf16 too
+    ref = copy.deepcopy(model)
+    fuse(model, ["rms_norm_add", "silu_mul"], impl=fusion.HF_EAGER)
+    ids = ids_for(13)
+    (got, grads), (want, want_grads) = loss_and_grads(model, ids), loss_and_grads(ref, ids)
+    assert torch.equal(got, want) and all(torch.equal(grads[k], want_grads[k]) for k in want_grads)
+    model = family("olmo2", seed=42, dtype=dtype)
+    model.gradient_checkpointing_enable()
+    _compare(model, fusion.EAGER, dtype, seed=14, exact=False)
+
+
+def test_a_layer_that_norms_before_its_add_is_not_taken_for_post_norm():
+    olmo2 = transformers.models.olmo2.modeling_olmo2
+
+    class PreAddLayer(olmo2.Olmo2DecoderLayer):
+        def forward(self, hidden_states, **kwargs):  # norm(x + attn(x)): not post-norm
+            attn = self.self_attn(hidden_states=hidden_states, **kwargs)[0]
+            h = self.post_attention_layernorm(hidden_states + attn)
+            return self.post_feedforward_layernorm(h + self.mlp(h))
+
+    model = family("olmo2", seed=43)
+    for layer in model.model.layers:
+        layer.__class__ = PreAddLayer
+    before = snapshot(model)
+    summary = fuse(model, fusion.EAGER, dry_run=True)
+    assert_untouched(model, before)
+    left = dict(item.split(": ", 1) for item in summary.left_unfused)
+    assert "not the post-norm layer" in left["rms_norm_add"] and "rms_norm_add" not in summary.counts
+    with pytest.raises(UnsupportedModel, match="rms_norm_add cannot be fused"):
+        fuse(model, ["rms_norm_add"], impl=fusion.EAGER)
+    assert_untouched(model, before)
+
+
+@pytest.mark.skipif(not _has_fused_kernels(), reason="triton or a kernel module is missing")
+def test_olmo2_fused_with_the_triton_kernels_through_the_interpreter():
+    model = family("olmo2", seed=44, layers=1)
+    summary = _compare(model, fusion.FUSED, torch.float32, seed=15, exact=False)
+    assert summary.counts["rms_norm_add"] == 2 and summary.notes == ()
+    assert fused_modules(model)
+    unfuse(model)
+    assert not fused_modules(model)

@@ -37,7 +37,17 @@ SILU_MUL, ADD_RMS_NORM = "silu_mul", "add_rms_norm"
 RMS_NORM, ROPE, QK_NORM_ROPE = "rms_norm", "rope", "qk_norm_rope"
 LINEAR_CROSS_ENTROPY = "linear_cross_entropy"
 CLAMPED_SWIGLU = "clamped_swiglu"  # gpt-oss's experts' gate (profuse.fusion.hf_experts)
-OP_NAMES = (SILU_MUL, ADD_RMS_NORM, RMS_NORM, ROPE, QK_NORM_ROPE, LINEAR_CROSS_ENTROPY, CLAMPED_SWIGLU)
+RMS_NORM_ADD = "rms_norm_add"  # post-norm layers' norm, then the add (OLMo 2: profuse.fusion.hf_layer)
+OP_NAMES = (
+    SILU_MUL,
+    ADD_RMS_NORM,
+    RMS_NORM,
+    ROPE,
+    QK_NORM_ROPE,
+    LINEAR_CROSS_ENTROPY,
+    CLAMPED_SWIGLU,
+    RMS_NORM_ADD,
+)
 
 # Profiler ranges around each op, by op: what Part C looks for in the eager trace.
 BLOCK_OP_RANGES = {op: f"profuse.block_op: {op}" for op in OP_NAMES}
@@ -58,6 +68,7 @@ class BlockOps:
     linear_cross_entropy: Callable | None = None  # (hidden, weight, labels, **HF loss kwargs) -> loss
     # (gate_up, alpha=, limit=, interleaved=) -> (clamp(u, -limit, limit) + 1) * g * sigmoid(alpha g)
     clamped_swiglu: Callable | None = None
+    rms_norm_add: Callable | None = None  # (x, residual, weight, eps) -> residual + rms_norm(x) * weight
 
 
 # profuse's Triton kernels (profuse.kernels: swiglu, add_rms_norm, rms_norm, rope, cross_entropy).
@@ -70,6 +81,7 @@ FUSED = BlockOps(
     qk_norm_rope=rotary.qk_norm_rope,
     linear_cross_entropy=crossentropy.linear_cross_entropy,
     clamped_swiglu=blockops.clamped_swiglu,
+    rms_norm_add=blockops.rms_norm_add,
 )
 # The same math one op at a time, through the ops' own eager versions: a stand-in for the fused
 # ops that runs anywhere (it tests the plumbing; it fuses nothing).
@@ -82,6 +94,7 @@ EAGER = BlockOps(
     qk_norm_rope=rotary.qk_norm_rope_eager,
     linear_cross_entropy=crossentropy.linear_cross_entropy_eager,
     clamped_swiglu=blockops.clamped_swiglu_eager,
+    rms_norm_add=blockops.rms_norm_add_eager,
 )
 
 

@@ -23,6 +23,20 @@ memory-bound ops of a training step fused, each in its place:
                            an MoE head adds the router's aux loss as it did: hf_moe_head;
                            Gemma 2 and 3's final-logit soft-cap as softcap=, read at
                            each call from the config)
+    rms_norm_add           OLMo 2's post-norm layers: each sublayer's output           2L places
+                           normalised, then added to the stream (hf_layer's
+                           post-norm layer; the final norm is then rms_norm's)
+
+By family past Llama's (`profuse fuse --model hf:FAMILY` prints the table and each reason):
+
+    Gemma          every op but qk_norm_rope (it has no q/k norms)
+    Gemma 2, 3     silu_mul (GeGLU, by the MLP's class: profuse.fusion.hf_mlp), rope and the
+                   soft-capped linear_cross_entropy; their four-norm layers stay as they are,
+                   and Gemma 3's (1 + w) q/k norms
+    OLMo 2         silu_mul, rms_norm_add, rms_norm (the final norm), linear_cross_entropy;
+                   not rope (its q/k norms span the whole projection)
+    Phi-3, GLM-4   silu_mul on the packed gate_up_proj (hf_mlp), linear_cross_entropy; their
+                   layers (residual dropout modules; four norms) stay as they are
 
 Which implementation runs is a BlockOps: FUSED (the default), profuse's Triton kernels; EAGER,
 the ops' eager versions, anywhere; HF_EAGER, the model's own eager math, so the fused model
@@ -98,6 +112,7 @@ from profuse.fusion.gpt import (
     OP_NAMES,
     QK_NORM_ROPE,
     RMS_NORM,
+    RMS_NORM_ADD,
     ROPE,
     SILU_MUL,
     BlockOps,
@@ -107,14 +122,18 @@ from profuse.fusion.hf_experts import has_clamped_experts, has_experts, plan_exp
 from profuse.fusion.hf_head import plan_head, softcaps
 from profuse.fusion.hf_layer import (
     MIN_TRANSFORMERS,
+    POSTNORM_CHILDREN,
     FinalNormState,
     LayerState,
+    PostNormState,
     attn_defaults,
     final_norm_forward,
     layer_forward,
+    postnorm_layer_forward,
     probe_layer,
     probe_mlp,
     probe_norm,
+    probe_postnorm_layer,
 )
 from profuse.fusion.hf_mask import plan_mask
 from profuse.fusion.hf_mlp import plan_mlps
@@ -142,6 +161,7 @@ _WHAT = {
     ROPE: "the rotary embedding of q and k, one launch",
     QK_NORM_ROPE: "q_norm and k_norm with the rotary embedding, one launch",
     CLAMPED_SWIGLU: "gpt-oss's experts' (clamp(up) + 1) * g * sigmoid(alpha * g), g = clamp(gate)",
+    RMS_NORM_ADD: "post-norm: each sublayer's output normalised, then added to the stream",
     LINEAR_CROSS_ENTROPY: "lm_head and the loss: in training with labels, no logits (logits='always')",
 }
 # The logits policy (profuse.fusion.hf_head): "auto" skips the logits only in training with labels
@@ -413,6 +433,73 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
     return installs, counts
 
 
+def _is_postnorm(layers: list[nn.Module]) -> bool:
+    """Whether every layer holds the post-norm layout's children (OLMo 2's): rms_norm_add's places."""
+    return all({name for name, _ in layer.named_children()} == POSTNORM_CHILDREN for layer in layers)
+
+
+def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, what: str, impl: BlockOps):
+    """The fused post-norm layers (rms_norm_add, 2 places each) and the final norm (rms_norm):
+    installs; counts and reasons filled."""
+    layers = list(stack.layers)
+    op = bound.get(RMS_NORM_ADD)
+    if op is None or not _is_postnorm(layers):
+        return []
+    reasons.pop(ADD_RMS_NORM, None)  # no add comes before a norm here: rms_norm_add has its places
+    classes = {type(layer) for layer in layers}
+    try:
+        if len(classes) != 1:
+            raise UnsupportedModel(f"{what} mixes decoder layer classes")
+        cls = classes.pop()
+        owner = forward_owner(cls)
+        if not issubclass(owner, _checkpointing_layer_class()) or hasattr(owner, "kernel_layer_name"):
+            raise UnsupportedModel(f"{owner.__name__} is not a GradientCheckpointingLayer of its own forward")
+        if any("forward" in layer.__dict__ for layer in layers):
+            raise UnsupportedModel("a layer has a forward of its own: profuse fuses class forwards only")
+        specs = []
+        for key in ("post_attention_layernorm", "post_feedforward_layernorm"):
+            found = {probe_norm(getattr(layer, key), f"layer {i}'s {key}") for i, layer in enumerate(layers)}
+            if len(found) != 1:
+                raise UnsupportedModel(f"{what}'s {key} classes differ from layer to layer")
+            specs.append(found.pop())
+        offsets = _offset_norms(specs, impl, [RMS_NORM_ADD])
+        if offsets:
+            raise UnsupportedModel(offsets[RMS_NORM_ADD])
+        probe_postnorm_layer(layers[0], f"{what}'s {cls.__name__}")
+        fused = fused_class(owner, "postnorm_layer", postnorm_layer_forward)
+        targets = [fused_target(layer, owner, fused) for layer in layers]
+        if any(t is None for t in targets):
+            raise UnsupportedModel(
+                f"{cls.__name__} is derived from {owner.__name__} with a forward of its own"
+            )
+    except UnsupportedModel as e:
+        reasons[RMS_NORM_ADD] = str(e)
+        return []
+    state = PostNormState(op, *specs, attn_defaults(owner))
+    installs = [(layer, target, state) for layer, target in zip(layers, targets)]
+    counts[RMS_NORM_ADD] = 2 * len(layers)
+    rms = bound.get(RMS_NORM)
+    if rms is not None:  # the final norm: a plain norm of the last hidden state
+        try:
+            spec = probe_norm(stack.norm, "the final norm")
+            offsets = _offset_norms([spec], impl, [RMS_NORM])
+            if offsets:
+                raise UnsupportedModel(offsets[RMS_NORM])
+            target = fused_target(
+                stack.norm, spec.cls, fused_class(spec.cls, "final_norm", final_norm_forward)
+            )
+            if target is None:
+                raise UnsupportedModel(
+                    f"the final norm's class {type(stack.norm).__name__} has a forward of its own"
+                )
+            installs.append((stack.norm, target, FinalNormState(None, rms, spec)))
+            counts[RMS_NORM] = 1
+            reasons.pop(RMS_NORM, None)
+        except UnsupportedModel as e:
+            reasons[RMS_NORM] = f"the final norm stays as it is: {e}"
+    return installs
+
+
 def _plan_mlps(layers: list[nn.Module], impl: BlockOps, label: bool, reasons: dict, counts: dict, what: str):
     """The MLP places of layers not fused whole, each fused by its MLP's class (hf_mlp): installs;
     counts and reasons filled for silu_mul."""
@@ -436,6 +523,8 @@ def _has_place(op: str, model: nn.Module, stack: nn.Module) -> bool:
         return all(isinstance(getattr(layer.self_attn, "q_norm", None), nn.Module) for layer in stack.layers)
     if op == CLAMPED_SWIGLU:
         return has_clamped_experts(stack)
+    if op == RMS_NORM_ADD:
+        return _is_postnorm(list(stack.layers))
     if op == LINEAR_CROSS_ENTROPY:
         return plan_head(model, stack, lambda *args, **kwargs: None, probe=False).absent is None
     return True
@@ -488,6 +577,7 @@ def _plan(
     installs, counts = _plan_layers(stack, bound, reasons, what, impl, label)
     if SILU_MUL in bound and SILU_MUL not in counts and not has_experts(stack):
         installs += _plan_mlps(layers, impl, label, reasons, counts, what)
+    installs += _plan_postnorm(stack, bound, reasons, counts, what, impl)
     silu = bound.get(SILU_MUL) if SILU_MUL not in counts else None
     if (silu or bound.get(CLAMPED_SWIGLU)) and has_experts(stack):  # MoE: each MLP place by class
         mlps = plan_experts(stack, silu, bound.get(CLAMPED_SWIGLU))

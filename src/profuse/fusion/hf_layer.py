@@ -251,6 +251,54 @@ def final_norm_forward(self, hidden_states):
 
 
 # --------------------------------------------------------------------------------------------
+# The post-norm layer (OLMo 2): each sublayer's output normalised, then added to the stream
+#
+#     h  = x + post_attention_layernorm(attn(x))        rms_norm_add(attn_out, x, w_attn, eps)
+#     x' = h + post_feedforward_layernorm(mlp(h))       rms_norm_add(mlp_out, h, w_mlp, eps)
+#
+# The hidden state passes from layer to layer as it is (no pair); the MLP is its own module
+# (fused by its class where it can be: hf_mlp), and the final norm a plain rms_norm.
+# --------------------------------------------------------------------------------------------
+
+POSTNORM_CHILDREN = frozenset({"self_attn", "mlp", "post_attention_layernorm", "post_feedforward_layernorm"})
+
+
+@dataclass(frozen=True)
+class PostNormState:
+    """What a fused post-norm layer calls: rms_norm_add, with the two norm classes the probe checked."""
+
+    rms_norm_add: Callable
+    attn_norm: NormSpec
+    mlp_norm: NormSpec
+    attn_defaults: dict
+
+
+def norm_then_add(op, spec: NormSpec, norm: nn.Module, x, residual):
+    """residual + norm(x): rms_norm_add where `norm` is as probed, else the module and the add."""
+    if runs_as(norm, spec.cls):
+        return op(x, residual, norm.weight, spec.eps(norm), **spec.kwargs())
+    return residual + norm(x)
+
+
+def postnorm_layer_forward(self, hidden_states, *args, **kwargs):
+    """The fused post-norm decoder layer: the hidden state in, the hidden state out."""
+    st: PostNormState = self.__dict__[STATE]
+    if args:
+        kwargs = {**dict(zip(st.attn_defaults, args)), **kwargs}
+    if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+        body = functools.partial(postnorm_layer_body, self, **_without_cache(self, kwargs))
+        return self._gradient_checkpointing_func(body, hidden_states)
+    return postnorm_layer_body(self, hidden_states, **kwargs)
+
+
+def postnorm_layer_body(self, x, **kwargs):
+    st: PostNormState = self.__dict__[STATE]
+    attn_out = self.self_attn(hidden_states=x, **{**st.attn_defaults, **kwargs})[0]
+    h = norm_then_add(st.rms_norm_add, st.attn_norm, self.post_attention_layernorm, attn_out, x)
+    return norm_then_add(st.rms_norm_add, st.mlp_norm, self.post_feedforward_layernorm, self.mlp(h), h)
+
+
+# --------------------------------------------------------------------------------------------
 # Probes (nothing is changed here): each raises UnsupportedModel with the reason
 # --------------------------------------------------------------------------------------------
 
@@ -476,7 +524,81 @@ def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> None:
         raise UnsupportedModel(f"{where} ({type(layer).__name__}) could not be checked: {e}") from None
 
 
+def probe_postnorm_layer(layer: nn.Module, where: str) -> None:
+    """Run the layer class's own forward and the fused post-norm body on stand-in submodules
+    (float64, CPU): raise unless they give the same output and hand attention the same arguments."""
+    cls = forward_owner(type(layer))
+    n = 8
+    calls: list[dict] = []
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(n, n, dtype=torch.float64) / n**0.5)
+
+        def forward(self, hidden_states, **kwargs):
+            calls.append(kwargs)
+            return torch.tanh(hidden_states @ self.w), None
+
+    class Norm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(1 + torch.randn(n, dtype=torch.float64) / 4), 1e-6
+
+        def forward(self, x):
+            return F.rms_norm(x, (n,), self.weight, self.eps)
+
+    def op(x, residual, weight, eps):
+        return residual + F.rms_norm(x, (n,), weight, eps)
+
+    defaults = attn_defaults(cls)
+    spec = NormSpec(Norm, "eps")
+    with torch.random.fork_rng():
+        torch.manual_seed(2)
+        children = {
+            "self_attn": Attention(),
+            "mlp": nn.Sequential(
+                nn.Linear(n, 11, dtype=torch.float64), nn.Tanh(), nn.Linear(11, n, dtype=torch.float64)
+            ),
+            "post_attention_layernorm": Norm(),
+            "post_feedforward_layernorm": Norm(),
+        }
+        model = stand_in(layer, cls, children)
+        x = torch.randn(2, 5, n, dtype=torch.float64)
+    model.__dict__[STATE] = PostNormState(op, spec, spec, defaults)
+    named = {name: _Sentinel(name) for name in defaults}
+    named["probe_extra"] = _Sentinel("probe_extra")
+    try:
+        with torch.no_grad():
+            for training, kwargs in ((False, named), (False, {}), (True, named)):
+                calls.clear()
+                model.train(training)
+                with seeded(6):
+                    want = cls.forward(model, x, **kwargs)
+                with seeded(6):
+                    got = postnorm_layer_body(model, x, **kwargs)
+                same_args = len(calls) == 2 and calls[0] == calls[1]
+                if (
+                    not isinstance(want, torch.Tensor)
+                    or not same_args
+                    or not ((got - want).abs().max() <= PROBE_TOL * want.abs().max())
+                ):
+                    raise UnsupportedModel(
+                        f"{where} ({type(layer).__name__}) is not the post-norm layer "
+                        "h = x + norm(attn(x)), then h + norm(mlp(h)): profuse cannot fuse it exactly"
+                    )
+    except UnsupportedModel:
+        raise
+    except Exception as e:
+        raise UnsupportedModel(f"{where} ({type(layer).__name__}) could not be checked: {e}") from None
+
+
 __all__ = [
+    "POSTNORM_CHILDREN",
+    "PostNormState",
+    "postnorm_layer_body",
+    "postnorm_layer_forward",
+    "probe_postnorm_layer",
     "MIN_TRANSFORMERS",
     "MLP_ACTIVATIONS",
     "NORM_OFFSETS",

@@ -32,6 +32,7 @@ from profuse.fusion.gpt import (
     LINEAR_CROSS_ENTROPY,
     QK_NORM_ROPE,
     RMS_NORM,
+    RMS_NORM_ADD,
     ROPE,
     SILU_MUL,
     BlockOps,
@@ -81,6 +82,7 @@ HF_EAGER = BlockOps(
     qk_norm_rope=rotary.qk_norm_rope_eager,
     linear_cross_entropy=crossentropy.linear_cross_entropy_eager,
     clamped_swiglu=blockops.clamped_swiglu_eager,  # GptOssExperts._apply_gate op for op
+    rms_norm_add=blockops.rms_norm_add_eager,  # Olmo2RMSNorm, then the add, op for op
 )
 
 # How many leading arguments of each op are tensors whose dtype the kernels must take.
@@ -92,6 +94,7 @@ _TENSOR_ARGS = {
     QK_NORM_ROPE: 6,
     LINEAR_CROSS_ENTROPY: 2,
     CLAMPED_SWIGLU: 1,
+    RMS_NORM_ADD: 3,
 }
 
 # profuse's Triton ops and the kernel module each needs: an op whose module is not in this build
@@ -105,6 +108,7 @@ _KERNEL_MODULES = {
     crossentropy.linear_cross_entropy: "profuse.kernels.cross_entropy",
     blockops.clamped_swiglu: "profuse.kernels.gated",
     blockops.gelu_mul: "profuse.kernels.gated",
+    blockops.rms_norm_add: "profuse.kernels.rms_norm",
 }
 
 # The GELU form of each op set's silu_mul: a GeGLU MLP's place calls it (bound_gated). The op set
