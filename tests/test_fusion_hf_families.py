@@ -212,7 +212,11 @@ MLP_FAMILIES = {
     "phi3": (True, "silu", {"linear_cross_entropy": 1}),
     "glm4": (True, "silu", {"linear_cross_entropy": 1}),
     "olmo2": (False, "silu", {"rms_norm": 1, "linear_cross_entropy": 1, "rms_norm_add": 4}),
-    "gemma3_text": (False, "gelu_tanh", {"rope": 2, "linear_cross_entropy": 1}),
+    "gemma3_text": (
+        False,
+        "gelu_tanh",
+        {"rms_norm": 5, "rope": 2, "linear_cross_entropy": 1, "rms_norm_add": 4},
+    ),
 }
 
 
@@ -230,7 +234,8 @@ def test_mlps_of_layers_not_fused_whole_fuse_by_their_class_packed_or_not(arch, 
         spec = model.model.layers[1].mlp.__dict__[STATE].spec
         assert (spec.packed, spec.activation) == (packed, activation)
         left = dict(item.split(": ", 1) for item in summary.left_unfused)
-        assert ("add_rms_norm" in left) == (arch != "olmo2")  # OLMo 2's post-norm layers have no such place
+        # post-norm and sandwich layers have no add before a norm: no add_rms_norm place
+        assert ("add_rms_norm" in left) == (arch in ("phi3", "glm4"))
 
 
 def test_a_packed_geglu_mlp_calls_gelu_mul_on_the_packed_output(monkeypatch):
@@ -309,7 +314,9 @@ def test_a_soft_capped_head_fuses_and_passes_its_cap_to_the_loss(arch, dtype):
         model = softcapped(arch, seed=31, dtype=dtype)
         summary = _compare(model, impl, dtype, seed=10, exact=exact)
         assert summary.counts["linear_cross_entropy"] == 1 and summary.counts["rope"] == 2
-        assert summary.counts["silu_mul"] == 2  # the GeGLU MLP by its class: the sandwich layer stays
+        # the GeGLU MLP by its class; the sandwich layer's four (1 + w) norms and the final one
+        assert summary.counts["silu_mul"] == 2 and summary.counts["rms_norm_add"] == 4
+        assert summary.counts["rms_norm"] == 5
 
 
 def test_the_cap_is_read_at_each_call_and_a_loss_without_softcap_leaves_the_head_unfused():
@@ -348,6 +355,17 @@ def test_a_soft_capped_head_fused_with_the_triton_kernels_through_the_interprete
     model = softcapped("gemma2", seed=34, layers=1)
     summary = _compare(model, fusion.FUSED, torch.float32, seed=12, exact=False)
     assert summary.counts["linear_cross_entropy"] == 1 and summary.notes == ()
+    assert summary.counts["rms_norm_add"] == 2 and summary.counts["rms_norm"] == 3  # the sandwich
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_gemma2s_sandwich_layers_fuse_under_checkpointing_too(dtype):
+    model = softcapped("gemma2", seed=35, dtype=dtype)
+    model.gradient_checkpointing_enable()
+    summary = _compare(model, fusion.HF_EAGER, dtype, seed=16, exact=True)
+    assert summary.counts["rms_norm_add"] == 4 and summary.counts["rms_norm"] == 5
+    state = model.model.layers[0].__dict__[STATE]
+    assert state.sandwich and state.attn_norm.offset == state.pre_norm.offset == 1.0
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, BF16])

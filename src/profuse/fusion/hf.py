@@ -23,16 +23,18 @@ memory-bound ops of a training step fused, each in its place:
                            an MoE head adds the router's aux loss as it did: hf_moe_head;
                            Gemma 2 and 3's final-logit soft-cap as softcap=, read at
                            each call from the config)
-    rms_norm_add           OLMo 2's post-norm layers: each sublayer's output           2L places
-                           normalised, then added to the stream (hf_layer's
-                           post-norm layer; the final norm is then rms_norm's)
+    rms_norm_add           OLMo 2's post-norm layers and Gemma 2 and 3's sandwich      2L places
+                           layers: each sublayer's output normalised, then added to
+                           the stream (hf_layer's post-norm layer; the final norm,
+                           and a sandwich layer's norms in front, are rms_norm's)
 
 By family past Llama's (`profuse fuse --model hf:FAMILY` prints the table and each reason):
 
     Gemma          every op but qk_norm_rope (it has no q/k norms)
-    Gemma 2, 3     silu_mul (GeGLU, by the MLP's class: profuse.fusion.hf_mlp), rope and the
-                   soft-capped linear_cross_entropy; their four-norm layers stay as they are,
-                   and Gemma 3's (1 + w) q/k norms
+    Gemma 2, 3     every op but add_rms_norm (sandwich layers: rms_norm_add after each
+                   sublayer, rms_norm before it, all (1 + w)), the GeGLU MLP by its class
+                   (profuse.fusion.hf_mlp), the soft-capped linear_cross_entropy; not Gemma
+                   3's (1 + w) q/k norms (qk_norm_rope takes no offset: rope fuses alone)
     OLMo 2         silu_mul, rms_norm_add, rms_norm (the final norm), linear_cross_entropy;
                    not rope (its q/k norms span the whole projection)
     Phi-3, GLM-4   silu_mul on the packed gate_up_proj (hf_mlp), linear_cross_entropy; their
@@ -123,6 +125,7 @@ from profuse.fusion.hf_head import plan_head, softcaps
 from profuse.fusion.hf_layer import (
     MIN_TRANSFORMERS,
     POSTNORM_CHILDREN,
+    SANDWICH_CHILDREN,
     FinalNormState,
     LayerState,
     PostNormState,
@@ -433,9 +436,17 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
     return installs, counts
 
 
+def _postnorm_layout(layers: list[nn.Module]) -> str | None:
+    """ "postnorm" where every layer holds OLMo 2's post-norm children, "sandwich" where every
+    one holds Gemma 2's (the same with a norm in front of each sublayer), else None."""
+    found = {frozenset(name for name, _ in layer.named_children()) for layer in layers}
+    layouts = {POSTNORM_CHILDREN: "postnorm", SANDWICH_CHILDREN: "sandwich"}
+    return layouts.get(found.pop()) if len(found) == 1 else None
+
+
 def _is_postnorm(layers: list[nn.Module]) -> bool:
-    """Whether every layer holds the post-norm layout's children (OLMo 2's): rms_norm_add's places."""
-    return all({name for name, _ in layer.named_children()} == POSTNORM_CHILDREN for layer in layers)
+    """Whether the layers are post-norm or sandwich layers: rms_norm_add's places."""
+    return _postnorm_layout(layers) is not None
 
 
 def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, what: str, impl: BlockOps):
@@ -443,8 +454,10 @@ def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, w
     installs; counts and reasons filled."""
     layers = list(stack.layers)
     op = bound.get(RMS_NORM_ADD)
-    if op is None or not _is_postnorm(layers):
+    layout = _postnorm_layout(layers)
+    if op is None or layout is None:
         return []
+    sandwich = layout == "sandwich"
     reasons.pop(ADD_RMS_NORM, None)  # no add comes before a norm here: rms_norm_add has its places
     classes = {type(layer) for layer in layers}
     try:
@@ -457,15 +470,19 @@ def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, w
         if any("forward" in layer.__dict__ for layer in layers):
             raise UnsupportedModel("a layer has a forward of its own: profuse fuses class forwards only")
         specs = []
-        for key in ("post_attention_layernorm", "post_feedforward_layernorm"):
+        keys = ["post_attention_layernorm", "post_feedforward_layernorm"]
+        keys += ["input_layernorm", "pre_feedforward_layernorm"] if sandwich else []
+        for key in keys:
             found = {probe_norm(getattr(layer, key), f"layer {i}'s {key}") for i, layer in enumerate(layers)}
             if len(found) != 1:
                 raise UnsupportedModel(f"{what}'s {key} classes differ from layer to layer")
             specs.append(found.pop())
+        if sandwich and len(set(specs)) != 1:
+            raise UnsupportedModel(f"{what}'s four norms a layer are not of one class")
         offsets = _offset_norms(specs, impl, [RMS_NORM_ADD])
         if offsets:
             raise UnsupportedModel(offsets[RMS_NORM_ADD])
-        probe_postnorm_layer(layers[0], f"{what}'s {cls.__name__}")
+        probe_postnorm_layer(layers[0], f"{what}'s {cls.__name__}", sandwich)
         fused = fused_class(owner, "postnorm_layer", postnorm_layer_forward)
         targets = [fused_target(layer, owner, fused) for layer in layers]
         if any(t is None for t in targets):
@@ -475,10 +492,19 @@ def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, w
     except UnsupportedModel as e:
         reasons[RMS_NORM_ADD] = str(e)
         return []
-    state = PostNormState(op, *specs, attn_defaults(owner))
+    rms = bound.get(RMS_NORM)
+    offsets = _offset_norms(specs, impl, [RMS_NORM]) if rms is not None else {}
+    if offsets:
+        rms, reasons[RMS_NORM] = None, offsets[RMS_NORM]
+    pre = sandwich and rms is not None  # a sandwich layer's pre-norms run as rms_norm
+    if pre:
+        counts[RMS_NORM] = 2 * len(layers)
+        reasons.pop(RMS_NORM, None)
+    state = PostNormState(
+        op, specs[0], specs[1], attn_defaults(owner), sandwich, rms if pre else None, specs[0]
+    )
     installs = [(layer, target, state) for layer, target in zip(layers, targets)]
     counts[RMS_NORM_ADD] = 2 * len(layers)
-    rms = bound.get(RMS_NORM)
     if rms is not None:  # the final norm: a plain norm of the last hidden state
         try:
             spec = probe_norm(stack.norm, "the final norm")
@@ -493,7 +519,7 @@ def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, w
                     f"the final norm's class {type(stack.norm).__name__} has a forward of its own"
                 )
             installs.append((stack.norm, target, FinalNormState(None, rms, spec)))
-            counts[RMS_NORM] = 1
+            counts[RMS_NORM] = counts.get(RMS_NORM, 0) + 1
             reasons.pop(RMS_NORM, None)
         except UnsupportedModel as e:
             reasons[RMS_NORM] = f"the final norm stays as it is: {e}"

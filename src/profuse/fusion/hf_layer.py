@@ -256,21 +256,28 @@ def final_norm_forward(self, hidden_states):
 #     h  = x + post_attention_layernorm(attn(x))        rms_norm_add(attn_out, x, w_attn, eps)
 #     x' = h + post_feedforward_layernorm(mlp(h))       rms_norm_add(mlp_out, h, w_mlp, eps)
 #
+# and the sandwich layer (Gemma 2 and 3), the same with a norm in front of each sublayer too:
+# attn(input_layernorm(x)) and mlp(pre_feedforward_layernorm(h)), each an rms_norm.
 # The hidden state passes from layer to layer as it is (no pair); the MLP is its own module
 # (fused by its class where it can be: hf_mlp), and the final norm a plain rms_norm.
 # --------------------------------------------------------------------------------------------
 
 POSTNORM_CHILDREN = frozenset({"self_attn", "mlp", "post_attention_layernorm", "post_feedforward_layernorm"})
+SANDWICH_CHILDREN = POSTNORM_CHILDREN | {"input_layernorm", "pre_feedforward_layernorm"}
 
 
 @dataclass(frozen=True)
 class PostNormState:
-    """What a fused post-norm layer calls: rms_norm_add, with the two norm classes the probe checked."""
+    """What a fused post-norm layer calls: rms_norm_add, with the two norm classes the probe
+    checked; a sandwich layer's pre-norms too (rms_norm, None where not fused)."""
 
     rms_norm_add: Callable
     attn_norm: NormSpec
     mlp_norm: NormSpec
     attn_defaults: dict
+    sandwich: bool = False
+    rms_norm: Callable | None = None
+    pre_norm: NormSpec | None = None  # input_layernorm's and pre_feedforward_layernorm's class
 
 
 def norm_then_add(op, spec: NormSpec, norm: nn.Module, x, residual):
@@ -293,9 +300,11 @@ def postnorm_layer_forward(self, hidden_states, *args, **kwargs):
 
 def postnorm_layer_body(self, x, **kwargs):
     st: PostNormState = self.__dict__[STATE]
-    attn_out = self.self_attn(hidden_states=x, **{**st.attn_defaults, **kwargs})[0]
+    y = norm_alone(st.rms_norm, st.pre_norm, self.input_layernorm, x) if st.sandwich else x
+    attn_out = self.self_attn(hidden_states=y, **{**st.attn_defaults, **kwargs})[0]
     h = norm_then_add(st.rms_norm_add, st.attn_norm, self.post_attention_layernorm, attn_out, x)
-    return norm_then_add(st.rms_norm_add, st.mlp_norm, self.post_feedforward_layernorm, self.mlp(h), h)
+    y = norm_alone(st.rms_norm, st.pre_norm, self.pre_feedforward_layernorm, h) if st.sandwich else h
+    return norm_then_add(st.rms_norm_add, st.mlp_norm, self.post_feedforward_layernorm, self.mlp(y), h)
 
 
 # --------------------------------------------------------------------------------------------
@@ -524,9 +533,10 @@ def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> None:
         raise UnsupportedModel(f"{where} ({type(layer).__name__}) could not be checked: {e}") from None
 
 
-def probe_postnorm_layer(layer: nn.Module, where: str) -> None:
-    """Run the layer class's own forward and the fused post-norm body on stand-in submodules
-    (float64, CPU): raise unless they give the same output and hand attention the same arguments."""
+def probe_postnorm_layer(layer: nn.Module, where: str, sandwich: bool = False) -> None:
+    """Run the layer class's own forward and the fused post-norm (or sandwich) body on stand-in
+    submodules (float64, CPU): raise unless they give the same output and hand attention the
+    same arguments."""
     cls = forward_owner(type(layer))
     n = 8
     calls: list[dict] = []
@@ -563,9 +573,15 @@ def probe_postnorm_layer(layer: nn.Module, where: str) -> None:
             "post_attention_layernorm": Norm(),
             "post_feedforward_layernorm": Norm(),
         }
+        if sandwich:
+            children.update(input_layernorm=Norm(), pre_feedforward_layernorm=Norm())
         model = stand_in(layer, cls, children)
         x = torch.randn(2, 5, n, dtype=torch.float64)
-    model.__dict__[STATE] = PostNormState(op, spec, spec, defaults)
+
+    def rms(x, weight, eps, owned=False):
+        return F.rms_norm(x, (n,), weight, eps)
+
+    model.__dict__[STATE] = PostNormState(op, spec, spec, defaults, sandwich, rms if sandwich else None, spec)
     named = {name: _Sentinel(name) for name in defaults}
     named["probe_extra"] = _Sentinel("probe_extra")
     try:
@@ -585,7 +601,9 @@ def probe_postnorm_layer(layer: nn.Module, where: str) -> None:
                 ):
                     raise UnsupportedModel(
                         f"{where} ({type(layer).__name__}) is not the post-norm layer "
-                        "h = x + norm(attn(x)), then h + norm(mlp(h)): profuse cannot fuse it exactly"
+                        "h = x + norm(attn(x)), then h + norm(mlp(h))"
+                        + (" with a norm in front of each sublayer" if sandwich else "")
+                        + ": profuse cannot fuse it exactly"
                     )
     except UnsupportedModel:
         raise
@@ -595,6 +613,7 @@ def probe_postnorm_layer(layer: nn.Module, where: str) -> None:
 
 __all__ = [
     "POSTNORM_CHILDREN",
+    "SANDWICH_CHILDREN",
     "PostNormState",
     "postnorm_layer_body",
     "postnorm_layer_forward",
