@@ -166,7 +166,9 @@ def test_a_step_file_from_the_command_line(step_file, tmp_path, capsys):
     assert code == 0, err
     # the same block, but for the trace's line: the report wrote no trace, that run did
     printed = out.split("\nsummary: ")[0].strip().replace("trace written:", "trace (written by that run):")
+    again, provenance = again.split("\n\nprovenance:", 1)  # then where the file came from
     assert again.strip() == printed
+    assert "--step" in provenance and f"{step_file}:make_step" in provenance
 
 
 # --- Hugging Face models ------------------------------------------------------------------------
