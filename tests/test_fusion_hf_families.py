@@ -415,3 +415,15 @@ def test_olmo2_fused_with_the_triton_kernels_through_the_interpreter():
     assert fused_modules(model)
     unfuse(model)
     assert not fused_modules(model)
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text", "olmo2", "phi3", "glm4"])
+def test_a_dry_run_changes_nothing_and_unfuse_restores_every_family(arch):
+    model = softcapped(arch, seed=51) if arch.startswith("gemma") else family(arch, seed=51)
+    before = snapshot(model)
+    planned = fuse(model, fusion.EAGER, dry_run=True)
+    assert_untouched(model, before)
+    assert fuse(model, fusion.EAGER).counts == planned.counts and fused_modules(model)
+    unfuse(model)
+    assert not fused_modules(model)
+    assert_untouched(model, before)
