@@ -63,7 +63,8 @@ class SteadySteps:
     timed_median_ms: float | None = None  # the variant's timed trials (agreement)
     timed_low_ms: float | None = None  # their fastest and slowest trial
     timed_high_ms: float | None = None
-    agrees: bool | None = None  # step_ms within [timed_low_ms, timed_high_ms], or AGREE_FLOOR of the median
+    agrees: bool | None = None  # step_ms within [timed_low_ms, timed_high_ms], or floor x the median
+    floor: float | None = None  # the share of the median the agreement allows at least (AGREE_FLOOR)
 
     @property
     def step_ms(self) -> float:
@@ -103,6 +104,7 @@ def agreement(steady: SteadySteps, trial_times_s: list[float]) -> SteadySteps:
     ms = [t * 1e3 for t in trial_times_s]
     steady.timed_median_ms = statistics.median(ms)
     steady.timed_low_ms, steady.timed_high_ms = min(ms), max(ms)
+    steady.floor = AGREE_FLOOR
     median, floor = steady.timed_median_ms, AGREE_FLOOR * steady.timed_median_ms
     low, high = min(steady.timed_low_ms, median - floor), max(steady.timed_high_ms, median + floor)
     steady.agrees = low <= steady.step_ms <= high

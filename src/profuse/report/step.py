@@ -103,11 +103,12 @@ def steady_lines(data: dict) -> list[str]:
             f"{n:>{W}}  the unsynchronised profile failed: {p['steady_error']}"
             for n, p in profiles.items() if p.get("steady_error")
         ]  # fmt: skip
-    n = next(iter(steady.values()))["steps"]
+    first = next(iter(steady.values()))
+    n, floor = first["steps"], first.get("floor")
+    within = "the timed trials' range" + (f" or {floor:.0%} of their median" if floor else "")
     lines = [
         f"GPU idle and the bound: from {n} consecutive unsynchronised profiled steps (GPU activity "
-        "alone), used where their step time is within the timed trials' range; profiled step vs "
-        "timed median:"
+        f"alone), used where their step time is within {within}; profiled step vs timed median:"
     ]
     for name, p in profiles.items():
         if p.get("steady_error"):
@@ -122,8 +123,9 @@ def steady_lines(data: dict) -> list[str]:
         word = "within" if st["agrees"] else "OUTSIDE (idle share not used)"
         lines.append(
             f"{name:>{W}}  {st['step_ms']:.3g} ms vs {median:.3g} ms ({off:+.1%}), {word} the trials' "
-            f"{st['timed_low_ms']:.3g}-{st['timed_high_ms']:.3g} ms or 1% of their median; "
-            f"GPU idle {st['gpu_idle_pct']:.1f}%"
+            f"{st['timed_low_ms']:.3g}-{st['timed_high_ms']:.3g} ms"
+            + (f" or {st['floor']:.0%} of their median" if st.get("floor") else "")  # saved before: the range
+            + f"; GPU idle {st['gpu_idle_pct']:.1f}%"
         )
     return lines
 
