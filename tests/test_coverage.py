@@ -131,3 +131,18 @@ def test_the_check_tells_two_different_models_apart():
     errs = C.check_fused(model, other, vocab=hf_families.TINY_SIZES["vocab_size"])
     assert all(v > C.CHECK_TOLERANCE for v in errs.values())
     assert torch.isfinite(torch.tensor(list(errs.values()))).all()
+
+
+def test_a_tiny_model_that_does_not_run_unfused_is_not_checked_rather_than_failed(monkeypatch):
+    """A shrunk config whose own step raises says so; it is no failure of the fusion."""
+
+    def broken(model, ids, labels, seed):
+        if not any(getattr(type(m), "_profuse_fused", False) for m in model.modules()):
+            raise RuntimeError("The size of tensor a (4) must match the size of tensor b (8)")
+        return C.__dict__["_run_unpatched"](model, ids, labels, seed)
+
+    monkeypatch.setitem(C.__dict__, "_run_unpatched", C._run)
+    monkeypatch.setattr(C, "_run", broken)
+    row = C.family_coverage("llama")
+    assert row.status == "not checked" and row.check is None and row.check_error is None
+    assert "unfused tiny model's own step fails" in row.unchecked and "tensor a (4)" in row.unchecked

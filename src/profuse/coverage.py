@@ -45,7 +45,8 @@ class FamilyCoverage:
     refused: str | None = None  # why fuse refused the model, one line
     unbuilt: str | None = None  # why no tiny model could be built from the family's config
     check: dict[str, float] | None = None  # loss, gradients (worst tensor), logits: relative errors
-    check_error: str | None = None  # why the check could not run
+    check_error: str | None = None  # the fused model's step raised where the unfused one ran
+    unchecked: str | None = None  # why no check was made (the unfused tiny model does not run)
     seconds: float = 0.0
 
     @property
@@ -56,6 +57,8 @@ class FamilyCoverage:
             return "refused"
         if self.check_error or (self.check and not self.passed):
             return "check failed"
+        if self.unchecked:
+            return "not checked"
         return "fused" if self.counts else "nothing fused"
 
     @property
@@ -86,6 +89,10 @@ class Coverage:
             "tolerance": self.tolerance,
             "families": [r.to_dict() for r in self.rows],
         }
+
+
+class UnfusedFails(RuntimeError):
+    """The unfused tiny model's own step raised: its shrunk config does not run, fused or not."""
 
 
 def _line(err: BaseException) -> str:
@@ -125,6 +132,14 @@ def _run(model: nn.Module, ids: torch.Tensor, labels: torch.Tensor, seed: int):
     return loss.detach(), grads, logits
 
 
+def _vocab(config) -> int:
+    """The vocabulary the tokens are drawn from: the config's, or its text model's."""
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None and hasattr(config, "get_text_config"):
+        vocab = getattr(config.get_text_config(), "vocab_size", None)
+    return int(vocab or hf_families.TINY_SIZES["vocab_size"])
+
+
 def check_fused(unfused: nn.Module, fused: nn.Module, vocab: int, seed: int = 0) -> dict[str, float]:
     """Relative errors of the fused model against the unfused one on one random batch: the
     train-mode loss, the worst gradient, the eval-mode logits."""
@@ -132,7 +147,10 @@ def check_fused(unfused: nn.Module, fused: nn.Module, vocab: int, seed: int = 0)
     ids = torch.randint(0, vocab, CHECK_SHAPE, generator=g)
     labels = ids.clone()
     labels[0, : CHECK_SHAPE[1] // 4] = -100  # ignored tokens, as padding leaves them
-    loss_u, grads_u, logits_u = _run(unfused, ids, labels, seed)
+    try:
+        loss_u, grads_u, logits_u = _run(unfused, ids, labels, seed)
+    except Exception as err:  # the tiny model itself does not run: nothing to hold the fused one to
+        raise UnfusedFails(_line(err)) from err
     loss_f, grads_f, logits_f = _run(fused, ids, labels, seed)
     worst = max((_rel(grads_f.get(n), grads_u[n]) for n in grads_u), default=0.0)
     return {"loss": _rel(loss_f, loss_u), "gradients": worst, "logits": _rel(logits_f, logits_u)}
@@ -173,8 +191,10 @@ def family_coverage(
         row.left_unfused = list(summary.left_unfused)
         if not dry_run:
             try:
-                row.check = check_fused(model, fused, int(config.vocab_size), seed)
-            except Exception as err:  # the model's own forward may want more than tokens
+                row.check = check_fused(model, fused, _vocab(config), seed)
+            except UnfusedFails as err:
+                row.unchecked = f"the unfused tiny model's own step fails: {err}"
+            except Exception as err:  # the fused model fails where the unfused one ran
                 row.check_error = _line(err)
         return row
     finally:

@@ -13,7 +13,9 @@ def _ops(row: FamilyCoverage) -> str:
 
 def _check(row: FamilyCoverage) -> str:
     if row.check_error:
-        return f"could not run: {row.check_error}"
+        return f"FAILED: the fused step raised {row.check_error}"
+    if row.unchecked:
+        return "not checked"
     if row.check is None:
         return "-"
     worst = max(row.check.values())
@@ -25,7 +27,8 @@ def _why(row: FamilyCoverage) -> list[str]:
         return [f"no tiny model: {row.unbuilt}"]
     if row.refused:
         return [f"refused: {row.refused}"]
-    return [f"left unfused: {item}" for item in row.left_unfused]
+    why = [f"left unfused: {item}" for item in row.left_unfused]
+    return why + ([f"not checked: {row.unchecked}"] if row.unchecked else [])
 
 
 def summary_line(cov: Coverage) -> str:
