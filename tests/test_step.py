@@ -1082,3 +1082,24 @@ def test_the_trial_design_fits_the_step_and_bounds_the_run():
     assert S.trial_design(cuda) == S.REFEREE
     cpu = S.trial_design(torch.device("cpu"), 0.5, 3)
     assert cpu.calls == 1 and cpu.max_trials == 0 and cpu.balanced
+
+
+def test_graph_variants_that_would_not_fit_are_skipped_with_the_reason_and_the_rest_run(monkeypatch):
+    """Llama-3.2-1B's 7 default variants on an 80 GB card: the graphs' pool is what does not fit."""
+    from profuse.models import model_spec
+
+    cfg = S.StepConfig(model=model_spec("hf:llama", "Llama-3.2-1B"), device=torch.device("cuda"))
+    graphs = [n for n in cfg.variants if n in S.GRAPH_VARIANTS]
+    assert graphs  # the default has them
+    need_all = S.estimated_bytes(cfg, list(cfg.variants))
+    rest = [n for n in cfg.variants if n not in graphs]
+    need_rest = S.estimated_bytes(cfg, rest)
+    assert need_rest < need_all
+    free = (need_rest + need_all) / 2 / 0.9  # between the two
+    monkeypatch.setattr("profuse.env.free_memory_bytes", lambda device: free)
+    runs, skipped = S.plan(cfg, fusion.EAGER)
+    assert not set(graphs) & set(runs) and set(graphs) <= set(skipped)
+    assert all("graphs' memory pool would not fit" in skipped[n] for n in graphs)
+    S.check_step_fits(cfg, runs)  # the rest fits: no error
+    monkeypatch.setattr("profuse.env.free_memory_bytes", lambda device: need_all / 0.9 + 1)  # room for all
+    assert set(graphs) <= set(S.plan(cfg, fusion.EAGER)[0])

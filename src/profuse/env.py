@@ -82,10 +82,15 @@ def free_memory_bytes(device: torch.device) -> int | None:
         return None
 
 
+# The share of a device's free memory a run may plan to use: the rest for the allocator's blocks,
+# the CUDA context's growth, cuBLAS and cuDNN workspaces.
+FIT_SHARE = 0.9
+
+
 def check_fits(need_bytes: int, device: torch.device, what: str) -> None:
     """Raise UsageError when `need_bytes` will not fit in what `device` has free."""
     free = free_memory_bytes(device)
-    if free is not None and need_bytes > 0.9 * free:
+    if free is not None and need_bytes > FIT_SHARE * free:
         raise UsageError(
             f"{what} needs about {need_bytes / 1e9:.1f} GB on {device}, "
             f"but only {free / 1e9:.1f} GB is free: choose smaller sizes"

@@ -88,12 +88,13 @@ from torch.profiler import record_function
 from profuse import __version__, fusion, samemath, stepstate
 from profuse import amdahl as A
 from profuse import compile as _compile
+from profuse import env as _env
 from profuse.amdahl import Amdahl, OpTiming
 from profuse.bench import DEFAULT_TRIALS
 from profuse.bench.stats import Speedup, speedup_ci
 from profuse.bench.timing import REFEREE, Comparison, TrialDesign, balanced_trials, compare
 from profuse.compiletime import CompileSplit, split_compile
-from profuse.env import check_fits, dtype_name, environment, interpreting
+from profuse.env import FIT_SHARE, check_fits, dtype_name, environment, interpreting
 from profuse.errors import UsageError
 from profuse.kernels import HAS_TRITON, TRITON_MISSING
 from profuse.model import GPTConfig
@@ -343,7 +344,27 @@ def plan(cfg: StepConfig, ops: fusion.BlockOps | None) -> tuple[list[str], dict[
             skipped[name] = why
         else:
             runs.append(name)
+    _drop_graphs_that_do_not_fit(cfg, runs, skipped)
     return runs, skipped
+
+
+def _drop_graphs_that_do_not_fit(cfg: StepConfig, runs: list[str], skipped: dict[str, str]) -> None:
+    """Where the run fits the device's free memory without the CUDA-graph variants but not with
+    them (each keeps a step's activations in its graphs' pool), those are skipped with the reason,
+    not the whole run refused: Llama-3.2-1B's 7 default variants on an 80 GB card."""
+    graphs = [n for n in runs if n in GRAPH_VARIANTS]
+    free = _env.free_memory_bytes(cfg.device) if graphs else None
+    if free is None:
+        return
+    rest = [n for n in runs if n not in GRAPH_VARIANTS]
+    need, need_rest = estimated_bytes(cfg, runs), estimated_bytes(cfg, rest)
+    if need > FIT_SHARE * free >= need_rest:
+        for name in graphs:
+            runs.remove(name)
+            skipped[name] = (
+                f"its graphs' memory pool would not fit: about {need / 1e9:.0f} GB with it, "
+                f"{need_rest / 1e9:.0f} GB without, {free / 1e9:.0f} GB free"
+            )
 
 
 # --------------------------------------------------------------------------------------------
