@@ -383,3 +383,31 @@ def test_liger_patch_leaves_the_modeling_module_as_it_was(monkeypatch):
 def test_liger_has_no_loss_of_its_own():
     """Liger's variants train on the model's own loss, as every other variant does."""
     assert not hasattr(L, "hf_loss") and not hasattr(L, "shifted_loss")
+
+
+@pytest.mark.parametrize(
+    "arch, preset, total, tied",
+    [
+        ("gemma3_text", "Gemma-3-1B", 999_885_952, True),  # google/gemma-3-1b-pt
+        ("olmo2", "OLMo-2-1B", 1_484_916_736, False),  # allenai/OLMo-2-0425-1B
+        ("phi3", "Phi-4-mini", 3_836_021_760, True),  # microsoft/Phi-4-mini-instruct
+    ],
+)
+def test_the_other_layouts_presets_have_their_published_sizes_and_their_tiny_models_fuse(
+    arch, preset, total, tied
+):
+    """Gemma 3's sandwich norms, OLMo 2's post-norm, Phi-4's packed MLP: published shapes for
+    `profuse step`, and tiny ones that profuse.fuse places its ops in, the loss unchanged."""
+    from profuse import fusion
+
+    spec = model_spec(f"hf:{arch}", preset)
+    model = spec.build("meta")
+    assert spec.param_count() == sum(p.numel() for p in model.parameters()) == total
+    assert (model.lm_head.weight is model.get_input_embeddings().weight) is tied
+    small = tiny(arch)
+    net = small.build(CPU, seed=2)
+    batch = small.batch(CPU, seed=3)
+    want = small.loss(net, batch)
+    summary = fusion.fuse(net, impl=fusion.EAGER)
+    assert summary.counts.get("silu_mul") == small.n_layer and "linear_cross_entropy" in summary.counts
+    torch.testing.assert_close(small.loss(net, batch), want, rtol=1e-5, atol=1e-6)

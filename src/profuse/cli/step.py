@@ -30,7 +30,10 @@ STEP_VARIANTS = (
 )  # fmt: skip
 # The sizes --preset names: the built-in GPT's, then the Hugging Face models' (profuse.models).
 GPT_STEP_PRESETS = ("lab", "small", "medium")
-HF_STEP_PRESETS = ("tiny", "Llama-3.2-1B", "Qwen2.5-0.5B", "Qwen3-0.6B", "OLMoE-1B-7B", "Qwen3-30B-A3B-12L")
+HF_STEP_PRESETS = (
+    "tiny", "Llama-3.2-1B", "Qwen2.5-0.5B", "Qwen3-0.6B", "Gemma-3-1B", "OLMo-2-1B", "Phi-4-mini",
+    "OLMoE-1B-7B", "Qwen3-30B-A3B-12L",
+)  # fmt: skip
 CPU_STEP_HINT = (
     "Part C (the whole training step, eager vs fused vs torch.compile) runs here on CUDA; on a CPU run "
     "it yourself: profuse step --device cpu --preset lab --variants eager,compile (TRITON_INTERPRET=1 "
@@ -54,7 +57,8 @@ def build_step_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default="gpt", metavar="gpt|hf:ARCH",
         help="the model: gpt, the built-in (default), or hf:ARCH, ARCH one of llama, mistral, qwen2, "
-        "qwen3, olmoe, qwen3_moe (transformers' own class, random weights, nothing downloaded)",
+        "qwen3, gemma3_text, olmo2, phi3, olmoe, qwen3_moe (transformers' own class, random weights, "
+        "nothing downloaded)",
     )  # fmt: skip
     p.add_argument(
         "--preset", default=None, choices=GPT_STEP_PRESETS + HF_STEP_PRESETS,
@@ -62,7 +66,9 @@ def build_step_parser() -> argparse.ArgumentParser:
         "default); small = 8 layers, d_model 1024, 8 heads, 8 x 1024 tokens; medium = small with "
         "d_model 2048, 16 heads (the model flags override them). hf:ARCH: tiny (2 layers, width 96, "
         "2 x 64 tokens; the default) or a published model's shapes, 4 x 2048 tokens a step: "
-        "Llama-3.2-1B (hf:llama), Qwen2.5-0.5B (hf:qwen2), Qwen3-0.6B (hf:qwen3); mixtures of experts, "
+        "Llama-3.2-1B (hf:llama), Qwen2.5-0.5B (hf:qwen2), Qwen3-0.6B (hf:qwen3), Gemma-3-1B "
+        "(hf:gemma3_text, a 262,144 vocabulary), OLMo-2-1B (hf:olmo2, post-norm), Phi-4-mini (hf:phi3, "
+        "3.8B parameters: bf16 fits one 141 GB card at 4 x 2048 tokens, amp may not); mixtures of experts, "
         "the router's aux loss on: OLMoE-1B-7B (hf:olmoe, 6.9B parameters, 64 experts top-8) and "
         "Qwen3-30B-A3B-12L (hf:qwen3_moe): Qwen3-30B-A3B's layer at 12 of its 48 layers, 8.1B "
         "parameters, because 48 hold 30.5B, 244 GB with AdamW in bf16, and 12 fit one 141 GB card "

@@ -39,7 +39,10 @@ TRANSFORMERS_MISSING = "transformers is not installed: pip install 'profuse[hf]'
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 MOE_ARCHS = ("olmoe", "qwen3_moe")  # the same layer, its MLP an experts block (top-k of E experts)
-FAMILIES = ARCHS + MOE_ARCHS
+# Other layouts profuse.fuse reads by structure: Gemma 3's (1 + w) sandwich norms, GeGLU and
+# (1 + w) q/k norms; OLMo 2's post-norm layers; Phi-3/4's packed gate_up and partial rotary.
+OTHER_ARCHS = ("gemma3_text", "olmo2", "phi3")
+FAMILIES = ARCHS + MOE_ARCHS + OTHER_ARCHS
 
 # Each family's CPU-sized model: odd-ish widths, two layers, grouped-query attention.
 _TINY = dict(
@@ -55,7 +58,14 @@ _TINY = dict(
 # The MoE families' tiny experts: 8 of width 64, top-2 (their defaults, 64 to 128 experts of
 # 768-2048, would make the CPU model the size of a real layer); the router's aux loss on.
 _TINY_MOE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, output_router_logits=True)
-_TINY_FAMILY = {"olmoe": {**_TINY_MOE, "intermediate_size": 64}, "qwen3_moe": _TINY_MOE}
+# Special tokens inside the tiny vocabulary, for families whose defaults lie past it.
+_TINY_TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_TINY_FAMILY = {
+    "olmoe": {**_TINY_MOE, "intermediate_size": 64},
+    "qwen3_moe": _TINY_MOE,
+    "olmo2": _TINY_TOKENS,
+    "phi3": _TINY_TOKENS,
+}
 
 # Published sizes: the fields of each model's config.json that set a training step's shapes
 # (read 2026-12-04). RoPE scaling is left out: it changes no shape and no cost of a step.
@@ -104,6 +114,57 @@ PRESETS: dict[str, tuple[str, dict]] = {
             max_position_embeddings=40960,
             rms_norm_eps=1e-6,
             rope_theta=1000000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # google/gemma-3-1b-pt's text model: a 262,144 vocabulary, so the loss is a large share of
+    # the step; every sixth layer global, the others over a 512-token window.
+    "Gemma-3-1B": (
+        "gemma3_text",
+        dict(
+            hidden_size=1152,
+            intermediate_size=6912,
+            num_hidden_layers=26,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=256,
+            vocab_size=262144,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            sliding_window=512,
+            query_pre_attn_scalar=256,
+            tie_word_embeddings=True,
+        ),
+    ),
+    # allenai/OLMo-2-0425-1B: post-norm layers, q/k norms over the whole projection.
+    "OLMo-2-1B": (
+        "olmo2",
+        dict(
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            vocab_size=100352,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
+    ),
+    # microsoft/Phi-4-mini-instruct: packed gate_up and qkv, 0.75 of each head rotated; 3.8B
+    # parameters, so 4 x 2048 tokens with AdamW fits one 141 GB card in bf16, not in amp.
+    "Phi-4-mini": (
+        "phi3",
+        dict(
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=32,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            vocab_size=200064,
+            max_position_embeddings=131072,
+            partial_rotary_factor=0.75,
+            rms_norm_eps=1e-5,
             tie_word_embeddings=True,
         ),
     ),

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -99,18 +100,31 @@ class ModuleGlobals:
         self._set(self.original)
 
 
-def modeling_module(family: str) -> ModuleType:
+def modeling_module(family: str, model: nn.Module | None = None) -> ModuleType:
+    """The module whose globals Liger's patch for `family` changes: the model's own class's
+    (gemma3_text's classes live in transformers.models.gemma3), else the family's by name."""
+    if model is not None and type(model).__module__.startswith("transformers.models."):
+        return importlib.import_module(type(model).__module__)
     return importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+
+
+def _ops_only(apply) -> dict:
+    """OPS_ONLY as `apply` takes it: a family whose MLP is GeGLU names its switch geglu."""
+    params = inspect.signature(apply).parameters
+    out = {k: v for k, v in OPS_ONLY.items() if k in params}
+    if "swiglu" not in params and "geglu" in params:
+        out["geglu"] = OPS_ONLY["swiglu"]
+    return out
 
 
 def patch(model: nn.Module, family: str, *, ops_only: bool = False) -> ModuleGlobals:
     """Apply Liger to the built `model` (in place) as its users do; the family's modeling module
     is left as it was, and the returned context sets Liger's globals for `model`'s step."""
     apply = getattr(_liger(), f"apply_liger_kernel_to_{family}")
-    module = modeling_module(family)
+    module = modeling_module(family, model)
     before = dict(vars(module))
     try:
-        apply(model=model, **(OPS_ONLY if ops_only else {}))
+        apply(model=model, **(_ops_only(apply) if ops_only else {}))
     finally:
         after = dict(vars(module))
         names = after.keys() | before.keys()
