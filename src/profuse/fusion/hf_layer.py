@@ -437,13 +437,9 @@ def attn_defaults(cls: type) -> dict:
     }
 
 
-def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> None:
-    """Run the layer class's own forward and the fused one on stand-in submodules (float64, CPU),
-    with the ops fused and with none: raise unless they give the same output and hand attention
-    the same arguments. `ops`: silu_mul, add_rms_norm and rms_norm, as eager float64 math."""
-    cls = forward_owner(type(layer))
-    n, f = 8, 11
-    calls: list[dict] = []
+def _stand_ins(n: int, calls: list[dict]) -> tuple[type, type]:
+    """The layer probes' float64 stand-ins of width n: an attention that records the arguments it
+    is handed in `calls`, and an RMSNorm with a weight away from its init."""
 
     class Attention(nn.Module):
         def __init__(self):
@@ -453,6 +449,27 @@ def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> None:
         def forward(self, hidden_states, **kwargs):
             calls.append(kwargs)
             return torch.tanh(hidden_states @ self.w), None
+
+    class Norm(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(1 + torch.randn(n, dtype=torch.float64) / 4), 1e-6
+
+        def forward(self, x):
+            return F.rms_norm(x, (n,), self.weight, self.eps)
+
+    return Attention, Norm
+
+
+def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> None:
+    """Run the layer class's own forward and the fused one on stand-in submodules (float64, CPU),
+    with the ops fused and with none: raise unless they give the same output and hand attention
+    the same arguments. `ops`: silu_mul, add_rms_norm and rms_norm, as eager float64 math."""
+    cls = forward_owner(type(layer))
+    n, f = 8, 11
+    calls: list[dict] = []
+
+    Attention, Norm = _stand_ins(n, calls)
 
     class Mlp(nn.Module):
         def __init__(self):
@@ -466,14 +483,6 @@ def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> None:
 
         def forward(self, x):
             return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
-
-    class Norm(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight, self.eps = nn.Parameter(1 + torch.randn(n, dtype=torch.float64) / 4), 1e-6
-
-        def forward(self, x):
-            return F.rms_norm(x, (n,), self.weight, self.eps)
 
     defaults = attn_defaults(cls)
     spec = NormSpec(Norm, "eps")
@@ -541,22 +550,7 @@ def probe_postnorm_layer(layer: nn.Module, where: str, sandwich: bool = False) -
     n = 8
     calls: list[dict] = []
 
-    class Attention(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.w = nn.Parameter(torch.randn(n, n, dtype=torch.float64) / n**0.5)
-
-        def forward(self, hidden_states, **kwargs):
-            calls.append(kwargs)
-            return torch.tanh(hidden_states @ self.w), None
-
-    class Norm(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.weight, self.eps = nn.Parameter(1 + torch.randn(n, dtype=torch.float64) / 4), 1e-6
-
-        def forward(self, x):
-            return F.rms_norm(x, (n,), self.weight, self.eps)
+    Attention, Norm = _stand_ins(n, calls)
 
     def op(x, residual, weight, eps):
         return residual + F.rms_norm(x, (n,), weight, eps)
