@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -58,22 +57,9 @@ def _families(args) -> list[str] | None:
     return None if names == ["all"] else names
 
 
-def _read_config(path: Path) -> dict:
-    file = path / "config.json" if path.is_dir() else path
-    try:
-        data = json.loads(file.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"--hf-config {path}: no such file") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise UsageError(f"--hf-config {path}: not a readable config.json ({type(err).__name__})") from None
-    if not isinstance(data, dict) or "model_type" not in data:
-        raise UsageError(f"--hf-config {path}: no model_type in it, so not a Hugging Face config.json")
-    return data
-
-
 def cmd_fuse(argv: list[str]) -> int:
     args = build_fuse_parser().parse_args(argv)  # before torch is imported: --help stays quick
-    from profuse.models.hf import require_transformers
+    from profuse.models.hf import read_config_json, require_transformers
 
     require_transformers()
     from profuse import coverage as C
@@ -87,7 +73,7 @@ def cmd_fuse(argv: list[str]) -> int:
         check_out(args, COVERAGE_FILES)
     impl = fusion.FUSED if args.impl == "fused" else fusion.EAGER
     if args.hf_config is not None:
-        data = _read_config(args.hf_config)
+        data = read_config_json(args.hf_config)
         cov = C.config_coverage(data, impl=impl, dry_run=args.dry_run)
     else:
         names = _families(args)

@@ -421,7 +421,9 @@ class HFSpec(ModelSpec):
         }
 
 
-def _read_config_file(path: Path):
+def read_config_json(path: Path) -> dict:
+    """A Hugging Face config.json (or the folder holding one) as a dict with its model_type;
+    UsageError in one line where it is missing, unreadable or no such config."""
     file = path / "config.json" if path.is_dir() else path
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
@@ -431,6 +433,11 @@ def _read_config_file(path: Path):
         raise UsageError(f"--hf-config {path}: not a readable config.json ({type(err).__name__})") from None
     if not isinstance(data, dict) or "model_type" not in data:
         raise UsageError(f"--hf-config {path}: no model_type in it, so not a Hugging Face config.json")
+    return data
+
+
+def _read_config_file(path: Path):
+    data = read_config_json(path)
     family = data.pop("model_type")
     if family not in FAMILIES:
         supported = ", ".join(FAMILIES)
