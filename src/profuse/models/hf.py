@@ -25,7 +25,15 @@ from torch import nn
 
 from profuse.crossentropy import IGNORE_INDEX, shifted_labels
 from profuse.errors import UsageError
-from profuse.models.spec import CHECK_BATCH, CHECK_LAYERS, CHECK_SEQ_LEN, ModelSpec, OpShapes
+from profuse.models.spec import (
+    CHECK_BATCH,
+    CHECK_LAYERS,
+    CHECK_SEQ_LEN,
+    DEFAULT_PRECISION,
+    ModelSpec,
+    OpShapes,
+    param_dtype,
+)
 
 try:
     import transformers
@@ -387,6 +395,20 @@ class HFSpec(ModelSpec):
         from profuse.fusion import fuse
 
         return fuse(model, ops, label=label)
+
+    def experts_choice(self, device: torch.device | str, precision: str = DEFAULT_PRECISION):
+        """An MoE family's best experts implementation on `device` (profuse.models.experts), for
+        this step's tokens x top-k (token, expert) pairs a layer; None for a dense family."""
+        if self.family not in MOE_ARCHS:
+            return None
+        from profuse.models.experts import best_implementation
+
+        return best_implementation(
+            device,
+            pairs=self.tokens * int(self.config.num_experts_per_tok),
+            num_experts=int(self.config.num_experts),
+            dtype=param_dtype(precision),
+        )
 
     def fix_causal_mask(self, model: nn.Module) -> str:
         """The decoder stack (transformers' base_model) takes hf_mask's class, as profuse.fuse
