@@ -408,3 +408,55 @@ def test_experts_with_a_forward_of_their_own_fuse_only_where_the_probe_saw_their
         calls.clear()
         assert_same_step(run(model, ids, labels), want[impl])
         assert (calls[fusion.SILU_MUL] > 0) == fused
+
+
+# --------------------------------------------------------------------------------------------
+# Liger-Kernel's own MoE patches, as profuse step's liger variants apply them
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_liger_variants_apply_liger_kernels_own_patch_of_the_moe_family(family):
+    """Liger's kernels do not run on the CPU (its RMSNorm kernel under the interpreter, its fused
+    MoE op asks for a GPU driver): the patch selection is what is checked. liger: the family's
+    own lce_forward (the aux loss added to the fused linear cross-entropy's) and, where Liger
+    patches them, LigerExperts' fused MoE forward; gpt-oss's clamped experts are left as they
+    are. liger-ops: the experts and norms alone. The modeling module is left as it was."""
+    pytest.importorskip("liger_kernel.transformers")
+    from liger_kernel.transformers.swiglu import LigerExperts
+
+    from profuse.models import liger as L
+
+    assert L.no_patch(family) == ""
+    for ops_only in (False, True):
+        model = tiny_moe(family, seed=12)
+        module = L.modeling_module(family, model)
+        before = dict(vars(module))
+        globals_ = L.patch(model, family, ops_only=ops_only)
+        assert all(vars(module)[k] is v for k, v in before.items()) and vars(module).keys() == before.keys()
+        norm = next(n for n in globals_.patched if n.endswith("RMSNorm"))
+        with globals_:
+            assert getattr(module, norm).__module__.startswith("liger_kernel.")
+        assert getattr(module, norm) is before[norm]
+        forward = model.__dict__.get("forward")
+        if ops_only:
+            assert forward is None and "apply_rotary_pos_emb" not in globals_.patched
+        else:
+            assert forward.__func__.__module__ == f"liger_kernel.transformers.model.{family}"
+            assert forward.__func__.__name__ == "lce_forward" and "apply_rotary_pos_emb" in globals_.patched
+        for layer in model.model.layers:
+            own = layer.mlp.experts.__dict__.get("forward")
+            if family == "gpt_oss":
+                assert own is None  # Liger's SwiGLU is off for gpt-oss's clamped experts
+            else:
+                assert own.__func__ is LigerExperts.forward
+
+
+def test_liger_variants_of_a_family_liger_does_not_patch_are_refused_in_one_line_naming_it():
+    from profuse.models import liger as L
+
+    if not L.HAS_LIGER:
+        pytest.skip("liger-kernel is not installed")
+    why = L.unavailable(torch.device("cuda"), "olmoe")  # the device's type only is read
+    assert "has no patch for olmoe" in why and "\n" not in why
+    assert L.unavailable(torch.device("cuda"), "qwen3_moe") == ""
