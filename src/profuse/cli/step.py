@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 from pathlib import Path
 
 from profuse.bench import DEFAULT_TRIALS
@@ -42,9 +43,18 @@ CPU_STEP_HINT = (
 )
 
 
+class _WholeNames(argparse.HelpFormatter):
+    """Help lines broken between words only: a variant's name (compile-stock, moe-best+fused)
+    stays whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def build_step_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="profuse step",
+        formatter_class=_WholeNames,
         description="Part C: how much faster does fusing make the training step, really? Whole training "
         "steps (forward, loss, backward, AdamW) of a model (the built-in GPT, or a Hugging Face "
         "Llama-family model with random weights) as written (eager), with its block ops fused "
