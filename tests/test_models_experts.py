@@ -89,7 +89,15 @@ def test_moe_best_is_in_an_moes_default_variants_and_skipped_in_one_line_for_a_d
 
     moe = S.StepConfig(model=tiny_olmoe())
     assert moe.variants == S.MOE_VARIANTS and {"moe-best", "moe-best+fused"} <= set(moe.variants)
-    assert moe.to_dict()["experts"]["implementation"] == X.GROUPED_MM
+    assert moe.to_dict()["experts"] == {
+        "implementation": X.GROUPED_MM,
+        "why": moe.experts.why,
+        "default": X.GROUPED_MM,  # transformers 5.x builds it so: eager and fused run the best already
+    }
+    runs, skipped = S.plan(moe, fusion.EAGER)
+    assert "moe-best" not in runs and "moe-best+fused" not in runs  # timing them twice tells nothing
+    assert skipped["moe-best"].startswith("eager is it: the model as built runs transformers' grouped_mm")
+    assert skipped["moe-best+fused"].startswith("fused is it")
     dense = S.StepConfig(model=model_spec("hf:llama", "tiny"), variants=("eager", "moe-best"))
     assert S.StepConfig(model=model_spec("hf:llama", "tiny")).variants == S.HF_VARIANTS
     runs, skipped = S.plan(dense, fusion.EAGER)
@@ -126,3 +134,5 @@ def test_moe_best_variants_run_the_cards_implementation_unfused_and_fused_with_t
 
     (line,) = experts_lines({"config": cfg.to_dict()})
     assert line.startswith("moe-best: transformers' eager experts") and NO_GROUPED in line
+    assert line.endswith("eager and fused run transformers' default, grouped_mm")
+    assert S.plan(cfg, fusion.EAGER) == (list(cfg.variants), {})  # not the model's default: both run

@@ -9,7 +9,8 @@ on the same batch, all from the same initial parameters:
     moe-best         a mixture of experts unfused, its experts run by transformers' implementation
                      that is fastest on the card (profuse.models.experts: grouped_mm where torch
                      has a native grouped matmul, else batched_mm or the eager loop)
-    moe-best+fused   fused over that same experts implementation: like with like (MoE models)
+    moe-best+fused   fused over that same experts implementation: like with like (MoE models);
+                     both skipped where the model as built runs that implementation already
     liger-ops        Liger-Kernel's RMSNorm and SwiGLU alone: op for op with fused (HF, CUDA)
     liger            Liger-Kernel as its users apply it: RoPE, RMSNorm, SwiGLU and fused linear
                      cross-entropy (profuse.models.liger) (HF, CUDA)
@@ -361,14 +362,28 @@ def plan(cfg: StepConfig, ops: fusion.BlockOps | None) -> tuple[list[str], dict[
             why = "needs CUDA: CUDA graphs are a GPU feature"
         elif name in STOCK_VARIANTS and spec.family == "gpt":
             why = "the built-in GPT builds no mask: compile is its stock torch.compile"
-        if name in EXPERTS_VARIANTS and not why and cfg.experts is None:
-            why = f"{spec.model_arg} has no experts (transformers' use_experts_implementation)"
+        if name in EXPERTS_VARIANTS and not why:
+            why = _experts_unavailable(cfg, name)
         if why:
             skipped[name] = why
         else:
             runs.append(name)
     _drop_graphs_that_do_not_fit(cfg, runs, skipped)
     return runs, skipped
+
+
+def _experts_unavailable(cfg: StepConfig, name: str) -> str:
+    """Why moe-best (or moe-best+fused) does not run: no experts, or the model as built runs the
+    best implementation already, so eager (fused) is that variant and timing it twice tells
+    nothing ('' where it runs)."""
+    choice = cfg.experts
+    if choice is None:
+        return f"{cfg.spec.model_arg} has no experts (transformers' use_experts_implementation)"
+    if choice.same_as_built:
+        same = "fused" if name in FUSED_VARIANTS else BASELINE
+        impl = choice.implementation
+        return f"{same} is it: the model as built runs transformers' {impl} experts, the best here"
+    return ""
 
 
 def _drop_graphs_that_do_not_fit(cfg: StepConfig, runs: list[str], skipped: dict[str, str]) -> None:

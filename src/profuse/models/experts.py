@@ -48,6 +48,12 @@ class ExpertsChoice:
 
     implementation: str
     why: str
+    default: str = ""  # what transformers builds the model with ('' where not known)
+
+    @property
+    def same_as_built(self) -> bool:
+        """Whether the model as transformers builds it runs this implementation already."""
+        return self.implementation == self.default
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,10 +84,16 @@ def native_grouped_mm(device: torch.device | str) -> str:
 
 
 def best_implementation(
-    device: torch.device | str, *, pairs: int, num_experts: int, dtype: torch.dtype = torch.float32
+    device: torch.device | str,
+    *,
+    pairs: int,
+    num_experts: int,
+    dtype: torch.dtype = torch.float32,
+    default: str = "",
 ) -> ExpertsChoice:
     """The experts implementation fastest on `device` for a step of `pairs` (token, expert) pairs
-    a layer over `num_experts` experts, the parameters in `dtype` (module docstring)."""
+    a layer over `num_experts` experts, the parameters in `dtype` (module docstring); `default`
+    the one transformers builds the model with, recorded beside it."""
     no_grouped = native_grouped_mm(device)
     if not no_grouped:
         kernel = (
@@ -93,17 +105,20 @@ def best_implementation(
             GROUPED_MM,
             f"torch's native grouped matmul runs here ({kernel}): one call a projection, each expert's "
             "weights read once",
+            default,
         )
     if pairs <= num_experts:
         return ExpertsChoice(
             BATCHED_MM,
             f"{no_grouped}; batched_mm's gathered weights ({pairs} pairs over {num_experts} experts) are "
             "no more than the experts' own: one bmm instead of a loop",
+            default,
         )
     return ExpertsChoice(
         EAGER,
         f"{no_grouped}; batched_mm would gather {pairs / num_experts:,.0f} times the experts' weights "
         f"({pairs} pairs over {num_experts} experts): the loop over the experts hit",
+        default,
     )
 
 

@@ -260,6 +260,7 @@ class HFSpec(ModelSpec):
     seq_len: int
     family: str = field(init=False)
     _n_params: int | None = field(default=None, init=False, repr=False, compare=False)
+    _experts_default: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.family = self.config.model_type
@@ -337,10 +338,16 @@ class HFSpec(ModelSpec):
     def param_count(self) -> int:
         """Parameters of the model the config makes, counted on the meta device (nothing allocated)."""
         if self._n_params is None:
-            with torch.device("meta"):
-                model = transformers.AutoModelForCausalLM.from_config(self.config)
-            self._n_params = sum(p.numel() for p in model.parameters())
+            self._meta_build()
         return self._n_params
+
+    def _meta_build(self) -> None:
+        """The model on the meta device (nothing allocated): its parameter count and the experts
+        implementation transformers sets it to by default."""
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(self.config)
+        self._n_params = sum(p.numel() for p in model.parameters())
+        self._experts_default = str(getattr(model.config, "_experts_implementation", None) or "eager")
 
     @property
     def n_head(self) -> int:
@@ -403,11 +410,14 @@ class HFSpec(ModelSpec):
             return None
         from profuse.models.experts import best_implementation
 
+        if self._experts_default is None:
+            self._meta_build()
         return best_implementation(
             device,
             pairs=self.tokens * int(self.config.num_experts_per_tok),
             num_experts=int(self.config.num_experts),
             dtype=param_dtype(precision),
+            default=self._experts_default,
         )
 
     def fix_causal_mask(self, model: nn.Module) -> str:

@@ -136,7 +136,12 @@ def experts_lines(data: dict) -> list[str]:
     choice = cfg.get("experts")
     if not choice or not any(v.startswith("moe-best") for v in cfg.get("variants", ())):
         return []
-    return [f"moe-best: transformers' {choice['implementation']} experts ({choice['why']})"]
+    impl, built = choice["implementation"], choice.get("default")
+    how = (
+        "; eager and fused run it too, transformers' default" if impl == built
+        else f"; eager and fused run transformers' default, {built}" if built else ""
+    )  # fmt: skip
+    return [f"moe-best: transformers' {impl} experts ({choice['why']}){how}"]
 
 
 def mask_lines(data: dict) -> list[str]:
