@@ -427,3 +427,27 @@ def test_a_dry_run_changes_nothing_and_unfuse_restores_every_family(arch):
     unfuse(model)
     assert not fused_modules(model)
     assert_untouched(model, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_granite_fuses_its_layer_with_its_residual_multiplier_read_at_each_call(dtype):
+    """Granite's layer adds each sublayer's output times residual_multiplier: the fused layer
+    finds that scale by probing the layer's own float attributes, and with the model's own math
+    (HF_EAGER) computes bitwise what the unfused layer does, the multiplier read at each call.
+    Every op fuses (the head divides by logits_scaling before its matmul: within rounding)."""
+    model = family("granite", 31, dtype, residual_multiplier=0.22, embedding_multiplier=3.0, logits_scaling=2.5)
+    summary = _compare(copy.deepcopy(model), fusion.HF_EAGER, dtype, 32, exact=False)
+    assert summary.counts == GEMMA_COUNTS and not summary.left_unfused
+    ref = copy.deepcopy(model)
+    fuse(model, ["silu_mul", "add_rms_norm", "rms_norm"], impl=fusion.HF_EAGER)
+    for layer, plain in zip(model.model.layers, ref.model.layers):
+        assert layer.__dict__[STATE].scale == "residual_multiplier"
+        layer.residual_multiplier = plain.residual_multiplier = 0.5
+    ids = ids_for(33)
+    labels = labels_for(ids, 34)
+    want, want_grads = loss_and_grads(ref, ids, labels)
+    got, grads = loss_and_grads(model, ids, labels)
+    assert torch.equal(got, want) and all(torch.equal(grads[k], want_grads[k]) for k in want_grads)
+    plain = family("llama", 34)
+    fuse(plain, fusion.HF_EAGER)
+    assert plain.model.layers[0].__dict__[STATE].scale is None  # a layer without one keeps none

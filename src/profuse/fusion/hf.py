@@ -379,7 +379,7 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
     if not any(ops.values()):
         return [], {}
     try:  # the layer's wiring, with eager float64 math for each op
-        probe_layer(
+        scale = probe_layer(
             layers[0],
             {
                 SILU_MUL: blockops.silu_mul_eager,
@@ -406,6 +406,7 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
             stack,
             i,
             activation,
+            scale=scale,
         )
         installs.append((layer, target, state))
 

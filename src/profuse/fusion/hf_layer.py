@@ -92,6 +92,9 @@ class LayerState:
     index: int
     activation: str = "silu"  # the MLP's, a name in MLP_ACTIVATIONS: silu_mul holds its gated op
     recompute: bool = True  # the norms' outputs made again in the backward, not kept (hf_recompute)
+    # The layer's own float attribute each sublayer's output is multiplied by before its add
+    # (Granite's residual_multiplier: h = x + attn(norm(x)) * m), read at each call; None: no scale.
+    scale: str | None = None
 
     def __deepcopy__(self, memo):
         """A deep copy of the model copies the stack once, and the copy's layers find the copy's
@@ -208,6 +211,8 @@ def layer_body(self, x, residual, *, pair: bool, **kwargs):
         )
     with _kept(st, y):
         attn_out = self.self_attn(hidden_states=y, **{**st.attn_defaults, **kwargs})[0]
+    if st.scale is not None:
+        attn_out = attn_out * getattr(self, st.scale)
     y, residual = norm_after_add(
         st.add_rms_norm,
         st.rms_norm,
@@ -227,6 +232,8 @@ def layer_body(self, x, residual, *, pair: bool, **kwargs):
     else:
         with _kept(st, y):
             out = mlp(y)
+    if st.scale is not None:
+        out = out * getattr(self, st.scale)
     return (out, residual) if pair else residual + out
 
 
@@ -477,10 +484,26 @@ def _stand_ins(n: int, calls: list[dict]) -> tuple[type, type]:
     return Attention, Norm
 
 
-def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> None:
+def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> str | None:
     """Run the layer class's own forward and the fused one on stand-in submodules (float64, CPU),
     with the ops fused and with none: raise unless they give the same output and hand attention
-    the same arguments. `ops`: silu_mul, add_rms_norm and rms_norm, as eager float64 math."""
+    the same arguments. `ops`: silu_mul, add_rms_norm and rms_norm, as eager float64 math.
+
+    The fused layer is tried without a scale, then with each of the layer's own float attributes
+    as the multiplier of each sublayer's output before its add (LayerState.scale): the one whose
+    forward it matches is returned (None: no scale)."""
+    scales = [None] + [k for k, v in vars(layer).items() if type(v) is float and not k.startswith("_")]
+    for scale in scales[:-1]:
+        try:
+            _probe_layer(layer, ops, where, scale)
+            return scale
+        except UnsupportedModel:
+            continue
+    _probe_layer(layer, ops, where, scales[-1])
+    return scales[-1]
+
+
+def _probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str, scale: str | None) -> None:
     cls = forward_owner(type(layer))
     n, f = 8, 11
     calls: list[dict] = []
@@ -521,6 +544,7 @@ def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> None:
         defaults,
         None,
         0,
+        scale=scale,
     )
     unfused = dataclasses.replace(fused, silu_mul=None, add_rms_norm=None, rms_norm=None)
     named = {name: _Sentinel(name) for name in defaults}
