@@ -435,7 +435,8 @@ def test_granite_fuses_its_layer_with_its_residual_multiplier_read_at_each_call(
     finds that scale by probing the layer's own float attributes, and with the model's own math
     (HF_EAGER) computes bitwise what the unfused layer does, the multiplier read at each call.
     Every op fuses (the head divides by logits_scaling before its matmul: within rounding)."""
-    model = family("granite", 31, dtype, residual_multiplier=0.22, embedding_multiplier=3.0, logits_scaling=2.5)
+    multipliers = dict(residual_multiplier=0.22, embedding_multiplier=3.0, logits_scaling=2.5)
+    model = family("granite", 31, dtype, **multipliers)
     summary = _compare(copy.deepcopy(model), fusion.HF_EAGER, dtype, 32, exact=False)
     assert summary.counts == GEMMA_COUNTS and not summary.left_unfused
     ref = copy.deepcopy(model)
