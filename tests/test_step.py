@@ -1075,8 +1075,13 @@ def test_the_trial_design_fits_the_step_and_bounds_the_run():
     assert long.calls == math.ceil(S.TRIAL_SPAN_S / 0.166) >= S.MIN_CALLS
     assert long.max_trials == int(S.TRIALS_BUDGET_S // (7 * (long.calls + long.discard) * 0.166)) < 30
     assert long.max_trials * 7 * (long.calls + long.discard) * 0.166 <= S.TRIALS_BUDGET_S
+    # host time's own rounds: HOST_BUDGET_S of them for a long step, never under HOST_MIN_ROUNDS
+    assert long.host_rounds == S.HOST_MIN_ROUNDS < 30
+    mid = S.trial_design(cuda, 0.08, 3)
+    assert mid.host_rounds == int(S.HOST_BUDGET_S // (3 * S.HOST_ROUND_STEPS * 0.08)) > S.HOST_MIN_ROUNDS
     short = S.trial_design(cuda, 0.024, 4)  # the small GPT
     assert (short.calls, short.max_trials) == (S.REFEREE.calls, S.REFEREE.max_trials)
+    assert short.host_rounds is None  # a round a trial, where the host can bound the step
     huge = S.trial_design(cuda, 5.0, 2)
     assert huge.calls == S.MIN_CALLS and huge.max_trials < 12  # the asked trials still run (compare)
     assert S.trial_design(cuda) == S.REFEREE

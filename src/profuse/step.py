@@ -733,6 +733,15 @@ MIN_CALLS = 3
 # The extension to 30 trials (where the two fastest are within 2%) stops where its rounds would
 # pass this many seconds of steps: the run's minutes stay bounded whatever the model.
 TRIALS_BUDGET_S = 120.0
+# Host time has rounds of its own (bench/host.py: each variant's step issued against a held GPU,
+# about HOST_ROUND_STEPS steps' time a variant and round). Where steps are long they stop at
+# HOST_BUDGET_S of rounds, HOST_MIN_ROUNDS at the least: beside a long step's device time its host
+# time is a lower bound that only has to be far enough below it, and a round per trial would be
+# 42 rounds of 7 variants of a 190 ms step (Llama-3.2-1B on an H100, 2026-12-07), 3 minutes a
+# precision. A short step, where the host can bound it, keeps a round per trial.
+HOST_BUDGET_S = 20.0
+HOST_MIN_ROUNDS = 5
+HOST_ROUND_STEPS = 3
 
 
 def trial_design(device: torch.device, step_s: float | None = None, variants: int = 1) -> TrialDesign:
@@ -742,14 +751,20 @@ def trial_design(device: torch.device, step_s: float | None = None, variants: in
     holds. On a CPU, where a step of even the lab's GPT takes about a second and the machine is
     shared, one step a trial in balanced orders, warmed up by steps (Part B's rule), with the drift
     and noise warnings: the same verdict's statistics, without blocks of 10 steps and a 1% warm-up
-    no shared CPU meets."""
+    no shared CPU meets. Host time's own rounds stop at HOST_BUDGET_S of a long step's."""
     if device.type != "cuda":
         return replace(REFEREE, calls=1, discard=0, steady_spread=None, warmup_block=None, max_trials=0)
     if not step_s or step_s <= 0:
         return REFEREE
     calls = min(REFEREE.calls, max(MIN_CALLS, math.ceil(TRIAL_SPAN_S / step_s)))
     round_s = max(variants, 1) * (calls + REFEREE.discard) * step_s
-    return replace(REFEREE, calls=calls, max_trials=min(REFEREE.max_trials, int(TRIALS_BUDGET_S // round_s)))
+    host = int(HOST_BUDGET_S // (max(variants, 1) * HOST_ROUND_STEPS * step_s))
+    return replace(
+        REFEREE,
+        calls=calls,
+        max_trials=min(REFEREE.max_trials, int(TRIALS_BUDGET_S // round_s)),
+        host_rounds=None if host >= REFEREE.max_trials else max(HOST_MIN_ROUNDS, host),
+    )
 
 
 def _step_seconds(step: Callable[[], object], device: torch.device) -> float:

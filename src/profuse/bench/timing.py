@@ -469,7 +469,7 @@ def compare(
     if host_issuer is not None or (dev.type == "cuda" if host_rounds is None else host_rounds):
         # The calls as a loop makes them (not the graph replays).
         loop_calls = {n: variants[n] for n in names}
-        rounds = design.host_rounds or trials
+        rounds = min(design.host_rounds, trials) if design.host_rounds else trials
         hosts.update(_host(loop_calls, dev, rounds, seed + 1, clock, progress, host_issuer))
     if monitor == "auto":
         monitor = monitor_for(dev)
