@@ -25,7 +25,10 @@ import contextlib
 
 import torch
 
-from profuse.kernels import norm_recompute
+from profuse.kernels import HAS_TRITON
+
+if HAS_TRITON:  # the recipe's kernel; without triton no norm is profuse's kernel, nothing to make again
+    from profuse.kernels import norm_recompute
 
 
 class _Packed:
@@ -85,7 +88,13 @@ def _hooks_active() -> bool:
 def recomputed(y: torch.Tensor) -> contextlib.AbstractContextManager:
     """A context for the modules that read the norm output `y`: inside it, y's saved copies are
     recipes (see the module docstring), or nothing changes where that would not be exact."""
-    if not torch.is_grad_enabled() or not y.requires_grad or torch.compiler.is_compiling() or _hooks_active():
+    if (
+        not HAS_TRITON
+        or not torch.is_grad_enabled()
+        or not y.requires_grad
+        or torch.compiler.is_compiling()
+        or _hooks_active()
+    ):
         return contextlib.nullcontext()
     recipe = norm_recompute.recipe(y)
     if recipe is None:
