@@ -209,7 +209,7 @@ def test_gemma_fused_with_the_triton_kernels_through_the_interpreter():
 
 # model type -> (the MLP's form, its activation, the other ops that fuse)
 MLP_FAMILIES = {
-    "phi3": (True, "silu", {"linear_cross_entropy": 1}),
+    "phi3": (True, "silu", {"rope": 2, "linear_cross_entropy": 1}),  # rope on its packed qkv_proj's q, k
     "glm4": (True, "silu", {"linear_cross_entropy": 1}),
     "olmo2": (False, "silu", {"rms_norm": 1, "linear_cross_entropy": 1, "rms_norm_add": 4}),
     "gemma3_text": (
@@ -297,7 +297,7 @@ def test_a_fused_mlp_whose_act_changed_runs_its_own_forward_and_unfuse_restores_
 def test_a_packed_mlp_fused_with_the_triton_kernels_through_the_interpreter():
     model = family("phi3", seed=25, layers=1)
     summary = _compare(model, fusion.FUSED, torch.float32, seed=9, exact=False)
-    assert summary.counts == {"silu_mul": 1, "linear_cross_entropy": 1} and summary.notes == ()
+    assert summary.counts == {"silu_mul": 1, "rope": 1, "linear_cross_entropy": 1} and summary.notes == ()
 
 
 def softcapped(arch: str, seed: int, dtype=torch.float32, layers: int = 2):
@@ -427,3 +427,127 @@ def test_a_dry_run_changes_nothing_and_unfuse_restores_every_family(arch):
     unfuse(model)
     assert not fused_modules(model)
     assert_untouched(model, before)
+
+
+# --------------------------------------------------------------------------------------------
+# Decoder stacks and MLPs under other names (GPT-NeoX, Phi-1/2, Llama 4, StarCoder2, GPT-J)
+# --------------------------------------------------------------------------------------------
+
+
+def other_names(arch: str, seed: int, dtype=torch.float32, layers: int = 1, **overrides):
+    """A tiny `arch` of head dim 16 (GPT-NeoX rotates a quarter of each head, Phi-1/2 a half: an even
+    rotary width either way), its norms perturbed."""
+    config = transformers.AutoConfig.for_model(
+        arch,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        n_embd=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        n_layer=layers,
+        num_attention_heads=2,
+        n_head=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        **{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides},
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or ".ln" in name:
+                p.add_(0.4 * torch.randn_like(p))
+    return model.to(dtype)
+
+
+# model type -> (the places fused, what each reason left must say)
+OTHER_NAMES = {
+    # layers `layers`, final norm `final_layer_norm`, attention `attention` (a packed
+    # query_key_value), partial rotary; LayerNorm and an ungated GELU MLP
+    "gpt_neox": (
+        {"rope": 1, "linear_cross_entropy": 1},
+        {"silu_mul": "no gate", "add_rms_norm": "LayerNorm", "rms_norm": "LayerNorm"},
+    ),
+    # `final_layernorm`, one LayerNorm feeding attention and MLP in parallel, a head with a bias
+    "phi": (
+        {"rope": 1},
+        {
+            "silu_mul": "no gate",
+            "add_rms_norm": "parallel",
+            "rms_norm": "LayerNorm",
+            "linear_cross_entropy": "bias-free",
+        },
+    ),
+    "starcoder2": (
+        {"rope": 1, "linear_cross_entropy": 1},
+        {"silu_mul": "no gate", "add_rms_norm": "LayerNorm", "rms_norm": "LayerNorm"},
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("arch", list(OTHER_NAMES))
+def test_stacks_under_other_names_fuse_what_the_op_set_places_and_say_why_not_the_rest(arch, dtype):
+    counts, says = OTHER_NAMES[arch]
+    for impl, exact in ((fusion.HF_EAGER, True), (fusion.EAGER, False)):
+        model = other_names(arch, seed=61, dtype=dtype)
+        summary = _compare(model, impl, dtype, seed=16, exact=exact)
+        assert summary.counts == counts
+        left = dict(item.split(": ", 1) for item in summary.left_unfused)
+        assert set(left) == set(says)
+        for op, phrase in says.items():
+            assert phrase in left[op] and "\n" not in left[op], (op, left[op])
+
+
+@pytest.mark.skipif(not _has_fused_kernels(), reason="triton or a kernel module is missing")
+@pytest.mark.parametrize("arch", ["gpt_neox", "phi"])
+def test_partial_rotary_on_strided_q_and_k_runs_the_rope_kernel_through_the_interpreter(arch):
+    """GPT-NeoX hands rope q and k as chunks of one packed projection, Phi as slices of each head:
+    the kernel takes them as the views they are."""
+    model = other_names(arch, seed=62)
+    summary = _compare(model, fusion.FUSED, torch.float32, seed=17, exact=False)
+    assert summary.counts["rope"] == 1 and summary.notes == ()
+
+
+def test_llama4s_dense_layers_fuse_their_feed_forward_and_its_moe_layers_stay_the_experts_plans():
+    model = other_names(
+        "llama4_text",
+        seed=63,
+        layers=2,
+        head_dim=16,
+        intermediate_size_mlp=48,
+        num_local_experts=2,
+        moe_layers=[1],
+        interleave_moe_layer_step=2,
+    )
+    assert type(model.model.layers[0].feed_forward).__name__ == "Llama4TextMLP"
+    summary = _compare(model, fusion.EAGER, torch.float32, seed=18, exact=False)
+    assert summary.counts["silu_mul"] == 1
+    spec = model.model.layers[0].feed_forward.__dict__[STATE].spec
+    assert (spec.act_name, spec.activation, spec.packed) == ("activation_fn", "silu", False)
+    assert not fused_modules(model.model.layers[1].feed_forward)
+    left = dict(item.split(": ", 1) for item in summary.left_unfused)
+    assert "feed_forward" in left["add_rms_norm"] and "apply_rotary_pos_emb" in left["rope"]
+
+
+def test_gptj_is_refused_in_one_line_naming_each_op_it_has_no_place_for():
+    model = other_names("gptj", seed=64, rotary_dim=8)
+    with pytest.raises(UnsupportedModel) as e:
+        fuse(model, fusion.EAGER)
+    why = str(e.value)
+    assert "\n" not in why and why.startswith("GPTJForCausalLM: nothing to fuse")
+    for phrase in ("LayerNorm", "parallel", "no gate", "(tensor, sin, cos)", "bias-free"):
+        assert phrase in why, phrase
+
+
+def test_the_stack_is_found_by_its_parts_names_and_two_final_norms_are_no_stack():
+    from profuse.fusion import hf as H
+
+    model = other_names("gpt_neox", seed=65)
+    stack = model.gpt_neox
+    assert H._decoder_stack(model, "m") is stack
+    assert H.stack_layers(stack) is stack.layers and H.final_norm(stack) is stack.final_layer_norm
+    assert H.layer_attention(stack.layers[0]) is stack.layers[0].attention
+    stack.norm = torch.nn.LayerNorm(32)  # two final norms: which one runs is not for names to say
+    with pytest.raises(UnsupportedModel, match="no decoder stack .*`final_layer_norm`"):
+        fuse(model, fusion.EAGER, dry_run=True)

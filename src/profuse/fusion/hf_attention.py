@@ -24,6 +24,7 @@ rename runs (rope alone, the norms as modules); where the call is one the ops do
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,6 +50,9 @@ from profuse.fusion.hf_modules import (
 )
 
 ROPE_NAME = "apply_rotary_pos_emb"  # the module-level function every Llama-family attention calls
+# An attention's output projection, under each name families give it (Llama, GPT-NeoX and Phi,
+# GPT-J): the probe's stand-in maps the heads' width back to its small hidden size through it.
+OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj")
 _PASS = "_profuse_pass"  # what q_norm and k_norm are renamed to in the qk_norm_rope forward
 _ROPE_FORWARD, _QK_FORWARD = "_profuse_rope_forward", "_profuse_qk_forward"
 
@@ -166,11 +170,34 @@ def _out_features(m: nn.Module) -> int | None:
     return w.shape[0] if isinstance(w, torch.Tensor) and w.dim() == 2 else None
 
 
+def _rope_parameters(owner: type) -> str | None:
+    """The parameters of the attention module's own apply_rotary_pos_emb where they show it rotates
+    one tensor, not q and k: GPT-J's and CodeGen's (tensor, sin, cos), interleaved pairs, Gemma
+    3n's (x, cos, sin); None where it may take (q, k, cos, sin, ...) (a hub-kernel wrapper's
+    (*args, **kwargs) included: the probe decides), or the module has none (the rebuild says so)."""
+    fn = innermost(owner.forward).__globals__.get(ROPE_NAME)
+    try:
+        params = list(inspect.signature(inspect.unwrap(fn)).parameters.values()) if callable(fn) else None
+    except (TypeError, ValueError):
+        return None
+    if not params or any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params[:4]):
+        return None
+    names = [p.name for p in params[:4]]
+    if len(names) == 4 and not {"cos", "sin"} & set(names[:2]):
+        return None
+    return ", ".join(p.name for p in params)
+
+
 def plan_attention(
-    attentions: list[nn.Module], rope: Callable | None, qk: Callable | None, what: str
+    attentions: list[nn.Module],
+    rope: Callable | None,
+    qk: Callable | None,
+    what: str,
+    rotary_dim: int | None = None,
 ) -> AttentionPlan:
     """Check what fusing rope (and qk_norm_rope) into `attentions` needs; change nothing.
-    `rope`, `qk`: the ops to install, or None where not asked for."""
+    `rope`, `qk`: the ops to install, or None where not asked for. `rotary_dim`: the width of the
+    cos the model's rotary module makes (below the head dim for partial rotary); None: the head dim."""
     plan = AttentionPlan(None, None, {}, {}, {})
     wanted = [op for op, fn in ((ROPE, rope), (QK_NORM_ROPE, qk)) if fn is not None]
     if not wanted:
@@ -188,6 +215,9 @@ def plan_attention(
     params = parameter_names(owner.forward)
     if "position_embeddings" not in params:
         return refuse_all(f"{name}.forward takes no position_embeddings: not a Llama-family attention")
+    takes = _rope_parameters(owner)
+    if takes is not None:
+        return refuse_all(f"{name}'s {ROPE_NAME} takes ({takes}), not rope's (q, k, cos, sin)")
     try:
         fused = attention_class(owner)
     except ValueError as e:
@@ -212,6 +242,7 @@ def plan_attention(
                     params,
                     AttentionState(None, qk, *specs, params.index("position_embeddings")),
                     name,
+                    rotary_dim,
                 )
             except UnsupportedModel as e:
                 plan.reasons[QK_NORM_ROPE] = str(e)
@@ -224,6 +255,7 @@ def plan_attention(
                 params,
                 AttentionState(rope, None, None, None, params.index("position_embeddings")),
                 name,
+                rotary_dim,
             )
         except UnsupportedModel as e:
             plan.reasons[ROPE] = str(e)
@@ -254,10 +286,48 @@ def _probe_qk_norms(attentions: list[nn.Module], name: str) -> tuple[NormSpec, N
     return specs.pop()
 
 
-def _probe(attention: nn.Module, fused: type, params: list[str], st: AttentionState, name: str) -> None:
+def _projections(attention: nn.Module, c: int) -> dict[str, nn.Linear]:
+    """float64 stand-ins for the attention's projections at hidden size `c`: the output projection
+    (Llama's o_proj, GPT-NeoX's and Phi's dense, GPT-J's out_proj) maps the heads' width to c,
+    every other Linear (q/k/v, or GPT-NeoX's packed query_key_value) c to its own width."""
+    out = {}
+    for key, m in attention.named_children():
+        if not isinstance(m, nn.Linear):
+            continue
+        if key in OUTPUT_PROJECTIONS:
+            out[key] = nn.Linear(_in_features(m), c, dtype=torch.float64)
+        else:
+            out[key] = nn.Linear(c, _out_features(m), dtype=torch.float64)
+    if not any(key in OUTPUT_PROJECTIONS for key in out):
+        raise ValueError(f"no output projection ({'/'.join(OUTPUT_PROJECTIONS)}) among its Linears")
+    return out
+
+
+def _in_features(m: nn.Module) -> int:
+    w = m.weight
+    return m.in_features if isinstance(getattr(m, "in_features", None), int) else w.shape[1]
+
+
+def _head_dim(attention: nn.Module) -> int:
+    """The attention's head dim, as Llama (head_dim) or GPT-NeoX (head_size) holds it."""
+    for key in ("head_dim", "head_size"):
+        d = getattr(attention, key, None)
+        if isinstance(d, int):
+            return d
+    raise ValueError("it holds no head_dim")
+
+
+def _probe(
+    attention: nn.Module,
+    fused: type,
+    params: list[str],
+    st: AttentionState,
+    name: str,
+    rotary_dim: int | None = None,
+) -> None:
     """Run the attention class's own forward and the fused one on a float64 stand-in (small
-    hidden size, the real heads and head_dim, eager attention): raise unless the outputs agree
-    and the fused op ran once a call."""
+    hidden size, the real heads and head_dim, the rotary width the model's rotary module makes,
+    eager attention): raise unless the outputs agree and the fused op ran once a call."""
     owner = getattr(fused, ORIGINAL)
     norms = st.qk_norm_rope is not None
     op = "qk_norm_rope" if norms else "rope"
@@ -272,25 +342,18 @@ def _probe(attention: nn.Module, fused: type, params: list[str], st: AttentionSt
 
     try:
         c, f64 = 8, torch.float64
-        oq, ok = _out_features(attention.q_proj), _out_features(attention.k_proj)
-        ov = _out_features(attention.v_proj)
-        d = attention.head_dim
+        d = _head_dim(attention)
         with torch.random.fork_rng():
             torch.manual_seed(3)
             children = dict(attention.named_children())
-            children.update(
-                q_proj=nn.Linear(c, oq, dtype=f64),
-                k_proj=nn.Linear(c, ok, dtype=f64),
-                v_proj=nn.Linear(c, ov, dtype=f64),
-                o_proj=nn.Linear(oq, c, dtype=f64),
-            )
+            children.update(_projections(attention, c))
             for key in ("q_norm", "k_norm"):  # float64 stand-ins, norms or not, wherever the model is
                 if key in children:
                     real = children[key]
                     weight = nn.Parameter(1 + torch.randn(d, dtype=f64) / 4)
                     children[key] = stand_in(real, forward_owner(type(real)), {}, weight=weight)
             x = torch.randn(2, 5, c, dtype=f64)
-            angle = 3 * torch.randn(2, 5, d, dtype=f64)
+            angle = 3 * torch.randn(2, 5, rotary_dim or d, dtype=f64)
         attrs = {}
         config = getattr(attention, "config", None)
         if config is not None:
