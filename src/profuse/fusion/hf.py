@@ -91,8 +91,8 @@ its classes), PEFT (LoRA, LN tuning, modules_to_save, before or after fusing), u
 The model is recognised by structure and behaviour, not by class name: one decoder stack (a
 module with one layer list, `layers`, `h` or `blocks`, and one final norm, `norm`,
 `final_layernorm`, `final_layer_norm`, `norm_f` or `ln_f`), each layer with one attention
-(`self_attn`, `attention` or `attn`; its output projection `o_proj`, `dense` or `out_proj`) and
-one MLP (`mlp` or `feed_forward`); a layer fused whole holds exactly self_attn, mlp,
+(`self_attn`, `self_attention`, `attention` or `attn`; its output projection `o_proj`, `dense`
+or `out_proj`) and one MLP (`mlp` or `feed_forward`); a layer fused whole holds exactly self_attn, mlp,
 input_layernorm and post_attention_layernorm in a stack of `layers` and `norm`; and probes on
 small float64 stand-ins (on the CPU, whatever device the model is on): each norm class's
 forward must compute rms_norm(x) * weight, or Gemma's rms_norm(x) * (1 + weight), with the eps
@@ -173,11 +173,11 @@ _LAYER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attent
 # The names a decoder stack's parts go by across families: the layer list (Llama's `layers`,
 # GPT-J's and CodeGen's `h`), the final norm (Llama's `norm`, Phi's `final_layernorm`, GPT-NeoX's
 # `final_layer_norm`, GPT-J's `ln_f`, Mamba's `norm_f`), a layer's attention (GPT-NeoX's
-# `attention`, GPT-J's `attn`) and its MLP (Llama 4's `feed_forward`). A stack holds exactly one
-# of each; which one is read from the module, never from the family's name.
+# `attention`, GPT-J's `attn`, Falcon's `self_attention`) and its MLP (Llama 4's `feed_forward`).
+# A stack holds exactly one of each; which one is read from the module, never from the family's name.
 LAYER_LISTS = ("layers", "h", "blocks")
 FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "norm_f", "ln_f")
-ATTENTIONS = ("self_attn", "attention", "attn")
+ATTENTIONS = ("self_attn", "self_attention", "attention", "attn")
 MLPS = ("mlp", "feed_forward")
 _LAYER_OPS = (SILU_MUL, ADD_RMS_NORM, RMS_NORM)
 _WHAT = {
@@ -636,7 +636,8 @@ def _plan_mlps(layers: list[nn.Module], impl: BlockOps, label: bool, reasons: di
         installs = plan_mlps(mlps, lambda activation: bound_gated(impl, activation, label), what)
     except UnsupportedModel as e:
         layer_why = reasons.get(SILU_MUL)
-        alone = layer_why in (None, str(e)) or ungated(mlps[0]) is not None  # the MLP's reason is all
+        no_gate = mlps[0] is not None and ungated(mlps[0]) is not None
+        alone = layer_why in (None, str(e)) or no_gate  # the MLP's own reason is the whole reason
         reasons[SILU_MUL] = str(e) if alone else f"{layer_why}; the MLP alone: {e}"
         return []
     reasons.pop(SILU_MUL, None)
