@@ -13,6 +13,7 @@ Gemma's zeros (a norm that dropped the 1 + would fail).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 
 import pytest
@@ -176,20 +177,36 @@ def test_gemma_fused_then_unfused_is_the_model_it_was():
     assert_untouched(model, before)
 
 
-def test_gemma3s_offset_q_k_norms_stay_unfused_with_the_reason():
-    config = transformers.Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=40,
-        intermediate_size=52,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=20,
-        max_position_embeddings=32,
-    )
-    summary = fuse(transformers.Gemma3ForCausalLM(config), fusion.EAGER, dry_run=True)
-    left = dict(item.split(": ", 1) for item in summary.left_unfused)
-    assert "(1 + weight)" in left["qk_norm_rope"] and "takes no weight offset" in left["qk_norm_rope"]
+GEMMA3_COUNTS = {
+    "silu_mul": 2,
+    "rms_norm": 5,
+    "qk_norm_rope": 2,
+    "linear_cross_entropy": 1,
+    "rms_norm_add": 4,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_gemma3_fuses_every_op_its_q_k_norms_with_their_offset_in_qk_norm_rope(dtype):
+    """Gemma 3's (1 + w) q/k norms run inside qk_norm_rope (weight_offset=1.0): HF_EAGER bitwise,
+    EAGER within the ops' tolerances, train-mode loss and gradients, eval-mode logits."""
+    for impl, exact in ((fusion.HF_EAGER, True), (fusion.EAGER, False)):
+        model = family("gemma3_text", seed=31, dtype=dtype)
+        summary = _compare(model, impl, dtype, seed=7, exact=exact)
+        assert summary.counts == GEMMA3_COUNTS and summary.left_unfused == ()
+        st = model.model.layers[0].self_attn.__dict__[STATE]
+        assert st.q_norm.offset == st.k_norm.offset == 1.0
+
+
+def test_an_op_set_whose_qk_norm_rope_takes_no_offset_leaves_gemma3s_q_k_norms_unfused_with_the_reason():
+    def plain_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
+        return fusion.EAGER.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps)
+
+    ops = dataclasses.replace(fusion.EAGER, qk_norm_rope=plain_qk_norm_rope, name="plain")
+    summary = fuse(family("gemma3_text", seed=32), ops, dry_run=True)
+    why = dict(item.split(": ", 1) for item in summary.left_unfused)["qk_norm_rope"]
+    assert "(1 + weight)" in why and "'plain''s qk_norm_rope takes no offset" in why
+    assert summary.counts["rope"] == 2  # rope fuses alone, the norms as modules
 
 
 def _has_fused_kernels() -> bool:
@@ -197,6 +214,13 @@ def _has_fused_kernels() -> bool:
 
     needed = ("profuse.kernels.gated", "profuse.kernels.add_rms_norm", "profuse.kernels.rms_norm")
     return HAS_TRITON and all(importlib.util.find_spec(m) is not None for m in needed)
+
+
+@pytest.mark.skipif(not _has_fused_kernels(), reason="triton or a kernel module is missing")
+def test_gemma3s_offset_q_k_norms_through_the_qk_norm_rope_kernel_in_the_interpreter():
+    model = family("gemma3_text", seed=33, layers=1)
+    summary = _compare(model, fusion.FUSED, torch.float32, seed=8, exact=False)
+    assert summary.counts["qk_norm_rope"] == 1 and summary.notes == ()
 
 
 @pytest.mark.skipif(not _has_fused_kernels(), reason="triton or a kernel module is missing")
@@ -215,7 +239,7 @@ MLP_FAMILIES = {
     "gemma3_text": (
         False,
         "gelu_tanh",
-        {"rms_norm": 5, "rope": 2, "linear_cross_entropy": 1, "rms_norm_add": 4},
+        {"rms_norm": 5, "qk_norm_rope": 2, "linear_cross_entropy": 1, "rms_norm_add": 4},
     ),
 }
 
@@ -313,7 +337,8 @@ def test_a_soft_capped_head_fuses_and_passes_its_cap_to_the_loss(arch, dtype):
     for impl, exact in ((fusion.HF_EAGER, True), (fusion.EAGER, False)):
         model = softcapped(arch, seed=31, dtype=dtype)
         summary = _compare(model, impl, dtype, seed=10, exact=exact)
-        assert summary.counts["linear_cross_entropy"] == 1 and summary.counts["rope"] == 2
+        rotary = "qk_norm_rope" if arch == "gemma3_text" else "rope"  # Gemma 3's q/k norms in it
+        assert summary.counts["linear_cross_entropy"] == 1 and summary.counts[rotary] == 2
         # the GeGLU MLP by its class; the sandwich layer's four (1 + w) norms and the final one
         assert summary.counts["silu_mul"] == 2 and summary.counts["rms_norm_add"] == 4
         assert summary.counts["rms_norm"] == 5

@@ -16,8 +16,8 @@ memory-bound ops of a training step fused, each in its place:
     rms_norm               layer 0's input norm, which has no add in front             1 place
     rope                   attention's rotary embedding, q and k in one launch         L places
     qk_norm_rope           Qwen3: q_norm and k_norm with the rotary embedding,         L places
-                           in place of rope (profuse.fusion.hf_attention); not
-                           Gemma 3's (1 + w) q/k norms: the kernel takes no offset
+                           in place of rope (profuse.fusion.hf_attention); Gemma 3's
+                           (1 + w) q/k norms with weight_offset=1.0
     linear_cross_entropy   the causal-LM head and its loss, in training with labels    1 place
                            (in training with labels, no logits: profuse.fusion.hf_head;
                            an MoE head adds the router's aux loss as it did: hf_moe_head;
@@ -33,8 +33,8 @@ By family past Llama's (`profuse fuse --model hf:FAMILY` prints the table and ea
     Gemma          every op but qk_norm_rope (it has no q/k norms)
     Gemma 2, 3     every op but add_rms_norm (sandwich layers: rms_norm_add after each
                    sublayer, rms_norm before it, all (1 + w)), the GeGLU MLP by its class
-                   (profuse.fusion.hf_mlp), the soft-capped linear_cross_entropy; not Gemma
-                   3's (1 + w) q/k norms (qk_norm_rope takes no offset: rope fuses alone)
+                   (profuse.fusion.hf_mlp), the soft-capped linear_cross_entropy; Gemma 3's
+                   (1 + w) q/k norms in qk_norm_rope (Gemma 2 has none: rope)
     OLMo 2         silu_mul, rms_norm_add, rms_norm (the final norm), linear_cross_entropy;
                    not rope (its q/k norms span the whole projection)
     Phi-3, GLM-4   silu_mul on the packed gate_up_proj (hf_mlp), linear_cross_entropy; their
@@ -750,8 +750,9 @@ def _plan(
         if silu is not None:
             installs += _plan_dense_beside_experts(layers, mlps, impl, label, counts, reasons, what)
     attentions = [layer_attention(layer) for layer in layers]
+    qk_offset = None if takes_offset(impl, QK_NORM_ROPE) else f"{impl.name!r}'s qk_norm_rope takes no offset"
     attention = plan_attention(
-        attentions, bound.get(ROPE), bound.get(QK_NORM_ROPE), what, _rotary_dim(stack)
+        attentions, bound.get(ROPE), bound.get(QK_NORM_ROPE), what, _rotary_dim(stack), qk_offset
     )
     reasons.update(attention.reasons)
     if attention.targets is not None:

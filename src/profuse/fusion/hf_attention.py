@@ -7,8 +7,10 @@ handling and attention backends stay whatever the installed transformers has.
 
     rope(q, k, cos, sin)                                  q and k in one launch
     qk_norm_rope(q, k, w_q, w_k, cos, sin, eps)           Qwen3: q_norm and k_norm, then rope
+    qk_norm_rope(..., eps, weight_offset=1.0)             Gemma 3: its (1 + w) q/k norms
 
-For Qwen3 the forward is rebuilt a second time with `self.q_norm` and `self.k_norm` renamed in
+For Qwen3 (and Gemma 3, whose norms run after the transpose: the same (B, H, T, D) views reach the
+call site) the forward is rebuilt a second time with `self.q_norm` and `self.k_norm` renamed in
 its code to a pass-through, so the per-head norms run inside qk_norm_rope instead (reading the
 norm modules' weights and eps at the call).
 
@@ -91,7 +93,8 @@ def _site(module_globals: dict) -> Callable:
             qn, kn = attention._modules["q_norm"], attention._modules["k_norm"]
             if not args and not kwargs:
                 qt, kt = q.transpose(1, 2), k.transpose(1, 2)
-                return st.qk_norm_rope(qt, kt, qn.weight, kn.weight, cos, sin, st.q_norm.eps(qn))
+                eps = st.q_norm.eps(qn)
+                return st.qk_norm_rope(qt, kt, qn.weight, kn.weight, cos, sin, eps, **st.q_norm.kwargs())
             q, k = qn(q.transpose(1, 2)).transpose(1, 2), kn(k.transpose(1, 2)).transpose(1, 2)
         elif not args and not kwargs:
             return st.rope(q, k, cos, sin)
@@ -194,10 +197,12 @@ def plan_attention(
     qk: Callable | None,
     what: str,
     rotary_dim: int | None = None,
+    qk_offset: str | None = None,
 ) -> AttentionPlan:
     """Check what fusing rope (and qk_norm_rope) into `attentions` needs; change nothing.
     `rope`, `qk`: the ops to install, or None where not asked for. `rotary_dim`: the width of the
-    cos the model's rotary module makes (below the head dim for partial rotary); None: the head dim."""
+    cos the model's rotary module makes (below the head dim for partial rotary); None: the head dim.
+    `qk_offset`: why `qk` cannot take (1 + w) norms (it takes no weight_offset), or None where it can."""
     plan = AttentionPlan(None, None, {}, {}, {})
     wanted = [op for op, fn in ((ROPE, rope), (QK_NORM_ROPE, qk)) if fn is not None]
     if not wanted:
@@ -235,7 +240,7 @@ def plan_attention(
             qk = None
         else:
             try:
-                specs = _probe_qk_norms(attentions, name)
+                specs = _probe_qk_norms(attentions, name, qk_offset)
                 _probe(
                     attentions[0],
                     fused,
@@ -268,16 +273,19 @@ def plan_attention(
     return plan
 
 
-def _probe_qk_norms(attentions: list[nn.Module], name: str) -> tuple[NormSpec, NormSpec]:
+def _probe_qk_norms(
+    attentions: list[nn.Module], name: str, offset_why: str | None
+) -> tuple[NormSpec, NormSpec]:
+    """The q and k norms' specs, one class each across layers, one eps and one weight offset
+    (Gemma 3's (1 + w) where the op takes it: `offset_why` says why not, else None)."""
     specs = set()
     for i, a in enumerate(attentions):
         q = probe_norm(a.q_norm, f"layer {i}'s q_norm")
         k = probe_norm(a.k_norm, f"layer {i}'s k_norm")
-        if q.offset or k.offset:
-            raise UnsupportedModel(
-                f"{name}'s q_norm and k_norm scale by (1 + weight): "
-                "the qk_norm_rope kernel takes no weight offset"
-            )
+        if (q.offset or k.offset) and offset_why is not None:
+            raise UnsupportedModel(f"{name}'s q_norm and k_norm scale by (1 + weight): {offset_why}")
+        if q.offset != k.offset:
+            raise UnsupportedModel(f"{name}'s q_norm and k_norm scale by different weight offsets")
         if q.eps(a.q_norm) != k.eps(a.k_norm):
             raise UnsupportedModel(f"{name}'s q_norm and k_norm use different eps: qk_norm_rope takes one")
         specs.add((q, k))
@@ -334,9 +342,9 @@ def _probe(
     calls = []
 
     def counted(fn):
-        def call(*args):
+        def call(*args, **kwargs):
             calls.append(1)
-            return fn(*args)
+            return fn(*args, **kwargs)
 
         return call
 
