@@ -110,6 +110,7 @@ fuse raises profuse.errors.UnsupportedModel in one line before the model is chan
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -195,6 +196,7 @@ _WHAT = {
 # head unfused, so every forward makes them.
 LOGITS_POLICIES = ("auto", "always")
 _CAUSAL_MASK = "none made for a plain causal call: SDPA's is_causal, under torch.compile too"
+_RECOMPUTE = "made again in the backward from what each norm keeps, not held (recompute=False)"
 
 
 @dataclass(frozen=True)
@@ -211,12 +213,17 @@ class FuseSummary:
     # (profuse.fusion.hf_mask); False where the stack builds its mask as before.
     causal_mask: bool = False
     notes: tuple[str, ...] = ()  # how the ops run where it is not as `ops` says (a CPU model)
+    # The fused norms' outputs made again in the backward, not held from the forward
+    # (profuse.fusion.hf_recompute); False where fuse(recompute=False) or no norm runs as a kernel.
+    recompute: bool = False
 
     def __str__(self) -> str:
         lines = [f"fused {self.model} ({self.layers} decoder layers) with {self.ops}:"]
         lines += [f"  {op:<20} x{n:<4} {_WHAT[op]}" for op, n in self.counts.items()]
         if self.causal_mask:
             lines.append(f"  {'causal mask':<26} {_CAUSAL_MASK}")
+        if self.recompute:
+            lines.append(f"  {'norm outputs':<26} {_RECOMPUTE}")
         lines += [f"  left unfused: {item}" for item in self.left_unfused]
         lines += [f"  note: {note}" for note in self.notes]
         if self.labelled:
@@ -827,6 +834,7 @@ def fuse(
     dry_run: bool = False,
     causal_mask: bool | None = None,
     logits: str = "auto",
+    recompute: bool = True,
 ) -> FuseSummary:
     """Fuse a Hugging Face Llama-family model in place (see this module's docstring) and say how.
 
@@ -856,6 +864,11 @@ def fuse(
     output's logits then raise a UsageError saying so at any use); "always" leaves the head
     unfused, so every forward makes them (for a training loop or callback that reads
     outputs.logits next to the loss).
+
+    `recompute`: each fused norm's output, which the projections reading it would save for the
+    backward, is made again there from what the norm keeps anyway (profuse.fusion.hf_recompute:
+    bitwise the same value; 2 x tokens x hidden elements a layer less held through the step,
+    for one pass over the norm's input a norm in the backward). False keeps autograd's saving.
     """
     if not isinstance(model, nn.Module):
         raise UnsupportedModel(f"fuse takes an nn.Module, got {type(model).__name__}")
@@ -865,12 +878,15 @@ def fuse(
     if logits not in LOGITS_POLICIES:
         raise UsageError(f"fuse: logits takes {' or '.join(map(repr, LOGITS_POLICIES))}, got {logits!r}")
     causal = not named if causal_mask is None else causal_mask
+    if not isinstance(recompute, bool):
+        raise UsageError(f"fuse: recompute takes True or False, got {recompute!r}")
     try:
         plan = _plan(model, impl, names, named, label, causal, logits)
     except (AttributeError, KeyError, IndexError, TypeError) as e:  # a layout the plan cannot read
         raise UnsupportedModel(
             f"{type(model).__name__}: profuse cannot read this model's layout ({type(e).__name__}: {e})"
         ) from e
+    plan = _with_recompute(plan, recompute, impl)
     if dry_run:
         return plan.summary
     for module, cls, state in plan.installs:
@@ -880,6 +896,20 @@ def fuse(
         plan.stack.register_forward_pre_hook(_refuse_hidden_states, with_kwargs=True)
     plan.stack.__dict__[STATE] = _Installed(plan.summary)
     return plan.summary
+
+
+def _with_recompute(plan: _Plan, recompute: bool, impl: BlockOps) -> _Plan:
+    """The plan with its layers' norm outputs recomputed or held, and a summary that says which
+    where a norm runs as profuse's kernel (the only outputs hf_recompute makes again)."""
+    installs = [
+        (module, cls, dataclasses.replace(state, recompute=recompute))
+        if isinstance(state, (LayerState, PostNormState))
+        else (module, cls, state)
+        for module, cls, state in plan.installs
+    ]
+    kernels = any(runs_kernels(impl, op) for op in (ADD_RMS_NORM, RMS_NORM) if op in plan.summary.counts)
+    summary = dataclasses.replace(plan.summary, recompute=recompute and kernels)
+    return dataclasses.replace(plan, installs=installs, summary=summary)
 
 
 def unfuse(model: nn.Module) -> None:

@@ -24,6 +24,7 @@ hidden state itself, so a hook on a fused layer sees what it saw unfused.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -45,6 +46,7 @@ from profuse.fusion.hf_modules import (
     seeded,
     stand_in,
 )
+from profuse.fusion.hf_recompute import recomputed
 
 _MLP_CHILDREN = frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})
 _CACHE_KWARGS = ("cache", "past_key_value", "past_key_values", "layer_past")  # one thing, by version
@@ -89,6 +91,7 @@ class LayerState:
     stack: nn.Module | None  # None: always hand on the pair (the probe's stand-in)
     index: int
     activation: str = "silu"  # the MLP's, a name in MLP_ACTIVATIONS: silu_mul holds its gated op
+    recompute: bool = True  # the norms' outputs made again in the backward, not kept (hf_recompute)
 
     def __deepcopy__(self, memo):
         """A deep copy of the model copies the stack once, and the copy's layers find the copy's
@@ -203,7 +206,8 @@ def layer_body(self, x, residual, *, pair: bool, **kwargs):
         y, residual = norm_after_add(
             st.add_rms_norm, st.rms_norm, st.input_norm, self.input_layernorm, x, residual, owned=True
         )
-    attn_out = self.self_attn(hidden_states=y, **{**st.attn_defaults, **kwargs})[0]
+    with _kept(st, y):
+        attn_out = self.self_attn(hidden_states=y, **{**st.attn_defaults, **kwargs})[0]
     y, residual = norm_after_add(
         st.add_rms_norm,
         st.rms_norm,
@@ -216,12 +220,20 @@ def layer_body(self, x, residual, *, pair: bool, **kwargs):
     mlp = self.mlp
     if st.silu_mul is not None and _mlp_runs_as(mlp, st):
         # gate and up are the projections' own outputs, read by nothing else unless a hook holds one
-        gate, up = mlp.gate_proj(y), mlp.up_proj(y)
+        with _kept(st, y):
+            gate, up = mlp.gate_proj(y), mlp.up_proj(y)
         owned = not _keeps_output(mlp.gate_proj, mlp.up_proj)
         out = mlp.down_proj(st.silu_mul(gate, up, owned=owned))  # silu_mul, or gelu_mul for a GELU
     else:
-        out = mlp(y)
+        with _kept(st, y):
+            out = mlp(y)
     return (out, residual) if pair else residual + out
+
+
+def _kept(st, y: torch.Tensor) -> contextlib.AbstractContextManager:
+    """Where the modules reading the norm output y run: y's saved copies made again in the
+    backward where the layer was fused so (hf_recompute), else autograd's own saving."""
+    return recomputed(y) if st.recompute else contextlib.nullcontext()
 
 
 def _without_cache(layer: nn.Module, kwargs: dict) -> dict:
@@ -278,6 +290,7 @@ class PostNormState:
     sandwich: bool = False
     rms_norm: Callable | None = None
     pre_norm: NormSpec | None = None  # input_layernorm's and pre_feedforward_layernorm's class
+    recompute: bool = True  # the pre-norms' outputs made again in the backward (hf_recompute)
 
 
 def norm_then_add(op, spec: NormSpec, norm: nn.Module, x, residual):
@@ -301,10 +314,13 @@ def postnorm_layer_forward(self, hidden_states, *args, **kwargs):
 def postnorm_layer_body(self, x, **kwargs):
     st: PostNormState = self.__dict__[STATE]
     y = norm_alone(st.rms_norm, st.pre_norm, self.input_layernorm, x) if st.sandwich else x
-    attn_out = self.self_attn(hidden_states=y, **{**st.attn_defaults, **kwargs})[0]
+    with _kept(st, y) if st.sandwich else contextlib.nullcontext():
+        attn_out = self.self_attn(hidden_states=y, **{**st.attn_defaults, **kwargs})[0]
     h = norm_then_add(st.rms_norm_add, st.attn_norm, self.post_attention_layernorm, attn_out, x)
     y = norm_alone(st.rms_norm, st.pre_norm, self.pre_feedforward_layernorm, h) if st.sandwich else h
-    return norm_then_add(st.rms_norm_add, st.mlp_norm, self.post_feedforward_layernorm, self.mlp(y), h)
+    with _kept(st, y) if st.sandwich else contextlib.nullcontext():
+        out = self.mlp(y)
+    return norm_then_add(st.rms_norm_add, st.mlp_norm, self.post_feedforward_layernorm, out, h)
 
 
 # --------------------------------------------------------------------------------------------
