@@ -485,17 +485,18 @@ def other_names(arch: str, seed: int, dtype=torch.float32, layers: int = 1, **ov
     return model.to(dtype)
 
 
-# model type -> (the places fused, what each reason left must say)
+# model type -> (the places fused, what each reason left must say); one layer: layer_norm's places
+# are its LayerNorms (one for Phi's parallel layer, two elsewhere) and the final norm
 OTHER_NAMES = {
     # layers `layers`, final norm `final_layer_norm`, attention `attention` (a packed
     # query_key_value), partial rotary; LayerNorm and an ungated GELU MLP
     "gpt_neox": (
-        {"rope": 1, "linear_cross_entropy": 1},
+        {"rope": 1, "linear_cross_entropy": 1, "layer_norm": 3},
         {"silu_mul": "no gate", "add_rms_norm": "LayerNorm", "rms_norm": "LayerNorm"},
     ),
     # `final_layernorm`, one LayerNorm feeding attention and MLP in parallel, a head with a bias
     "phi": (
-        {"rope": 1},
+        {"rope": 1, "layer_norm": 2},
         {
             "silu_mul": "no gate",
             "add_rms_norm": "parallel",
@@ -504,7 +505,7 @@ OTHER_NAMES = {
         },
     ),
     "starcoder2": (
-        {"rope": 1, "linear_cross_entropy": 1},
+        {"rope": 1, "linear_cross_entropy": 1, "layer_norm": 3},
         {"silu_mul": "no gate", "add_rms_norm": "LayerNorm", "rms_norm": "LayerNorm"},
     ),
 }
@@ -555,14 +556,31 @@ def test_llama4s_dense_layers_fuse_their_feed_forward_and_its_moe_layers_stay_th
     assert "feed_forward" in left["add_rms_norm"] and "apply_rotary_pos_emb" in left["rope"]
 
 
-def test_gptj_is_refused_in_one_line_naming_each_op_it_has_no_place_for():
+def test_gptj_fuses_its_layer_norms_and_names_why_not_each_other_op():
     model = other_names("gptj", seed=64, rotary_dim=8)
-    with pytest.raises(UnsupportedModel) as e:
-        fuse(model, fusion.EAGER)
-    why = str(e.value)
-    assert "\n" not in why and why.startswith("GPTJForCausalLM: nothing to fuse")
-    for phrase in ("LayerNorm", "parallel", "no gate", "(tensor, sin, cos)", "bias-free"):
+    summary = _compare(model, fusion.EAGER, torch.float32, seed=19, exact=False)
+    assert summary.counts == {"layer_norm": 2}
+    why = " ".join(summary.left_unfused)
+    for phrase in ("add_layer_norm", "parallel", "no gate", "(tensor, sin, cos)", "bias-free"):
         assert phrase in why, phrase
+    without = dataclasses.replace(fusion.EAGER, layer_norm=None, name="plain")
+    with pytest.raises(UnsupportedModel) as e:
+        fuse(other_names("gptj", seed=64, rotary_dim=8), without)
+    assert "\n" not in str(e.value) and str(e.value).startswith("GPTJForCausalLM: nothing to fuse")
+    assert "layer_norm: 'plain' has no layer_norm" in str(e.value)
+
+
+@pytest.mark.skipif(not _has_fused_kernels(), reason="triton or a kernel module is missing")
+def test_starcoder2s_layer_norms_run_the_triton_kernel_through_the_interpreter_and_unfuse():
+    model = other_names("starcoder2", seed=66)
+    before = snapshot(model)
+    summary = _compare(model, fusion.FUSED, torch.float32, seed=20, exact=False)
+    assert summary.counts["layer_norm"] == 3 and summary.notes == ()
+    norm = model.model.layers[0].input_layernorm
+    assert isinstance(norm, torch.nn.LayerNorm) and fused_modules(model)
+    unfuse(model)
+    assert not fused_modules(model) and type(norm) is torch.nn.LayerNorm
+    assert_untouched(model, before)
 
 
 def test_the_stack_is_found_by_its_parts_names_and_two_final_norms_are_no_stack():

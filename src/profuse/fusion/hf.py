@@ -27,6 +27,10 @@ memory-bound ops of a training step fused, each in its place:
                            layers: each sublayer's output normalised, then added to
                            the stream (hf_layer's post-norm layer; the final norm,
                            and a sandwich layer's norms in front, are rms_norm's)
+    layer_norm             each nn.LayerNorm a layer holds, and a LayerNorm final      up to 2L + 1
+                           norm, by its class (profuse.fusion.hf_layernorm: StarCoder2,
+                           GPT-NeoX, Phi-1/2, GPT-J, GPT-2); the adds stay (no
+                           add_layer_norm); whether it pays is not measured on a card
 
 By family past Llama's (`profuse fuse --model hf:FAMILY` prints the table and each reason):
 
@@ -125,6 +129,7 @@ from profuse.fusion.gpt import (
     BLOCK_OP_RANGES,
     CLAMPED_SWIGLU,
     FUSED,
+    LAYER_NORM,
     LINEAR_CROSS_ENTROPY,
     OP_NAMES,
     QK_NORM_ROPE,
@@ -153,6 +158,7 @@ from profuse.fusion.hf_layer import (
     probe_norm,
     probe_postnorm_layer,
 )
+from profuse.fusion.hf_layernorm import bound_layer_norm, layer_norms, plan_layer_norms
 from profuse.fusion.hf_mask import plan_mask
 from profuse.fusion.hf_mlp import plan_mlps, ungated
 from profuse.fusion.hf_modules import STATE, forward_owner, fused_class, fused_target, is_fused, unfused_class
@@ -190,6 +196,7 @@ _WHAT = {
     CLAMPED_SWIGLU: "gpt-oss's experts' (clamp(up) + 1) * g * sigmoid(alpha * g), g = clamp(gate)",
     RMS_NORM_ADD: "post-norm: each sublayer's output normalised, then added to the stream",
     LINEAR_CROSS_ENTROPY: "lm_head and the loss: in training with labels, no logits (logits='always')",
+    LAYER_NORM: "each LayerNorm (with its bias) alone: the adds stay as they are",
 }
 # The logits policy (profuse.fusion.hf_head): "auto" skips the logits only in training with labels
 # and gradients on, where linear_cross_entropy computes the loss without them; "always" leaves the
@@ -382,12 +389,12 @@ def _layout_reason(layer: nn.Module) -> str | None:
         for name, m in layer.named_children()
         if "norm" in name.lower() or name.startswith("ln") or isinstance(m, nn.LayerNorm)
     ]
-    layer_norms = [name for name in norms if isinstance(layer._modules[name], nn.LayerNorm)]
+    ln_names = [name for name in norms if isinstance(layer._modules[name], nn.LayerNorm)]
     why = []
-    if layer_norms:
+    if ln_names:
         why.append(
-            f"{'/'.join(layer_norms)} {'is' if len(layer_norms) == 1 else 'are'} LayerNorm (mean subtracted, "
-            "a bias): profuse has no LayerNorm op"
+            f"{'/'.join(ln_names)} {'is' if len(ln_names) == 1 else 'are'} LayerNorm (mean subtracted, "
+            "a bias), not RMSNorm: no add_layer_norm op (each LayerNorm alone is layer_norm's place)"
         )
     if len(norms) == 1:
         why.append(
@@ -684,6 +691,21 @@ def _plan_dense_beside_experts(
     return installs
 
 
+def _plan_layer_norms(stack: nn.Module, bound: dict, reasons: dict, counts: dict):
+    """Each LayerNorm of the stack's layers and its final norm, fused by class (hf_layernorm):
+    installs; counts and reasons filled for layer_norm."""
+    norms = layer_norms(list(stack_layers(stack)), final_norm(stack))
+    if LAYER_NORM not in bound or not norms:
+        return []
+    try:
+        installs = plan_layer_norms(norms, bound[LAYER_NORM])
+    except UnsupportedModel as e:
+        reasons[LAYER_NORM] = str(e)
+        return []
+    counts[LAYER_NORM] = len(installs)
+    return installs
+
+
 def _has_place(op: str, model: nn.Module, stack: nn.Module) -> bool:
     """Whether the model has a place for `op` at all (a decoder stack has one for the others)."""
     if op == QK_NORM_ROPE:
@@ -695,6 +717,8 @@ def _has_place(op: str, model: nn.Module, stack: nn.Module) -> bool:
         return _is_postnorm(list(stack_layers(stack)))
     if op == LINEAR_CROSS_ENTROPY:
         return plan_head(model, stack, lambda *args, **kwargs: None, probe=False).absent is None
+    if op == LAYER_NORM:
+        return bool(layer_norms(list(stack_layers(stack)), final_norm(stack)))
     return True
 
 
@@ -739,7 +763,7 @@ def _plan(
     for op in names:
         why = unavailable(impl, op)
         if why is None:
-            bound[op] = bound_op(impl, op, label)
+            bound[op] = bound_layer_norm(impl, label) if op == LAYER_NORM else bound_op(impl, op, label)
         elif _has_place(op, model, stack):
             reasons[op] = why
     installs, counts = _plan_layers(stack, bound, reasons, what, impl, label)
@@ -756,6 +780,7 @@ def _plan(
         reasons.update({op: "; ".join(why) for op, why in mlps.reasons.items()})
         if silu is not None:
             installs += _plan_dense_beside_experts(layers, mlps, impl, label, counts, reasons, what)
+    installs += _plan_layer_norms(stack, bound, reasons, counts)
     attentions = [layer_attention(layer) for layer in layers]
     qk_offset = None if takes_offset(impl, QK_NORM_ROPE) else f"{impl.name!r}'s qk_norm_rope takes no offset"
     attention = plan_attention(
