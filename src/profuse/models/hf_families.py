@@ -38,6 +38,7 @@ TINY_SIZES = {
     "num_hidden_layers": 2,
     "n_layer": 2,
     "num_layers": 2,
+    "n_layers": 2,
     "decoder_layers": 2,
     "num_attention_heads": 4,
     "n_head": 4,
@@ -83,7 +84,7 @@ def shrink(fields: dict) -> dict:
     sub-configs the same way."""
     out: dict = {}
     vocab = TINY_SIZES["vocab_size"] if fields.get("vocab_size") else None
-    depths = ("num_hidden_layers", "n_layer", "num_layers")
+    depths = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
     depth = next((TINY_SIZES[k] for k in depths if fields.get(k)), None)
     for key, value in fields.items():
         if isinstance(value, dict) and key.endswith("config"):
