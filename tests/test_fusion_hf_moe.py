@@ -1,5 +1,6 @@
 """profuse.fuse on tiny mixture-of-experts models: Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE, GraniteMoE,
-gpt-oss (transformers 5.x, experts as 3-D weights behind use_experts_implementation).
+GraniteMoeShared, gpt-oss (transformers 5.x, experts as 3-D weights behind
+use_experts_implementation).
 
 Each model: hidden 32, 2 layers, 4 experts top-2, vocab 64, random weights (norms and routers
 too), labels with ignored tokens, output_router_logits on, so the loss is the language-model loss
@@ -95,6 +96,21 @@ def _configs():
                 attention_multiplier=0.3,
             ),
         ),
+        # GraniteMoE's multipliers (embeddings, residual branches, attention scores, logits divided)
+        # and a packed shared MLP beside the experts (input_linear -> activation -> output_linear)
+        "granitemoeshared": (
+            T.GraniteMoeSharedConfig,
+            T.GraniteMoeSharedForCausalLM,
+            dict(
+                intermediate_size=24,
+                shared_intermediate_size=20,
+                num_local_experts=EXPERTS,
+                embedding_multiplier=2.5,
+                residual_multiplier=0.6,
+                logits_scaling=1.7,
+                attention_multiplier=0.3,
+            ),
+        ),
         "gpt_oss": (
             T.GptOssConfig,
             T.GptOssForCausalLM,
@@ -109,7 +125,7 @@ def _configs():
     }
 
 
-FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "granitemoe", "gpt_oss"]
+FAMILIES = ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "granitemoe", "granitemoeshared", "gpt_oss"]
 
 
 def tiny_moe(family: str, seed: int = 0, dtype=torch.float32, **overrides) -> nn.Module:
@@ -180,10 +196,11 @@ def assert_same_step(got, want, reference=None):
 
 def gate_places(family: str) -> dict[str, int]:
     """The experts' gate places over 2 layers, by op: silu_mul in each experts module and
-    Qwen2-MoE's shared experts (dense SiLU MLPs); clamped_swiglu in gpt-oss's experts."""
+    Qwen2-MoE's and GraniteMoeShared's shared experts (dense and packed SiLU MLPs);
+    clamped_swiglu in gpt-oss's experts."""
     if family == "gpt_oss":
         return {fusion.CLAMPED_SWIGLU: 2}
-    return {fusion.SILU_MUL: 4 if family == "qwen2_moe" else 2}
+    return {fusion.SILU_MUL: 4 if family in ("qwen2_moe", "granitemoeshared") else 2}
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,3 +425,102 @@ def test_experts_with_a_forward_of_their_own_fuse_only_where_the_probe_saw_their
         calls.clear()
         assert_same_step(run(model, ids, labels), want[impl])
         assert (calls[fusion.SILU_MUL] > 0) == fused
+
+
+# --------------------------------------------------------------------------------------------
+# Liger-Kernel's own MoE patches, as profuse step's liger variants apply them
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "gpt_oss"])
+def test_liger_variants_apply_liger_kernels_own_patch_of_the_moe_family(family):
+    """Liger's kernels do not run on the CPU (its RMSNorm kernel under the interpreter, its fused
+    MoE op asks for a GPU driver): the patch selection is what is checked. liger: the family's
+    own lce_forward (the aux loss added to the fused linear cross-entropy's) and, where Liger
+    patches them, LigerExperts' fused MoE forward; gpt-oss's clamped experts are left as they
+    are. liger-ops: the experts and norms alone. The modeling module is left as it was."""
+    pytest.importorskip("liger_kernel.transformers")
+    from liger_kernel.transformers.swiglu import LigerExperts
+
+    from profuse.models import liger as L
+
+    assert L.no_patch(family) == ""
+    for ops_only in (False, True):
+        model = tiny_moe(family, seed=12)
+        module = L.modeling_module(family, model)
+        before = dict(vars(module))
+        globals_ = L.patch(model, family, ops_only=ops_only)
+        assert all(vars(module)[k] is v for k, v in before.items()) and vars(module).keys() == before.keys()
+        norm = next(n for n in globals_.patched if n.endswith("RMSNorm"))
+        with globals_:
+            assert getattr(module, norm).__module__.startswith("liger_kernel.")
+        assert getattr(module, norm) is before[norm]
+        forward = model.__dict__.get("forward")
+        if ops_only:
+            assert forward is None and "apply_rotary_pos_emb" not in globals_.patched
+        else:
+            assert forward.__func__.__module__ == f"liger_kernel.transformers.model.{family}"
+            assert forward.__func__.__name__ == "lce_forward" and "apply_rotary_pos_emb" in globals_.patched
+        for layer in model.model.layers:
+            own = layer.mlp.experts.__dict__.get("forward")
+            if family == "gpt_oss":
+                assert own is None  # Liger's SwiGLU is off for gpt-oss's clamped experts
+            else:
+                assert own.__func__ is LigerExperts.forward
+
+
+def test_liger_variants_of_a_family_liger_does_not_patch_are_refused_in_one_line_naming_it():
+    from profuse.models import liger as L
+
+    if not L.HAS_LIGER:
+        pytest.skip("liger-kernel is not installed")
+    why = L.unavailable(torch.device("cuda"), "olmoe")  # the device's type only is read
+    assert "has no patch for olmoe" in why and "\n" not in why
+    assert L.unavailable(torch.device("cuda"), "qwen3_moe") == ""
+
+
+# --------------------------------------------------------------------------------------------
+# GraniteMoE: its multipliers, its layer refused in one line, its packed shared MLP
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("family", ["granitemoe", "granitemoeshared"])
+def test_granite_moe_fuses_its_experts_and_head_and_refuses_its_layer_in_one_line(family):
+    """The experts' activation and the head (logits / logits_scaling inside the fused loss) fuse
+    with the multipliers as the model applies them (the step's equality: the first test here);
+    the decoder layer, block_sparse_moe where an mlp is expected and its residual branches
+    scaled by residual_multiplier, is left unfused in one line naming what it holds."""
+    model = tiny_moe(family, seed=13)
+    ids, labels = batch(13)
+    want = run(model, ids, labels)
+    calls = Counter()
+    summary = fuse(model, impl=counting_ops(calls))  # every op asked for, each counting its calls
+    places = gate_places(family)[fusion.SILU_MUL]
+    assert summary.counts == {fusion.SILU_MUL: places, fusion.ROPE: 2, fusion.LINEAR_CROSS_ENTROPY: 1}
+    layer = [r for r in summary.left_unfused if r.startswith(fusion.ADD_RMS_NORM)]
+    assert len(layer) == 1 and "block_sparse_moe" in layer[0] and "\n" not in layer[0]
+    assert not any(r.startswith(fusion.SILU_MUL) for r in summary.left_unfused)
+    assert_same_step(run(model, ids, labels), want)
+    assert calls[fusion.SILU_MUL] >= places and calls[fusion.LINEAR_CROSS_ENTROPY] == 1  # each ran
+
+
+def test_a_packed_shared_mlp_that_does_not_compute_silu_gate_times_up_is_left_unfused_in_one_line():
+    model = tiny_moe("granitemoeshared", seed=14)
+    base = type(model.model.layers[0].shared_mlp)
+
+    class UpFirst(base):  # the halves the other way round: silu(up) * gate
+        def forward(self, x):
+            gate_up = self.input_linear(x)
+            up, gate = gate_up.chunk(2, dim=-1)
+            return self.output_linear(self.activation(gate) * up)
+
+    for layer in model.model.layers:
+        layer.shared_mlp.__class__ = UpFirst
+    ids, labels = batch(14)
+    want = run(model, ids, labels)
+    calls = Counter()
+    summary = fuse(model, impl=counting_ops(calls, only=(fusion.SILU_MUL,)))
+    (why,) = [r for r in summary.left_unfused if r.startswith(fusion.SILU_MUL)]
+    assert "UpFirst" in why and "input_linear -> activation -> output_linear" in why and "\n" not in why
+    assert summary.counts[fusion.SILU_MUL] == 2  # the experts still fuse
+    assert_same_step(run(model, ids, labels), want)

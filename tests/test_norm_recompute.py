@@ -75,7 +75,9 @@ def test_a_fused_model_drops_y_and_gives_the_same_loss_and_gradients_bitwise(dty
     monkeypatch.setattr(R, "norm_output", lambda *a: calls.append(1) or real(*a))
     ids = tokens(6, seq=7)
     labels = labels_for(ids, 7)
-    seen = {name: _inputs_seen(m.model.layers[1].mlp.gate_proj) for name, m in (("held", held), ("made", made))}
+    seen = {
+        name: _inputs_seen(m.model.layers[1].mlp.gate_proj) for name, m in (("held", held), ("made", made))
+    }
     loss_h, grads_h = loss_and_grads(held, ids, labels)
     assert not calls
     loss_m, grads_m = loss_and_grads(made, ids, labels)

@@ -22,6 +22,16 @@ a `TraceSummary`:
    ceiling were it free (1 / (1 - f)) and the profuse op that fuses it, if one does.
 4. Operators or kernels per step and, on CUDA, the GPU's idle share (launch-bound above
    LAUNCH_BOUND_IDLE_PCT).
+
+A mixture of experts' routing is its own category, found by structure: the work of its router
+(the scores' softmax, top-k, the weights' normalisation) and of its MoE block and experts modules
+that moves tokens rather than computing on them (the sort or one-hot by expert, the gathers,
+index, scatter, index_add, histc and cumsum that take the tokens to their experts and back, the
+copies between), forward and backward (`profuse.module: router / experts / moe` ranges). The
+experts' elementwise math (act(gate) x up, the routing weights' product) is memory-bound work of
+its own candidate, EXPERTS_ACTIVATION; their grouped or per-expert matmuls stay matmul. Where no
+module range is open (a compiled step, a trace from elsewhere), top-k, histc, one_hot and
+bincount are routing by name.
 """
 
 from __future__ import annotations
@@ -32,18 +42,21 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field
 
-from profuse.structure import NORM_ROLES, RANGE_PREFIX, role_of_range
+from profuse.structure import MOE_ROLES, NORM_ROLES, RANGE_PREFIX, role_of_range
 
 # The ranges each of Part A's built-in steps is cut into; a user's own ranges of these names are
 # read the same way (an `optimizer` range is optimizer work). The analysis needs none of them.
 FORWARD, BACKWARD, OPTIMIZER = "forward", "backward", "optimizer"
 STEP_PREFIX = "ProfilerStep#"
 
-CATEGORIES = ("matmul", "attention", "memory_bound", "loss", "optimizer", "other")
+CATEGORIES = ("matmul", "attention", "memory_bound", "routing", "loss", "optimizer", "other")
+# Shown only where the step has some: a dense model has no routing.
+OPTIONAL_CATEGORIES = ("routing",)
 CATEGORY_LABELS = {
     "matmul": "matmul",
     "attention": "attention",
     "memory_bound": "elementwise + norm (memory-bound)",
+    "routing": "MoE routing (top-k, permutes)",
     "loss": "loss",
     "optimizer": "optimizer",
     "other": "other",
@@ -78,6 +91,10 @@ CATEGORY_RULES: tuple[tuple[str, str], ...] = (
     # graph's fused C++ code runs inside the '## Call CompiledFxGraph ##' range, which carries its
     # self time (the matmuls and SDPA it calls still show as aten ops).
     ("memory_bound", r"triton_(poi|red|per)_|cpp_fused|compiledfxgraph"),
+    # A mixture of experts' routing where no module range says so (a compiled step): the ops only
+    # routing uses. Gathers, sorts and scatters are routing only inside the MoE's modules (below).
+    # (not index_add: a CPU embedding's backward runs one)
+    ("routing", r"topk|histc|one_hot|bincount"),
     # Gathers and scatters (embedding forward and backward, sorts of token ids): memory-bound,
     # but no fusion of the tail removes them.
     ("other", r"embedding|index_?select|indexselect|scatter|gather|sort|segment"),
@@ -128,6 +145,8 @@ _INHERITED = ("attention", "loss")
 
 RESIDUAL_NORM = "residual add + norm"
 ACTIVATION_MUL = "activation x mul"
+EXPERTS_ACTIVATION = "experts' activation x mul"  # and the routing weights' product, in the experts
+ROUTING = "MoE routing (top-k, permutes)"
 ROTARY = "rotary embedding"
 QK_NORM = "q/k norm (in attention)"
 COPIES = "copies and casts"  # autocast's weight casts, .contiguous() and dtype casts outside norms
@@ -172,6 +191,17 @@ def _covered_by(name: str, ops: Iterable[str], norm_roles: set[str]) -> tuple[st
         if any("silu" in op.lower() for op in ops):
             return "silu_mul", ""
         return None, "not SiLU: profuse's silu_mul fuses silu(gate) * up only"
+    if name == EXPERTS_ACTIVATION:
+        low = [op.lower() for op in ops]
+        if any("clamped_swiglu" in op or "clamp" in op for op in low):
+            return "clamped_swiglu", "gpt-oss's clamped gate"
+        if any("silu" in op for op in low):
+            return "silu_mul", "in every experts implementation (profuse.fusion.hf_experts)"
+        return None, "not SiLU: profuse fuses the experts' silu(gate) * up and gpt-oss's clamped gate only"
+    if name == ROUTING:
+        return None, (
+            "no profuse op yet: a permute / combine kernel is built only where a card's profile shows it pays"
+        )
     if name == ROTARY:
         return "rope", ""
     if name == QK_NORM:
@@ -399,6 +429,8 @@ class _Structure:
             return QK_NORM if "attention" in place.roles[1:] else RESIDUAL_NORM
         if role == "rotary":
             return ROTARY
+        if role == "experts" and not copy:  # data movement is routing (_moe_category)
+            return EXPERTS_ACTIVATION
         if copy:
             return COPIES
         if role == "layer":  # elementwise work of a decoder layer outside its modules: the residual adds
@@ -408,6 +440,26 @@ class _Structure:
         if role == "attention":
             return ROTARY if self.rope else ATTENTION_ELEMENTWISE
         return UNPLACED
+
+
+# Inside an MoE's experts: the ops that move tokens (to their experts and back) rather than compute
+# on them.
+_MOVES_TOKENS = re.compile(
+    r"index|gather|scatter|sort|histc|cumsum|one_hot|nonzero|where|bincount|copy|clone|contiguous"
+    r"|_to_copy|aten::to$|cat|stack|repeat|expand|permute|zero|fill|empty|select|slice|split|view"
+    r"|aten::sum$"  # the combine: each token's k weighted outputs summed (and the eager loop's hit count)
+)
+
+
+def _moe_category(cat: str, place: _Place, op: str) -> str:
+    """`cat`, or routing where `op` at `place` is a mixture of experts' routing: all of its
+    router's work and its MoE block's own (but matmuls), its experts' token moves."""
+    role = next((r for r in place.roles if r in MOE_ROLES or r in ("mlp", "attention")), None)
+    if role not in MOE_ROLES or cat in ("matmul", "optimizer", "attention", "loss") or place.accumulation:
+        return cat
+    if role == "experts" and not _MOVES_TOKENS.search(op.lower()):
+        return "memory_bound" if cat == "routing" else cat  # the experts' elementwise math
+    return "routing"
 
 
 def _roles(spans: Iterable[Span]) -> tuple[str, ...]:
@@ -462,8 +514,9 @@ def analyze_trace(
         us: float, cat: str, chain: tuple[Span, ...], op: str, t: float, engine_us: float = 0.0
     ) -> None:
         """`engine_us`: the part of `us` autograd's engine spent between backward nodes."""
-        time_by_cat[cat] += us
         place = structure.place(chain)
+        cat = _moe_category(cat, place, op)
+        time_by_cat[cat] += us
         phase = OPTIMIZER if optimizer.holds(t) else BACKWARD if place.backward else FORWARD
         time_by_phase[phase] += us - engine_us
         time_by_phase[BACKWARD] += engine_us
@@ -475,6 +528,8 @@ def analyze_trace(
                 norm_roles.update(r for r in place.roles if r in NORM_ROLES)
         elif cat == "loss":
             by_candidate[LOSS][op] += us
+        elif cat == "routing":
+            by_candidate[ROUTING][op] += us
         elif cat == "optimizer":
             by_candidate[OPTIMIZER_WORK][op] += us
         region = _region(chain, region_of) if region_of else None

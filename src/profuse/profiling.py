@@ -52,6 +52,7 @@ from profuse.attribution import (  # noqa: F401 - the trace's reading, under the
     HOST_CATS,
     LAUNCH_BOUND_IDLE_PCT,
     OPTIMIZER,
+    OPTIONAL_CATEGORIES,
     STEP_PREFIX,
     Candidate,
     Intervals,

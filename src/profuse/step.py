@@ -6,6 +6,11 @@ on the same batch, all from the same initial parameters:
 
     eager            the model as written, one op at a time
     fused            its block ops swapped for the fused Triton ones (ModelSpec.fuse: profuse.fusion)
+    moe-best         a mixture of experts unfused, its experts run by transformers' implementation
+                     that is fastest on the card (profuse.models.experts: grouped_mm where torch
+                     has a native grouped matmul, else batched_mm or the eager loop)
+    moe-best+fused   fused over that same experts implementation: like with like (MoE models);
+                     both skipped where the model as built runs that implementation already
     liger-ops        Liger-Kernel's RMSNorm and SwiGLU alone: op for op with fused (HF, CUDA)
     liger            Liger-Kernel as its users apply it: RoPE, RMSNorm, SwiGLU and fused linear
                      cross-entropy (profuse.models.liger) (HF, CUDA)
@@ -34,7 +39,8 @@ both` runs the whole of it once in each. In order:
 
 1. The size is checked against the device's free memory (one line, before any work).
 2. Same math, small (profuse.samemath): on a copy of the model cut to 2 layers and 128 tokens
-   (ModelSpec.small, the run's widths) each variant that swaps ops (fused, liger-ops, liger)
+   (ModelSpec.small, the run's widths) each variant that swaps ops (fused, moe-best and
+   moe-best+fused, liger-ops, liger)
    computes the loss and every gradient in the run's precision, compared with float64 (the same
    weights; the loss from the logits, ModelSpec.reference_loss): it must be as close to it as
    the unfused step is (within a factor 2, or the dtype's tolerance). A variant that is not is
@@ -99,7 +105,9 @@ from profuse.errors import UsageError
 from profuse.kernels import HAS_TRITON, TRITON_MISSING
 from profuse.model import GPTConfig
 from profuse.models import ModelSpec, autocast_for  # noqa: F401 (re-exported)
+from profuse.models import experts as _experts
 from profuse.models import liger as L
+from profuse.models.experts import ExpertsChoice
 from profuse.models.gpt import PRESETS, GPTSpec, preset_model
 from profuse.models.spec import (
     CHECK_BATCH,
@@ -128,13 +136,19 @@ LossFn = Callable[[nn.Module, Batch], torch.Tensor]
 BASELINE = "eager"
 # Every variant, in the table's order.
 ALL_VARIANTS = (
-    "eager", "fused", "liger-ops", "liger", "compile", "compile-stock", "compile+fused", "cudagraphs"
+    "eager", "fused", "moe-best", "moe-best+fused", "liger-ops", "liger", "compile", "compile-stock",
+    "compile+fused", "cudagraphs",
 )  # fmt: skip
 # The built-in GPT's default (Liger patches HF models only): the four the lab's Part C compares.
 VARIANTS = ("eager", "fused", "compile", "compile+fused")
-# A Hugging Face model's default: every variant but compile-stock (asked for by name).
-HF_VARIANTS = tuple(v for v in ALL_VARIANTS if v != "compile-stock")
-FUSED_VARIANTS = ("fused", "compile+fused")
+# The variants that set the experts' implementation to the card's best (profuse.models.experts):
+# a mixture-of-experts model's, in its default.
+EXPERTS_VARIANTS = ("moe-best", "moe-best+fused")
+# A Hugging Face model's default: every variant but compile-stock (asked for by name) and, for a
+# dense model, the experts' ones; a mixture of experts' (MOE_VARIANTS) has them.
+HF_VARIANTS = tuple(v for v in ALL_VARIANTS if v not in ("compile-stock", *EXPERTS_VARIANTS))
+MOE_VARIANTS = tuple(v for v in ALL_VARIANTS if v != "compile-stock")
+FUSED_VARIANTS = ("fused", "moe-best+fused", "compile+fused")
 LIGER_VARIANTS = ("liger-ops", "liger")
 COMPILED_VARIANTS = ("compile", "compile-stock", "compile+fused", "cudagraphs")
 # The compiled variants of the unfused model that take the causal-mask fix (ModelSpec.fix_causal_mask).
@@ -142,7 +156,7 @@ MASK_FIXED_VARIANTS = ("compile", "cudagraphs")
 STOCK_VARIANTS = ("compile-stock",)
 GRAPH_VARIANTS = ("cudagraphs",)
 # The variants that swap ops in an unfused model: each passes the same-math check first.
-CHECKED_VARIANTS = ("fused", "liger-ops", "liger")
+CHECKED_VARIANTS = ("fused", "moe-best", "moe-best+fused", "liger-ops", "liger")
 
 # The kernel modules behind the fused ops (profuse.blockops, rotary, crossentropy).
 KERNEL_MODULES = tuple(
@@ -188,6 +202,8 @@ class StepConfig:
             raise TypeError(f"StepConfig.model takes a ModelSpec or a GPTConfig, not {kind}")
         self.preset = self.model.preset
         default = VARIANTS if self.model.family == "gpt" else HF_VARIANTS
+        if self.experts is not None:
+            default = MOE_VARIANTS
         names = list(dict.fromkeys(default if self.variants is None else self.variants))
         unknown = [v for v in names if v not in ALL_VARIANTS]
         if unknown:
@@ -229,6 +245,11 @@ class StepConfig:
     def tokens(self) -> int:
         return self.spec.tokens
 
+    @property
+    def experts(self) -> ExpertsChoice | None:
+        """The experts implementation the moe-best variants run, and why (None: no experts)."""
+        return self.spec.experts_choice(self.device, self.precision)
+
     def to_dict(self) -> dict:
         spec = self.spec
         out = {
@@ -252,6 +273,7 @@ class StepConfig:
             "precision": self.precision,
             "precision_text": precision_text(self.device, self.precision),
             "timing": "loop",
+            **({"experts": self.experts.to_dict()} if self.experts is not None else {}),
         }
 
 
@@ -340,12 +362,28 @@ def plan(cfg: StepConfig, ops: fusion.BlockOps | None) -> tuple[list[str], dict[
             why = "needs CUDA: CUDA graphs are a GPU feature"
         elif name in STOCK_VARIANTS and spec.family == "gpt":
             why = "the built-in GPT builds no mask: compile is its stock torch.compile"
+        if name in EXPERTS_VARIANTS and not why:
+            why = _experts_unavailable(cfg, name)
         if why:
             skipped[name] = why
         else:
             runs.append(name)
     _drop_graphs_that_do_not_fit(cfg, runs, skipped)
     return runs, skipped
+
+
+def _experts_unavailable(cfg: StepConfig, name: str) -> str:
+    """Why moe-best (or moe-best+fused) does not run: no experts, or the model as built runs the
+    best implementation already, so eager (fused) is that variant and timing it twice tells
+    nothing ('' where it runs)."""
+    choice = cfg.experts
+    if choice is None:
+        return f"{cfg.spec.model_arg} has no experts (transformers' use_experts_implementation)"
+    if choice.same_as_built:
+        same = "fused" if name in FUSED_VARIANTS else BASELINE
+        impl = choice.implementation
+        return f"{same} is it: the model as built runs transformers' {impl} experts, the best here"
+    return ""
 
 
 def _drop_graphs_that_do_not_fit(cfg: StepConfig, runs: list[str], skipped: dict[str, str]) -> None:
@@ -412,10 +450,18 @@ def _mask_route(spec: ModelSpec, name: str, model: nn.Module, fused) -> MaskRout
     return MaskRoute(not why, why)
 
 
-def _prepare(spec: ModelSpec, name: str, model: nn.Module, ops: fusion.BlockOps, autocast) -> _Variant:
-    """`model` (in place) made into variant `name`; `autocast` the precision's context."""
+def _prepare(
+    spec: ModelSpec, name: str, model: nn.Module, ops: fusion.BlockOps, autocast, experts: str | None = None
+) -> _Variant:
+    """`model` (in place) made into variant `name`; `autocast` the precision's context; `experts`
+    the implementation the experts variants set (the run's StepConfig.experts, whatever the
+    size of `spec`: the small check's copy runs the run's)."""
     module_globals: contextlib.AbstractContextManager = contextlib.nullcontext()
     fused = None
+    if name in EXPERTS_VARIANTS:
+        if experts is None:
+            raise UsageError(f"{name}: {spec.model_arg} has no experts implementation to set")
+        _experts.set_implementation(model, experts)
     if name in FUSED_VARIANTS:
         fused = spec.fuse(model, ops)
     elif name in LIGER_VARIANTS:
@@ -466,13 +512,18 @@ def check_variant_math(cfg: StepConfig, name: str, ops: fusion.BlockOps) -> Math
     """Loss and gradients of one step of the small model: variant `name`, unfused, float64."""
     return samemath.check_small(
         cfg.spec,
-        lambda spec, model: _prepare(spec, name, model, ops, cfg.autocast),
+        lambda spec, model: _prepare(spec, name, model, ops, cfg.autocast, _experts_name(cfg)),
         device=cfg.device,
         seed=cfg.seed,
         precision=cfg.precision,
         dtype=cfg.dtype,
         autocast=cfg.autocast,
     )
+
+
+def _experts_name(cfg: StepConfig) -> str | None:
+    choice = cfg.experts
+    return None if choice is None else choice.implementation
 
 
 def check_same_math(cfg: StepConfig, ops: fusion.BlockOps) -> MathCheck:
@@ -496,7 +547,7 @@ def _math_stage(
         checks[name] = check
         if not check.passed:
             why = check.error or f"its {check.worst} is outside the bound against float64"
-            for n in FUSED_VARIANTS if name == "fused" else (name,):
+            for n in ("fused", "compile+fused") if name == "fused" else (name,):  # compile+fused rides on it
                 if n in names:
                     failed[n] = f"failed the same-math check: {why}"
     return checks, [n for n in names if n not in failed]
@@ -534,7 +585,7 @@ def _build_variants(
     for name in names:
         model = base if name == BASELINE else copy.deepcopy(base, memo=dict(shared))
         try:
-            v = _prepare(cfg.spec, name, model, ops, cfg.autocast)
+            v = _prepare(cfg.spec, name, model, ops, cfg.autocast, _experts_name(cfg))
         except Exception as err:  # e.g. a model fusion cannot fuse: a failed row, not a crash
             failed[name] = _first_line(err)
             continue

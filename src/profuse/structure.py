@@ -18,6 +18,14 @@ Roles, by structure (class names are a hint, never the only test):
     layer                 a module whose direct children hold a norm and an attention or an MLP
                           (a decoder layer: what it runs itself, outside them, is the residual adds)
     rotary                a class named *Rotary* / *RoPE* (the cos / sin tables)
+    experts               a mixture of experts' experts: 3-D gate_up_proj (or up_proj) and
+                          down_proj parameters, every expert's weights in one tensor
+                          (transformers 5.x); its own work is the tokens gathered by expert,
+                          the activation x up, the routing weights' product and the combine
+    router                the MoE block's child that scores the experts: a 2-D (experts, hidden)
+                          weight, no children (top-k and the softmax over experts run in it)
+    moe                   a module whose direct children hold experts (the sparse MoE block:
+                          router, experts, a shared expert; what it runs itself is the combine)
 """
 
 from __future__ import annotations
@@ -35,12 +43,14 @@ from torch.profiler import record_function
 
 RANGE_PREFIX = "profuse.module: "
 NORM_ROLES = ("rms_norm", "layer_norm")
-ROLES = (*NORM_ROLES, "mlp", "attention", "layer", "rotary")
+MOE_ROLES = ("moe", "router", "experts")
+ROLES = (*NORM_ROLES, "mlp", "attention", "layer", "rotary", *MOE_ROLES)
 
 _MLP_NAME = re.compile(r"mlp|ffn|feedforward|feed_forward|swiglu|geglu|glu$", re.IGNORECASE)
 _ATTENTION_NAME = re.compile(r"attention|attn", re.IGNORECASE)
 _ROTARY_NAME = re.compile(r"rotary|rope", re.IGNORECASE)
 _NORM_NAME = re.compile(r"norm", re.IGNORECASE)
+_ROUTER_NAME = re.compile(r"router|gate", re.IGNORECASE)
 
 
 def _linear_children(m: nn.Module) -> int:
@@ -67,10 +77,37 @@ def _norm_role(m: nn.Module) -> str | None:
     return None
 
 
+def _is_experts(m: nn.Module) -> bool:
+    p = m._parameters
+    up = p.get("gate_up_proj", p.get("up_proj"))
+    return all(isinstance(t, torch.Tensor) and t.dim() == 3 for t in (up, p.get("down_proj")))
+
+
+def _router_of(m: nn.Module, experts: nn.Module) -> nn.Module | None:
+    """The child of MoE block `m` that scores `experts`: a leaf with an (experts, hidden) weight."""
+    n = experts._parameters["down_proj"].shape[0]
+    for c in m.children():
+        weight = c._parameters.get("weight") if not any(c.children()) else None
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == n:
+            return c
+    return None
+
+
 def _classify(m: nn.Module) -> str | None:
     cls = type(m).__name__
     if isinstance(m, (nn.Linear, nn.Embedding, nn.Dropout)) or isinstance(m, nn.ModuleList):
         return None
+    if _is_experts(m):
+        return "experts"
+    experts = next((c for c in m.children() if _is_experts(c)), None)
+    if experts is not None:  # the MoE block: its router is known by its place beside the experts
+        router = _router_of(m, experts)
+        if router is not None:
+            _ROLE_CACHE[router] = "router"
+        return "moe"
+    weight = m._parameters.get("weight")
+    if _ROUTER_NAME.search(cls) and isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        return "router"  # a router met before its block (a hook on it alone)
     norm = _norm_role(m)
     if norm is not None:
         return norm
@@ -85,7 +122,7 @@ def _classify(m: nn.Module) -> str | None:
     if _linear_children(m) >= 2 and _ATTENTION_NAME.search(cls):
         return "attention"
     kids = {role_of(c) for c in m.children()}
-    if kids & {"attention", "mlp"} and kids & set(NORM_ROLES):
+    if kids & {"attention", "mlp", "moe"} and kids & set(NORM_ROLES):
         return "layer"
     return None
 

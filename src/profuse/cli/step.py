@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import textwrap
 from pathlib import Path
 
 from profuse.bench import DEFAULT_TRIALS
@@ -26,7 +27,8 @@ from profuse.cli.common import (
 # --------------------------------------------------------------------------------------------
 
 STEP_VARIANTS = (
-    "eager", "fused", "liger-ops", "liger", "compile", "compile-stock", "compile+fused", "cudagraphs"
+    "eager", "fused", "moe-best", "moe-best+fused", "liger-ops", "liger", "compile", "compile-stock",
+    "compile+fused", "cudagraphs",
 )  # fmt: skip
 # The sizes --preset names: the built-in GPT's, then the Hugging Face models' (profuse.models).
 GPT_STEP_PRESETS = ("lab", "small", "medium")
@@ -41,9 +43,18 @@ CPU_STEP_HINT = (
 )
 
 
+class _WholeNames(argparse.HelpFormatter):
+    """Help lines broken between words only: a variant's name (compile-stock, moe-best+fused)
+    stays whole."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def build_step_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="profuse step",
+        formatter_class=_WholeNames,
         description="Part C: how much faster does fusing make the training step, really? Whole training "
         "steps (forward, loss, backward, AdamW) of a model (the built-in GPT, or a Hugging Face "
         "Llama-family model with random weights) as written (eager), with its block ops fused "
@@ -89,16 +100,22 @@ def build_step_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--variants", type=variant_keys, default=None, metavar="LIST",
         help=f"comma-separated, from: {', '.join(STEP_VARIANTS)}. eager: the model as written; fused: "
-        "profuse's fused block ops; liger-ops: Liger-Kernel's RMSNorm and SwiGLU alone; liger: Liger's "
-        "full patch (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy); compile: torch.compile of "
+        "profuse's fused block ops; moe-best (mixtures of experts): the unfused model with its experts "
+        "run by transformers' implementation fastest on this device (grouped_mm where torch has a native "
+        "grouped matmul for it, else batched_mm for a small batch or the eager loop; the run says which "
+        "and why, and skips both where the model as built runs it already); moe-best+fused: fused over "
+        "that same implementation; liger-ops: Liger-Kernel's "
+        "RMSNorm and SwiGLU alone; liger: Liger's full patch (RoPE, RMSNorm, SwiGLU, fused linear "
+        "cross-entropy; for an MoE family Liger's own patch of it); compile: torch.compile of "
         "the unfused model with the causal-mask fix profuse.fuse makes for itself (a plain causal call "
         "reaches SDPA as is_causal, no mask built while compiling), so compile+fused vs compile is the "
         "fusion alone; compile-stock: torch.compile of the model as transformers ships it (hf:ARCH); "
         "compile+fused: the fused model compiled; cudagraphs: compile replayed as CUDA graphs. "
-        "Default: for gpt eager, fused, compile, compile+fused; for hf:ARCH all but compile-stock. "
+        "Default: for gpt eager, fused, compile, compile+fused; for hf:ARCH all but compile-stock (and "
+        "the moe-best ones for a dense model). "
         "eager, the baseline, is always in; a variant that cannot run here is skipped with the reason: "
         "fused where no Triton kernels run, liger and liger-ops without CUDA and liger-kernel, "
-        "cudagraphs without CUDA, compile-stock for gpt (no mask to fix)",
+        "cudagraphs without CUDA, compile-stock for gpt (no mask to fix), moe-best for a dense model",
     )  # fmt: skip
     add_precision_arg(p, "the whole run (every variant, its check, trials and profiles)")
     p.add_argument(

@@ -25,7 +25,10 @@ back to the original for it.
 
 A dense MLP that the decoder layer does not call as its `mlp` (a shared expert inside the MoE
 block, or a dense layer's MLP in a stack whose other layers are MoE) gets a fused class whose
-forward is down(silu_mul(gate(x), up(x))).
+forward is down(silu_mul(gate(x), up(x))). A packed one, one Linear H -> 2I beside one I -> H and
+an activation module (GraniteMoeShared's shared_mlp: input_linear, activation, output_linear),
+gets out(silu_mul(in(x))) on the packed [gate | up] halves, once a float64 stand-in of its class
+is seen to compute exactly that, in train and eval mode; otherwise it is left unfused, in one line.
 
 Probes, on float64 stand-ins (CPU, small widths, the module's own expert count and flags): the
 experts class's `_apply_gate` must compute silu(g) * u on the concatenated halves (gpt-oss's
@@ -81,6 +84,19 @@ class MlpState:
     silu_mul: Callable
     owner: type
     act_cls: type
+
+
+@dataclass(frozen=True)
+class PackedMlpState:
+    """What a fused packed MLP calls: its children's names (the H -> 2I and I -> H Linears, the
+    activation module) and the activation's class probed."""
+
+    silu_mul: Callable
+    owner: type
+    act_cls: type
+    up: str
+    down: str
+    act: str
 
 
 # --------------------------------------------------------------------------------------------
@@ -168,6 +184,16 @@ def eager_experts(self, hidden_states, top_k_index, top_k_weights) -> torch.Tens
     return out
 
 
+def packed_mlp_forward(self, x):
+    """A fused packed MLP: down(silu_mul(up(x))) on the [gate | up] halves, or its own forward
+    where its activation module changed."""
+    st: PackedMlpState = self.__dict__[STATE]
+    act = self._modules.get(st.act)
+    if type(act) is st.act_cls and runs_as(act, st.act_cls):
+        return self._modules[st.down](st.silu_mul(self._modules[st.up](x)))
+    return st.owner.forward(self, x)
+
+
 def mlp_forward(self, x):
     """A fused dense MLP: down(silu_mul(gate(x), up(x))), or its own forward where its act_fn
     changed."""
@@ -190,6 +216,21 @@ def is_experts(module: nn.Module) -> bool:
 
 def _is_dense_mlp(module: nn.Module) -> bool:
     return all(isinstance(module._modules.get(k), nn.Linear) for k in ("gate_proj", "up_proj", "down_proj"))
+
+
+def packed_mlp_children(module: nn.Module) -> tuple[str, str, str] | None:
+    """(up, down, activation) children's names of a packed gated MLP by structure: exactly one
+    Linear H -> 2I, one Linear I -> H and one module without parameters; None otherwise."""
+    kids = dict(module.named_children())
+    linears = {k: m for k, m in kids.items() if isinstance(m, nn.Linear)}
+    others = [k for k, m in kids.items() if k not in linears and not any(True for _ in m.parameters())]
+    if len(kids) != 3 or len(linears) != 2 or len(others) != 1:
+        return None
+    (a, la), (b, lb) = linears.items()
+    for (up, lu), (down, ld) in (((a, la), (b, lb)), ((b, lb), (a, la))):
+        if lu.out_features == 2 * ld.in_features and ld.out_features == lu.in_features:
+            return up, down, others[0]
+    return None
 
 
 @dataclass
@@ -234,6 +275,8 @@ def plan_experts(stack: nn.Module, silu_mul: Callable | None, clamped_swiglu: Ca
             kind = "experts"
         elif _is_dense_mlp(module) and silu_mul is not None:
             kind = "mlp"
+        elif silu_mul is not None and not isinstance(module, nn.Linear) and packed_mlp_children(module):
+            kind = "packed"
         else:
             continue
         cls = type(module)
@@ -242,6 +285,8 @@ def plan_experts(stack: nn.Module, silu_mul: Callable | None, clamped_swiglu: Ca
             try:
                 if kind == "experts":
                     found = _probe_experts(module, ops, f"layer {name}")
+                elif kind == "packed":
+                    found = _probe_packed_mlp(module, silu_mul, f"layer {name}")
                 else:
                     owner, act, activation = probe_mlp(module, f"layer {name}")
                     if activation != "silu":
@@ -252,7 +297,7 @@ def plan_experts(stack: nn.Module, silu_mul: Callable | None, clamped_swiglu: Ca
                     found = SILU_MUL, owner, MlpState(silu_mul, owner, act)
                 if found is not None:
                     op, owner, state = found
-                    make = _experts_class if kind == "experts" else _mlp_class
+                    make = {"experts": _experts_class, "mlp": _mlp_class, "packed": _packed_mlp_class}[kind]
                     target = fused_target(module, owner, make(owner))
                     if target is None:
                         raise _Refused(
@@ -285,6 +330,39 @@ def _experts_class(owner: type) -> type:
 
 def _mlp_class(owner: type) -> type:
     return fused_class(owner, "mlp", mlp_forward)
+
+
+def _packed_mlp_class(owner: type) -> type:
+    return fused_class(owner, "packed_mlp", packed_mlp_forward)
+
+
+def _probe_packed_mlp(mlp: nn.Module, silu_mul: Callable, where: str):
+    """(SILU_MUL, class, state) once the packed MLP's class computes down(silu(g) * u),
+    [g | u] = up(x), on a float64 stand-in in eval and train mode; UnsupportedModel otherwise."""
+    up, down, act_name = packed_mlp_children(mlp)
+    cls = forward_owner(type(mlp))
+    name = type(mlp).__name__
+    if type(mlp) is not cls or "forward" in mlp.__dict__:
+        raise UnsupportedModel(f"{where} ({name}) runs a forward other than its class's")
+    act = mlp._modules[act_name]
+    h, i = 8, 11
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        lu, ld = nn.Linear(h, 2 * i, dtype=torch.float64), nn.Linear(i, h, dtype=torch.float64)
+        x = 2 * torch.randn(5, h, dtype=torch.float64)
+    want = ld(blockops.silu_mul_eager(lu(x)))
+    model = stand_in(mlp, cls, {up: lu, down: ld, act_name: act})
+    try:
+        with torch.no_grad():
+            got = [cls.forward(model.train(training), x) for training in (False, True)]
+    except Exception as e:
+        raise UnsupportedModel(f"{where} ({name}) could not be checked: {e}") from None
+    if not all(_close(y, want.detach()) for y in got):
+        raise UnsupportedModel(
+            f"{where} ({name}) is a packed MLP ({up} -> {act_name} -> {down}) that does not compute "
+            f"{down}(silu(gate) * up) on [gate | up] halves: only that fuses"
+        )
+    return SILU_MUL, cls, PackedMlpState(silu_mul, cls, type(act), up, down, act_name)
 
 
 def _probe_experts(experts: nn.Module, ops: dict[str, Callable | None], where: str):
@@ -429,6 +507,7 @@ __all__ = [
     "ExpertsPlan",
     "ExpertsState",
     "MlpState",
+    "PackedMlpState",
     "apply_gate",
     "eager_experts",
     "experts_forward",
@@ -436,5 +515,7 @@ __all__ = [
     "has_experts",
     "is_experts",
     "mlp_forward",
+    "packed_mlp_children",
+    "packed_mlp_forward",
     "plan_experts",
 ]

@@ -85,12 +85,7 @@ def _hooks_active() -> bool:
 def recomputed(y: torch.Tensor) -> contextlib.AbstractContextManager:
     """A context for the modules that read the norm output `y`: inside it, y's saved copies are
     recipes (see the module docstring), or nothing changes where that would not be exact."""
-    if (
-        not torch.is_grad_enabled()
-        or not y.requires_grad
-        or torch.compiler.is_compiling()
-        or _hooks_active()
-    ):
+    if not torch.is_grad_enabled() or not y.requires_grad or torch.compiler.is_compiling() or _hooks_active():
         return contextlib.nullcontext()
     recipe = norm_recompute.recipe(y)
     if recipe is None:

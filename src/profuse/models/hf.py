@@ -25,7 +25,15 @@ from torch import nn
 
 from profuse.crossentropy import IGNORE_INDEX, shifted_labels
 from profuse.errors import UsageError
-from profuse.models.spec import CHECK_BATCH, CHECK_LAYERS, CHECK_SEQ_LEN, ModelSpec, OpShapes
+from profuse.models.spec import (
+    CHECK_BATCH,
+    CHECK_LAYERS,
+    CHECK_SEQ_LEN,
+    DEFAULT_PRECISION,
+    ModelSpec,
+    OpShapes,
+    param_dtype,
+)
 
 try:
     import transformers
@@ -252,6 +260,7 @@ class HFSpec(ModelSpec):
     seq_len: int
     family: str = field(init=False)
     _n_params: int | None = field(default=None, init=False, repr=False, compare=False)
+    _experts_default: str | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.family = self.config.model_type
@@ -329,10 +338,16 @@ class HFSpec(ModelSpec):
     def param_count(self) -> int:
         """Parameters of the model the config makes, counted on the meta device (nothing allocated)."""
         if self._n_params is None:
-            with torch.device("meta"):
-                model = transformers.AutoModelForCausalLM.from_config(self.config)
-            self._n_params = sum(p.numel() for p in model.parameters())
+            self._meta_build()
         return self._n_params
+
+    def _meta_build(self) -> None:
+        """The model on the meta device (nothing allocated): its parameter count and the experts
+        implementation transformers sets it to by default."""
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(self.config)
+        self._n_params = sum(p.numel() for p in model.parameters())
+        self._experts_default = str(getattr(model.config, "_experts_implementation", None) or "eager")
 
     @property
     def n_head(self) -> int:
@@ -387,6 +402,23 @@ class HFSpec(ModelSpec):
         from profuse.fusion import fuse
 
         return fuse(model, ops, label=label)
+
+    def experts_choice(self, device: torch.device | str, precision: str = DEFAULT_PRECISION):
+        """An MoE family's best experts implementation on `device` (profuse.models.experts), for
+        this step's tokens x top-k (token, expert) pairs a layer; None for a dense family."""
+        if self.family not in MOE_ARCHS:
+            return None
+        from profuse.models.experts import best_implementation
+
+        if self._experts_default is None:
+            self._meta_build()
+        return best_implementation(
+            device,
+            pairs=self.tokens * int(self.config.num_experts_per_tok),
+            num_experts=int(self.config.num_experts),
+            dtype=param_dtype(precision),
+            default=self._experts_default,
+        )
 
     def fix_causal_mask(self, model: nn.Module) -> str:
         """The decoder stack (transformers' base_model) takes hf_mask's class, as profuse.fuse

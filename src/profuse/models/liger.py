@@ -20,6 +20,15 @@ Two ways of applying it, as Part C's variants:
 Both train on the model's own loss, `model(input_ids, labels=...).loss` (ModelSpec.loss), as
 every other variant does: the loss a Hugging Face training loop computes.
 
+A mixture of experts takes the family's own patch too, found by the same name: liger-kernel 0.8.5
+has one for qwen3_moe and mixtral (on transformers 5 their experts' forward becomes LigerExperts',
+Liger's fused MoE op: the tokens gathered by expert, gate_up, SiLU-mul and down, and the weighted
+combine, in its own Triton kernels; its CausalLM forward adds the router's aux loss to the fused
+linear cross-entropy's loss) and for gpt_oss (its clamped experts left as transformers computes
+them: Liger's SwiGLU is off for it); none for olmoe, whose liger variants are refused in one
+line (`no_patch`). With swiglu on, the whole experts computation is Liger's, so for an MoE
+liger-ops is not op for op with profuse's fused, which fuses the activation alone.
+
 liger-kernel is optional and runs on CUDA only (Triton GPU kernels).
 """
 
@@ -57,14 +66,32 @@ def unavailable(device: torch.device, family: str) -> str:
     if not HAS_LIGER:
         return f"{LIGER_NEEDS}; {LIGER_MISSING}"
     try:
-        module = _liger()
+        _liger()
     except Exception as err:  # a build that fails to load here
         return f"{LIGER_NEEDS}: liger_kernel.transformers does not load ({type(err).__name__}: {err})".split(
             "\n"
         )[0]
-    if not hasattr(module, f"apply_liger_kernel_to_{family}"):
-        return f"{LIGER_NEEDS}: this liger-kernel has no apply_liger_kernel_to_{family}"
-    return ""
+    return no_patch(family)
+
+
+def no_patch(family: str) -> str:
+    """'' where the installed liger-kernel has a patch for `family`, else why not in one line naming
+    the family (liger-kernel 0.8.5 patches qwen3_moe, mixtral and gpt_oss, not olmoe)."""
+    if hasattr(_liger(), f"apply_liger_kernel_to_{family}"):
+        return ""
+    return (
+        f"liger-kernel {_version()} has no patch for {family} (no apply_liger_kernel_to_{family}): "
+        "nothing of Liger's to compare with"
+    )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("liger-kernel")
+    except PackageNotFoundError:
+        return "(version unknown)"
 
 
 def _liger():

@@ -186,6 +186,11 @@ class ModelSpec(ABC):
         where done, else why not (the model then runs as it is)."""
         return "its attention builds no mask to skip (SDPA's is_causal, under torch.compile too)"
 
+    def experts_choice(self, device: torch.device | str, precision: str = DEFAULT_PRECISION):
+        """The experts implementation fastest on `device` for this model's step, and why
+        (profuse.models.experts.ExpertsChoice); None where the model has no experts to set."""
+        return None
+
     @abstractmethod
     def label(self, model: nn.Module) -> nn.Module:
         """The unfused `model` with the ops fusion would replace in profiler ranges, the math

@@ -7,7 +7,7 @@ from pathlib import Path
 from profuse.attribution import BACKWARD, FORWARD, OPTIMIZER
 from profuse.bench.stats import bound, steadiness, unsteady_warning
 from profuse.errors import UsageError
-from profuse.profiling import CATEGORIES, CATEGORY_LABELS, SUMMARY_KIND, ProfileResult
+from profuse.profiling import CATEGORIES, CATEGORY_LABELS, OPTIONAL_CATEGORIES, SUMMARY_KIND, ProfileResult
 from profuse.report.units import fmt_bytes
 
 PERFETTO = "https://ui.perfetto.dev"
@@ -78,8 +78,9 @@ def format_profile(r: ProfileResult, saved: bool = False) -> str:
         f"time by category ({s.basis}, {s.total_us / 1e3 / max(s.steps, 1):.3f} ms per step):",
     ]
     for cat in CATEGORIES:
-        pct = s.shares[cat]
-        lines.append(category_line(CATEGORY_LABELS[cat], pct))
+        if cat in OPTIONAL_CATEGORIES and not s.shares.get(cat):  # a dense model's, or an older file's
+            continue
+        lines.append(category_line(CATEGORY_LABELS[cat], s.shares[cat]))
     if s.phase_pct:
         phases = ", ".join(f"{p} {s.phase_pct.get(p, 0.0):.1f}%" for p in (FORWARD, BACKWARD, OPTIMIZER))
         lines.append(f"phases: {phases} (backward: autograd's nodes; optimizer: torch's Optimizer ranges)")
@@ -181,6 +182,8 @@ def format_profile_comparison(eager: ProfileResult, compiled: ProfileResult) -> 
             )
     lines.append(f"{'share of ' + eager.summary.basis:>{W}}")
     for cat in CATEGORIES:
+        if cat in OPTIONAL_CATEGORIES and not (eager.shares.get(cat) or compiled.shares.get(cat)):
+            continue
         row(CATEGORY_LABELS[cat], f"{eager.shares[cat]:.1f}%", f"{compiled.shares[cat]:.1f}%")
     traces = f"{_shown_path(eager.trace_path)}, {_shown_path(compiled.trace_path)}"
     lines.append(why_compiled_differs(eager, compiled, ratio))

@@ -130,6 +130,20 @@ def steady_lines(data: dict) -> list[str]:
     return lines
 
 
+def experts_lines(data: dict) -> list[str]:
+    """Which experts implementation the moe-best variants ran, and why (a mixture of experts)."""
+    cfg = data.get("config") or {}
+    choice = cfg.get("experts")
+    if not choice or not any(v.startswith("moe-best") for v in cfg.get("variants", ())):
+        return []
+    impl, built = choice["implementation"], choice.get("default")
+    how = (
+        "; eager and fused run it too, transformers' default" if impl == built
+        else f"; eager and fused run transformers' default, {built}" if built else ""
+    )  # fmt: skip
+    return [f"moe-best: transformers' {impl} experts ({choice['why']}){how}"]
+
+
 def mask_lines(data: dict) -> list[str]:
     """How each compiled variant's plain causal call reaches attention, and what compile+fused vs
     compile then measures: the fusion alone where both take the same route."""
@@ -428,6 +442,7 @@ def format_step(data: dict) -> str:
             f"{'':>{W}}  fusion on top of torch.compile (compile+fused vs compile): {_speedup(over)}"
         )
     lines += mask_lines(data)
+    lines += experts_lines(data)
     notes = [f"statistic: {STATISTIC}"]
     if kind == "cuda":
         notes.append("host = CPU time to issue one step; " + memory_note(data))
