@@ -504,6 +504,11 @@ OTHER_NAMES = {
             "linear_cross_entropy": "bias-free",
         },
     ),
+    # one norm feeding attention and MLP in parallel; rotary over interleaved lane pairs
+    "cohere": (
+        {"silu_mul": 1, "linear_cross_entropy": 1},
+        {"add_rms_norm": "parallel", "rms_norm": "parallel", "rope": "interleaved lane pairs"},
+    ),
     "starcoder2": (
         {"rope": 1, "linear_cross_entropy": 1, "layer_norm": 3},
         {"silu_mul": "no gate", "add_rms_norm": "LayerNorm", "rms_norm": "LayerNorm"},

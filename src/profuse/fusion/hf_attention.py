@@ -400,10 +400,36 @@ def _probe(
     except Exception as e:  # a layout the stand-in does not fit
         raise UnsupportedModel(f"{name} could not be checked with {op} fused: {e}") from None
     if not ok:
+        if calls and _rotates_pairs(owner):
+            raise UnsupportedModel(
+                f"{name}'s {ROPE_NAME} rotates interleaved lane pairs (x0, x1), (x2, x3), ..., where {op} "
+                "rotates the two halves of each head: profuse cannot fuse it exactly"
+            )
         reached = "never called it" if not calls else "computed something else"
         raise UnsupportedModel(
             f"{name}'s forward rebuilt with {op} {reached}: profuse cannot fuse it exactly"
         )
+
+
+def _rotates_pairs(owner: type) -> bool:
+    """Whether the attention module's own apply_rotary_pos_emb rotates interleaved lane pairs
+    (Cohere's and GLM's rotate_half: [-x1, x0, -x3, x2, ...]), with cos as given or with its first
+    half repeated lane by lane (GLM's), where rope rotates the two halves of each head."""
+    fn = innermost(owner.forward).__globals__.get(ROPE_NAME)
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 2, 3, 8, generator=gen, dtype=torch.float64)
+    angle = torch.randn(1, 3, 4, generator=gen, dtype=torch.float64)
+    cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
+    try:
+        got = fn(q, q, cos, sin)[0]
+    except Exception:  # not the (q, k, cos, sin) it was taken for: say nothing more
+        return False
+    pairs = torch.stack((-q[..., 1::2], q[..., ::2]), -1).flatten(-2)
+    for c, s in ((cos, sin), (angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1))):
+        want = q * c.unsqueeze(1) + pairs * s.unsqueeze(1)
+        if got.shape == want.shape and torch.allclose(got.double(), want, atol=1e-6):
+            return True
+    return False
 
 
 __all__ = [
