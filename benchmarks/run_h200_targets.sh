@@ -1,26 +1,34 @@
 #!/usr/bin/env bash
-# Every H200 target of the whole fused step in one run, most important first, each under a time
-# limit so one failure costs its step only:
-#   1. profuse step --model hf:llama --preset Llama-3.2-1B --precision both   (every default variant:
-#      the fused step against eager, Liger-Kernel and torch.compile with the causal-mask fix, in bf16
-#      and amp; its wall time from a cold machine and the longest gap between two progress lines)
-#   2. profuse --out ...   (the default job: Parts A, B and C at the small preset)
-#   3. profuse step --model hf:qwen3 --preset Qwen3-0.6B --precision both --variants eager,fused,liger
-#   4. research/memory_peak.py: where the fused and Liger steps peak (Llama-3.2-1B, Qwen3-0.6B)
-#   5. benchmarks/check_fuse.py: profuse.fuse with the real kernels, every op against float64
+# Every target of the whole fused step on a card, in two parts that each fit one 10-minute call
+# (an H100's run times, 2026-12-07, warm Triton and Inductor caches except where said):
+#   part 1 (~9 min cold):
+#     research/memory_peak.py: where the fused and Liger steps peak (Llama-3.2-1B)            ~30 s
+#     profuse step Llama-3.2-1B bf16: eager, fused, liger, compile, compile+fused, no profiles
+#       (the two cold compiles are 41 s and 55 s)                                              ~300 s
+#     profuse step Qwen3-0.6B bf16 and amp; Llama-3.2-1B amp: eager, fused, liger              ~300 s
+#   part 2:
+#     profuse --out ...   (the default job: Parts A, B and C at the small preset)              ~105 s
+#     profuse step --model hf:llama --preset Llama-3.2-1B --precision both: every default
+#       variant with its profiles, for the run's wall time from a cold machine. By its parts on
+#       the H100 (7 variants x 42 trial rounds at ~0.9 s a variant and round, 3 cold compiles of
+#       ~45 s and 7 profiles of ~12 s a precision) it takes ~19 minutes: run it in the background
+#       (setsid) and collect it over two calls.
+#     benchmarks/check_fuse.py: profuse.fuse with the real kernels, every op against float64
 #
-#   bash benchmarks/run_h200_targets.sh [PREFIX]
+#   bash benchmarks/run_h200_targets.sh [PREFIX] [1|2]
 #
 # PREFIX defaults to benchmarks/results/CARD-DATE, CARD the GPU found (h100, h200); writes
-# PREFIX-targets/: one folder a step (its
-# step.json or other files, its console output as produced, stamped with seconds since the step
-# began) and driver.log, this script's own output. Needs torch, triton, transformers and
-# liger-kernel on a CUDA machine, PYTHONPATH=src. Writes PREFIX-targets/done when it ends. A tree
-# copied to the machine without its git history names its commit in PROFUSE_SOURCE_COMMIT (and
-# PROFUSE_SOURCE_DIRTY=1 where it held uncommitted changes): every file's provenance records it.
+# PREFIX-targets/: one folder a step (its step.json or other files, its console output as
+# produced, stamped with seconds since the step began) and driver.log, this script's own output.
+# Needs torch, triton, transformers and liger-kernel on a CUDA machine, PYTHONPATH=src. Writes
+# PREFIX-targets/done-PART when a part ends. A tree copied to the machine without its git history
+# names its commit in PROFUSE_SOURCE_COMMIT (and PROFUSE_SOURCE_DIRTY=1 where it held uncommitted
+# changes), set on the machine that sends the tree: a copied .git can be stale, and every file's
+# provenance records what it is told.
 set -uo pipefail
 card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o -i -E 'h100|h200|a100|b200' | tr A-Z a-z)
 p=${1:-benchmarks/results/${card:-gpu}-$(date -u +%F)}
+part=${2:-1}
 out="$p-targets"
 mkdir -p "$out"
 exec > >(tee -a "$out/driver.log") 2>&1
@@ -41,13 +49,21 @@ echo "### driver $(date -u +%FT%TZ) commit $commit"
 nvidia-smi --query-gpu=name,uuid,clocks.sm,clocks.max.sm,clocks.mem,power.limit,driver_version --format=csv
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 python3 -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))"
-step llama 560 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B --precision both --out "$out/llama"
-step main 300 python3 -m profuse --out "$out/main"
-step qwen3 360 python3 -m profuse step --model hf:qwen3 --preset Qwen3-0.6B --precision both \
-  --variants eager,fused,liger --out "$out/qwen3"
-step memory-llama 200 python3 research/memory_peak.py --out "$out/memory-llama" --only eager,fused,liger
-step memory-qwen3 120 python3 research/memory_peak.py --out "$out/memory-qwen3" --arch qwen3 \
-  --preset Qwen3-0.6B --only eager,fused,liger
-step check-fuse 180 python3 "$here/check_fuse.py" --out "$out/check-fuse"
+if [ "$part" = 1 ]; then
+  step memory-llama 90 python3 research/memory_peak.py --out "$out/memory-llama" --only eager,fused,liger
+  step llama-bf16 330 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B --precision bf16 \
+    --variants eager,fused,liger,compile,compile+fused --trials 10 --profile-steps 0 --out "$out/llama-bf16"
+  step qwen3-bf16 120 python3 -m profuse step --model hf:qwen3 --preset Qwen3-0.6B --precision bf16 \
+    --variants eager,fused,liger --trials 12 --profile-steps 0 --out "$out/qwen3-bf16"
+  step qwen3-amp 150 python3 -m profuse step --model hf:qwen3 --preset Qwen3-0.6B --precision amp \
+    --variants eager,fused,liger --trials 12 --profile-steps 0 --out "$out/qwen3-amp"
+  step llama-amp 110 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B --precision amp \
+    --variants eager,fused,liger --trials 6 --profile-steps 0 --out "$out/llama-amp"
+else
+  step main 300 python3 -m profuse --out "$out/main"
+  step llama-both 1500 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B --precision both \
+    --out "$out/llama-both"
+  step check-fuse 240 python3 "$here/check_fuse.py" --out "$out/check-fuse"
+fi
 echo "### done $(date -u +%FT%TZ)"
-date -u +%FT%TZ > "$out/done"
+date -u +%FT%TZ > "$out/done-$part"

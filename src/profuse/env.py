@@ -92,8 +92,9 @@ def check_fits(need_bytes: int, device: torch.device, what: str) -> None:
     free = free_memory_bytes(device)
     if free is not None and need_bytes > FIT_SHARE * free:
         raise UsageError(
-            f"{what} needs about {need_bytes / 1e9:.1f} GB on {device}, "
-            f"but only {free / 1e9:.1f} GB is free: choose smaller sizes"
+            f"{what} needs about {need_bytes / 1e9:.1f} GB on {device}, more than the "
+            f"{FIT_SHARE:.0%} of the {free / 1e9:.1f} GB free a run plans on (the rest for the allocator's "
+            "blocks and the libraries' workspaces): choose smaller sizes"
         )
 
 
