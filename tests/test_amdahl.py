@@ -178,6 +178,9 @@ def test_each_op_takes_the_call_form_shapes_and_dtypes_the_step_uses(dtypes):
     assert shapes(cases["rope"]) == [(2, 6, 4, 10), (2, 6, 2, 10)]
     assert shapes(cases["qk_norm_rope"])[2:] == [(10,), (10,)] and dt(cases["qk_norm_rope"])[2:] == [sd, sd]
     assert shapes(cases["linear_cross_entropy"]) == [(2, 6, 40), (97, 40)]
+    assert dt(cases["rms_norm_add"]) == [cd, sd, sd]  # a sublayer's output onto the stream
+    assert shapes(cases["clamped_swiglu"]) == [(12, 112)]  # packed gate_up, one row a token
+    assert shapes(cases["layer_norm"]) == [(2, 6, 40), (40,), (40,)] and dt(cases["layer_norm"]) == [sd] * 3
     for op, case in cases.items():
         with dtypes.context(cpu):
             out = case.eager(*case.leaves)
@@ -274,8 +277,13 @@ def _fake_ops_trace(op_us: dict[str, float], steps: int = 3) -> dict:
                   "linear_cross_entropy": 120}),
         ("qk_norm_rope", {"rms_norm": 20, "qk_norm_rope": 50, "silu_mul": 80, "add_rms_norm": 40,
                           "linear_cross_entropy": 120}),
+        ("rms_norm_add", {"rms_norm": 30, "qk_norm_rope": 50, "silu_mul": 90, "rms_norm_add": 60,
+                          "linear_cross_entropy": 110}),
+        ("clamped_swiglu", {"rms_norm": 20, "rope": 30, "clamped_swiglu": 70, "add_rms_norm": 40,
+                            "linear_cross_entropy": 120}),
+        ("layer_norm", {"layer_norm": 45, "rope": 30, "linear_cross_entropy": 120}),
     ],
-    ids=["llama", "qwen3"],
+    ids=["llama", "qwen3", "gemma3-sandwich", "gpt-oss", "starcoder2"],
 )  # fmt: skip
 def test_every_labelled_op_gets_its_share_and_its_own_speedup_in_the_amdahl_rows(positional, ops):
     """Each op fusion replaces, found by its range in the labelled eager profile, has its own row:

@@ -71,9 +71,9 @@ def test_a_wrong_op_fails_the_check(monkeypatch):
 
 
 def test_a_model_without_a_decoder_stack_is_refused_in_one_line():
-    row = C.family_coverage("gpt2", dry_run=True)
+    row = C.family_coverage("bert", dry_run=True)
     assert row.status == "refused"
-    assert "\n" not in row.refused and "GPT2LMHeadModel" in row.refused
+    assert "\n" not in row.refused and "BertLMHeadModel: no decoder stack" in row.refused
     assert row.check is None
 
 
@@ -89,12 +89,12 @@ def test_unknown_families_are_one_usage_error_before_any_work():
 
 
 def test_fuse_command_writes_the_table_and_json(tmp_path, capsys):
-    rc = main(["fuse", "--model", "hf:llama,gpt2", "--dry-run", "--out", str(tmp_path)])
+    rc = main(["fuse", "--model", "hf:llama,bert", "--dry-run", "--out", str(tmp_path)])
     assert rc == 0
     text = capsys.readouterr().out
     assert "llama" in text and "refused" in text
     data = json.loads((tmp_path / "coverage.json").read_text())
-    assert [f["family"] for f in data["families"]] == ["llama", "gpt2"]
+    assert [f["family"] for f in data["families"]] == ["llama", "bert"]
     assert data["families"][1]["status"] == "refused"
     assert data["provenance"]["command"]["profuse_args"][0] == "fuse"  # files.write_result
     md = (tmp_path / "coverage.md").read_text()

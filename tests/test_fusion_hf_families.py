@@ -13,6 +13,7 @@ Gemma's zeros (a norm that dropped the 1 + would fail).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 
 import pytest
@@ -176,20 +177,36 @@ def test_gemma_fused_then_unfused_is_the_model_it_was():
     assert_untouched(model, before)
 
 
-def test_gemma3s_offset_q_k_norms_stay_unfused_with_the_reason():
-    config = transformers.Gemma3TextConfig(
-        vocab_size=VOCAB,
-        hidden_size=40,
-        intermediate_size=52,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=20,
-        max_position_embeddings=32,
-    )
-    summary = fuse(transformers.Gemma3ForCausalLM(config), fusion.EAGER, dry_run=True)
-    left = dict(item.split(": ", 1) for item in summary.left_unfused)
-    assert "(1 + weight)" in left["qk_norm_rope"] and "takes no weight offset" in left["qk_norm_rope"]
+GEMMA3_COUNTS = {
+    "silu_mul": 2,
+    "rms_norm": 5,
+    "qk_norm_rope": 2,
+    "linear_cross_entropy": 1,
+    "rms_norm_add": 4,
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_gemma3_fuses_every_op_its_q_k_norms_with_their_offset_in_qk_norm_rope(dtype):
+    """Gemma 3's (1 + w) q/k norms run inside qk_norm_rope (weight_offset=1.0): HF_EAGER bitwise,
+    EAGER within the ops' tolerances, train-mode loss and gradients, eval-mode logits."""
+    for impl, exact in ((fusion.HF_EAGER, True), (fusion.EAGER, False)):
+        model = family("gemma3_text", seed=31, dtype=dtype)
+        summary = _compare(model, impl, dtype, seed=7, exact=exact)
+        assert summary.counts == GEMMA3_COUNTS and summary.left_unfused == ()
+        st = model.model.layers[0].self_attn.__dict__[STATE]
+        assert st.q_norm.offset == st.k_norm.offset == 1.0
+
+
+def test_an_op_set_whose_qk_norm_rope_takes_no_offset_leaves_gemma3s_q_k_norms_unfused_with_the_reason():
+    def plain_qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps):
+        return fusion.EAGER.qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps)
+
+    ops = dataclasses.replace(fusion.EAGER, qk_norm_rope=plain_qk_norm_rope, name="plain")
+    summary = fuse(family("gemma3_text", seed=32), ops, dry_run=True)
+    why = dict(item.split(": ", 1) for item in summary.left_unfused)["qk_norm_rope"]
+    assert "(1 + weight)" in why and "'plain''s qk_norm_rope takes no offset" in why
+    assert summary.counts["rope"] == 2  # rope fuses alone, the norms as modules
 
 
 def _has_fused_kernels() -> bool:
@@ -197,6 +214,13 @@ def _has_fused_kernels() -> bool:
 
     needed = ("profuse.kernels.gated", "profuse.kernels.add_rms_norm", "profuse.kernels.rms_norm")
     return HAS_TRITON and all(importlib.util.find_spec(m) is not None for m in needed)
+
+
+@pytest.mark.skipif(not _has_fused_kernels(), reason="triton or a kernel module is missing")
+def test_gemma3s_offset_q_k_norms_through_the_qk_norm_rope_kernel_in_the_interpreter():
+    model = family("gemma3_text", seed=33, layers=1)
+    summary = _compare(model, fusion.FUSED, torch.float32, seed=8, exact=False)
+    assert summary.counts["qk_norm_rope"] == 1 and summary.notes == ()
 
 
 @pytest.mark.skipif(not _has_fused_kernels(), reason="triton or a kernel module is missing")
@@ -209,13 +233,13 @@ def test_gemma_fused_with_the_triton_kernels_through_the_interpreter():
 
 # model type -> (the MLP's form, its activation, the other ops that fuse)
 MLP_FAMILIES = {
-    "phi3": (True, "silu", {"linear_cross_entropy": 1}),
+    "phi3": (True, "silu", {"rope": 2, "linear_cross_entropy": 1}),  # rope on its packed qkv_proj's q, k
     "glm4": (True, "silu", {"linear_cross_entropy": 1}),
     "olmo2": (False, "silu", {"rms_norm": 1, "linear_cross_entropy": 1, "rms_norm_add": 4}),
     "gemma3_text": (
         False,
         "gelu_tanh",
-        {"rms_norm": 5, "rope": 2, "linear_cross_entropy": 1, "rms_norm_add": 4},
+        {"rms_norm": 5, "qk_norm_rope": 2, "linear_cross_entropy": 1, "rms_norm_add": 4},
     ),
 }
 
@@ -297,7 +321,7 @@ def test_a_fused_mlp_whose_act_changed_runs_its_own_forward_and_unfuse_restores_
 def test_a_packed_mlp_fused_with_the_triton_kernels_through_the_interpreter():
     model = family("phi3", seed=25, layers=1)
     summary = _compare(model, fusion.FUSED, torch.float32, seed=9, exact=False)
-    assert summary.counts == {"silu_mul": 1, "linear_cross_entropy": 1} and summary.notes == ()
+    assert summary.counts == {"silu_mul": 1, "rope": 1, "linear_cross_entropy": 1} and summary.notes == ()
 
 
 def softcapped(arch: str, seed: int, dtype=torch.float32, layers: int = 2):
@@ -313,7 +337,8 @@ def test_a_soft_capped_head_fuses_and_passes_its_cap_to_the_loss(arch, dtype):
     for impl, exact in ((fusion.HF_EAGER, True), (fusion.EAGER, False)):
         model = softcapped(arch, seed=31, dtype=dtype)
         summary = _compare(model, impl, dtype, seed=10, exact=exact)
-        assert summary.counts["linear_cross_entropy"] == 1 and summary.counts["rope"] == 2
+        rotary = "qk_norm_rope" if arch == "gemma3_text" else "rope"  # Gemma 3's q/k norms in it
+        assert summary.counts["linear_cross_entropy"] == 1 and summary.counts[rotary] == 2
         # the GeGLU MLP by its class; the sandwich layer's four (1 + w) norms and the final one
         assert summary.counts["silu_mul"] == 2 and summary.counts["rms_norm_add"] == 4
         assert summary.counts["rms_norm"] == 5
@@ -452,3 +477,150 @@ def test_granite_fuses_its_layer_with_its_residual_multiplier_read_at_each_call(
     plain = family("llama", 34)
     fuse(plain, fusion.HF_EAGER)
     assert plain.model.layers[0].__dict__[STATE].scale is None  # a layer without one keeps none
+
+
+# --------------------------------------------------------------------------------------------
+# Decoder stacks and MLPs under other names (GPT-NeoX, Phi-1/2, Llama 4, StarCoder2, GPT-J)
+# --------------------------------------------------------------------------------------------
+
+
+def other_names(arch: str, seed: int, dtype=torch.float32, layers: int = 1, **overrides):
+    """A tiny `arch` of head dim 16 (GPT-NeoX rotates a quarter of each head, Phi-1/2 a half: an even
+    rotary width either way), its norms perturbed."""
+    config = transformers.AutoConfig.for_model(
+        arch,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        n_embd=32,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        n_layer=layers,
+        num_attention_heads=2,
+        n_head=2,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        **{"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **overrides},
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or ".ln" in name:
+                p.add_(0.4 * torch.randn_like(p))
+    return model.to(dtype)
+
+
+# model type -> (the places fused, what each reason left must say); one layer: layer_norm's places
+# are its LayerNorms (one for Phi's parallel layer, two elsewhere) and the final norm
+OTHER_NAMES = {
+    # layers `layers`, final norm `final_layer_norm`, attention `attention` (a packed
+    # query_key_value), partial rotary; LayerNorm and an ungated GELU MLP
+    "gpt_neox": (
+        {"rope": 1, "linear_cross_entropy": 1, "layer_norm": 3},
+        {"silu_mul": "no gate", "add_rms_norm": "LayerNorm", "rms_norm": "LayerNorm"},
+    ),
+    # `final_layernorm`, one LayerNorm feeding attention and MLP in parallel, a head with a bias
+    "phi": (
+        {"rope": 1, "layer_norm": 2},
+        {
+            "silu_mul": "no gate",
+            "add_rms_norm": "parallel",
+            "rms_norm": "LayerNorm",
+            "linear_cross_entropy": "bias-free",
+        },
+    ),
+    # one norm feeding attention and MLP in parallel; rotary over interleaved lane pairs
+    "cohere": (
+        {"silu_mul": 1, "linear_cross_entropy": 1},
+        {"add_rms_norm": "parallel", "rms_norm": "parallel", "rope": "interleaved lane pairs"},
+    ),
+    "starcoder2": (
+        {"rope": 1, "linear_cross_entropy": 1, "layer_norm": 3},
+        {"silu_mul": "no gate", "add_rms_norm": "LayerNorm", "rms_norm": "LayerNorm"},
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("arch", list(OTHER_NAMES))
+def test_stacks_under_other_names_fuse_what_the_op_set_places_and_say_why_not_the_rest(arch, dtype):
+    counts, says = OTHER_NAMES[arch]
+    for impl, exact in ((fusion.HF_EAGER, True), (fusion.EAGER, False)):
+        model = other_names(arch, seed=61, dtype=dtype)
+        summary = _compare(model, impl, dtype, seed=16, exact=exact)
+        assert summary.counts == counts
+        left = dict(item.split(": ", 1) for item in summary.left_unfused)
+        assert set(left) == set(says)
+        for op, phrase in says.items():
+            assert phrase in left[op] and "\n" not in left[op], (op, left[op])
+
+
+@pytest.mark.skipif(not _has_fused_kernels(), reason="triton or a kernel module is missing")
+@pytest.mark.parametrize("arch", ["gpt_neox", "phi"])
+def test_partial_rotary_on_strided_q_and_k_runs_the_rope_kernel_through_the_interpreter(arch):
+    """GPT-NeoX hands rope q and k as chunks of one packed projection, Phi as slices of each head:
+    the kernel takes them as the views they are."""
+    model = other_names(arch, seed=62)
+    summary = _compare(model, fusion.FUSED, torch.float32, seed=17, exact=False)
+    assert summary.counts["rope"] == 1 and summary.notes == ()
+
+
+def test_llama4s_dense_layers_fuse_their_feed_forward_and_its_moe_layers_stay_the_experts_plans():
+    model = other_names(
+        "llama4_text",
+        seed=63,
+        layers=2,
+        head_dim=16,
+        intermediate_size_mlp=48,
+        num_local_experts=2,
+        moe_layers=[1],
+        interleave_moe_layer_step=2,
+    )
+    assert type(model.model.layers[0].feed_forward).__name__ == "Llama4TextMLP"
+    summary = _compare(model, fusion.EAGER, torch.float32, seed=18, exact=False)
+    assert summary.counts["silu_mul"] == 1
+    spec = model.model.layers[0].feed_forward.__dict__[STATE].spec
+    assert (spec.act_name, spec.activation, spec.packed) == ("activation_fn", "silu", False)
+    assert not fused_modules(model.model.layers[1].feed_forward)
+    left = dict(item.split(": ", 1) for item in summary.left_unfused)
+    assert "feed_forward" in left["add_rms_norm"] and "apply_rotary_pos_emb" in left["rope"]
+
+
+def test_gptj_fuses_its_layer_norms_and_names_why_not_each_other_op():
+    model = other_names("gptj", seed=64, rotary_dim=8)
+    summary = _compare(model, fusion.EAGER, torch.float32, seed=19, exact=False)
+    assert summary.counts == {"layer_norm": 2}
+    why = " ".join(summary.left_unfused)
+    for phrase in ("add_layer_norm", "parallel", "no gate", "(tensor, sin, cos)", "bias-free"):
+        assert phrase in why, phrase
+    without = dataclasses.replace(fusion.EAGER, layer_norm=None, name="plain")
+    with pytest.raises(UnsupportedModel) as e:
+        fuse(other_names("gptj", seed=64, rotary_dim=8), without)
+    assert "\n" not in str(e.value) and str(e.value).startswith("GPTJForCausalLM: nothing to fuse")
+    assert "layer_norm: 'plain' has no layer_norm" in str(e.value)
+
+
+@pytest.mark.skipif(not _has_fused_kernels(), reason="triton or a kernel module is missing")
+def test_starcoder2s_layer_norms_run_the_triton_kernel_through_the_interpreter_and_unfuse():
+    model = other_names("starcoder2", seed=66)
+    before = snapshot(model)
+    summary = _compare(model, fusion.FUSED, torch.float32, seed=20, exact=False)
+    assert summary.counts["layer_norm"] == 3 and summary.notes == ()
+    norm = model.model.layers[0].input_layernorm
+    assert isinstance(norm, torch.nn.LayerNorm) and fused_modules(model)
+    unfuse(model)
+    assert not fused_modules(model) and type(norm) is torch.nn.LayerNorm
+    assert_untouched(model, before)
+
+
+def test_the_stack_is_found_by_its_parts_names_and_two_final_norms_are_no_stack():
+    from profuse.fusion import hf as H
+
+    model = other_names("gpt_neox", seed=65)
+    stack = model.gpt_neox
+    assert H._decoder_stack(model, "m") is stack
+    assert H.stack_layers(stack) is stack.layers and H.final_norm(stack) is stack.final_layer_norm
+    assert H.layer_attention(stack.layers[0]) is stack.layers[0].attention
+    stack.norm = torch.nn.LayerNorm(32)  # two final norms: which one runs is not for names to say
+    with pytest.raises(UnsupportedModel, match="no decoder stack .*`final_layer_norm`"):
+        fuse(model, fusion.EAGER, dry_run=True)

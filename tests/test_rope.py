@@ -607,15 +607,18 @@ def test_partial_rotary_refusals(device):
         R.rope(q, q, torch.ones(1, 3, 5, device=device), torch.ones(1, 3, 5, device=device))
 
 
+@pytest.mark.parametrize("offset", [0.0, 1.0])
 @pytest.mark.parametrize("dtype", [FP32, BF16], ids=str)
-def test_qk_norm_rope_partial_rotary(dtype, device, poisoned_rope):
+def test_qk_norm_rope_partial_rotary(dtype, offset, device, poisoned_rope):
     """qk_norm_rope with cos narrower than head_dim: the norm over the whole head, the first R
-    lanes rotated; outputs and every gradient (q, k, both weights) against float64 and eager."""
+    lanes rotated; outputs and every gradient (q, k, both weights) against float64 and eager;
+    with Gemma 3's (1 + w) offset too (the lanes passed through scaled by it as well)."""
     d, rot = 20, 12
     gen = torch.Generator().manual_seed(43)
     q = randn((2, 5, 4, d), dtype, gen, device)
     k = randn((2, 5, 2, d), dtype, gen, device)
-    qw, kw = randn((d,), dtype, gen, device, mean=1.0, std=0.3), randn((d,), dtype, gen, device, 1.0, 0.3)
+    w_mean = 1.0 - offset  # (offset + w) about 1 either way, w itself far from 0 and from 1
+    qw, kw = randn((d,), dtype, gen, device, w_mean, 0.3), randn((d,), dtype, gen, device, w_mean, 0.3)
     angles = torch.rand((2, 5, rot // 2), generator=gen) * 6
     cos = torch.cat((angles.cos(), angles.cos()), -1).to(device)
     sin = torch.cat((angles.sin(), angles.sin()), -1).to(device)
@@ -627,10 +630,51 @@ def test_qk_norm_rope_partial_rotary(dtype, device, poisoned_rope):
         (R.qk_norm_rope_reference, torch.float64),
     ):
         leaves = [t.detach().clone().to(cast or t.dtype).requires_grad_() for t in (q, k, qw, kw)]
-        qo, ko = fn(*leaves, cos, sin)
+        qo, ko = fn(*leaves, cos, sin, weight_offset=offset)
         torch.autograd.backward((qo, ko), (dq.to(qo.dtype), dk.to(ko.dtype)))
         results.append((qo.detach(), ko.detach(), *(t.grad for t in leaves)))
     tol = T.BACKWARD_TOL[dtype]
     for got, eager, ref in zip(*results):
         err, err_e = T.relative_error(got, ref), T.relative_error(eager, ref)
         assert err <= tol and err <= 3 * max(err_e, T.UNIT_ROUNDOFF[dtype]), (err, err_e)
+
+
+OFFSET_CASES = ["3/1 heads, D 128, cos per batch", "one token, D 6", "B 1, D 40, 7 tokens"]
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP32], ids=str)
+@pytest.mark.parametrize("case", OFFSET_CASES)
+def test_qk_norm_rope_with_gemma3s_offset_against_float64_and_eager(case, dtype, device, poisoned_rope):
+    """Gemma 3's q/k norms scale by (1 + w): weights drawn about 0 (Gemma's init), so an offset
+    dropped anywhere, forward or backward, is off by O(1); outputs and all four gradients."""
+    shape = CASES[case]
+    d = shape[4]
+    pq, pk, cos, sin, dq, dk = inputs(shape, dtype, device, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    ws = (randn((d,), dtype, gen, device, 0.0, 0.3), randn((d,), dtype, gen, device, 0.0, 0.3))
+    xs = (pq, pk, cos, sin, dq, dk, *ws)
+    with_offset = [lambda *a, fn=fn: fn(*a, weight_offset=1.0) for fn in OPS["qk_norm_rope"]]
+    qo, ko, grads = run("qk_norm_rope", shape, (with_offset[0], *xs))
+    qe, ke, grads_e = run("qk_norm_rope", shape, (with_offset[1], *xs))
+    qr, kr, grads_r = run("qk_norm_rope", shape, (with_offset[2], *xs), dtype=torch.float64)
+    qn, _, _ = run("qk_norm_rope", shape, (OPS["qk_norm_rope"][2], *xs), dtype=torch.float64)
+    assert T.relative_error(qr, qn) > 0.5  # the offset changes the answer: the test can tell
+    for name, out, e, r in (("q_out", qo, qe, qr), ("k_out", ko, ke, kr)):
+        assert out.shape == r.shape and out.dtype == dtype and heads_major(out), name
+        check(name, out, e, r, T.FORWARD_TOL)
+    for name, g, e, r in zip(GRAD_NAMES, grads, grads_e, grads_r):
+        assert g.shape == r.shape and g.dtype == dtype, name
+        check("d" + name, g, e, r, T.BACKWARD_TOL)
+
+
+def test_qk_norm_rope_with_an_offset_keeps_q_dtype_as_gemma3s_norm_casts(device):
+    """Gemma3RMSNorm casts its output to x's dtype: bf16 q and k with fp32 weights (no autocast)
+    come out bf16, where Qwen3's order (weight * normalised) promotes them to fp32."""
+    gen = torch.Generator().manual_seed(7)
+    q, k = randn((1, 3, 2, 8), BF16, gen, device), randn((1, 3, 1, 8), BF16, gen, device)
+    w = randn((8,), FP32, gen, device, 0.0, 0.3)
+    cos, sin = rotary_table(1, 3, 8, "hf", gen, device, dtype=BF16)
+    for fn in (R.qk_norm_rope, R.qk_norm_rope_eager):
+        qo, ko = fn(q, k, w, w, cos, sin, EPS, weight_offset=1.0)
+        assert qo.dtype == ko.dtype == BF16
+        assert fn(q, k, w, w, cos, sin, EPS)[0].dtype == FP32

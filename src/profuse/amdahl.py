@@ -66,8 +66,22 @@ RMS_NORM, ROPE, QK_NORM_ROPE, LINEAR_CROSS_ENTROPY = (
     "qk_norm_rope",
     "linear_cross_entropy",
 )
-# Every op fusion may replace, in the order the report lists them.
-OPS = (SILU_MUL, ADD_RMS_NORM, RMS_NORM, ROPE, QK_NORM_ROPE, LINEAR_CROSS_ENTROPY)
+RMS_NORM_ADD, CLAMPED_SWIGLU, LAYER_NORM = fusion.RMS_NORM_ADD, fusion.CLAMPED_SWIGLU, fusion.LAYER_NORM
+# Every op fusion may replace, by the range it labels its calls with, in the order the report lists
+# them: post-norm and sandwich layers' rms_norm_add (OLMo 2, Gemma 2 and 3), gpt-oss's
+# clamped_swiglu and the LayerNorm layouts' layer_norm too. A GeGLU's gelu_mul runs in
+# silu_mul's place and under its label (fusion's bound_gated), so its time is silu_mul's row.
+OPS = (
+    SILU_MUL,
+    ADD_RMS_NORM,
+    RMS_NORM,
+    ROPE,
+    QK_NORM_ROPE,
+    LINEAR_CROSS_ENTROPY,
+    RMS_NORM_ADD,
+    CLAMPED_SWIGLU,
+    LAYER_NORM,
+)
 
 # A step whose GPU idles more than this share of it is not device-bound: the Llama-3.2-1B eager
 # step on an H200 idles 4.3%, the lab's GPT over 50% (launch-bound, attribution's threshold).
@@ -147,6 +161,9 @@ def eager_impls(family: str) -> dict[str, Callable]:
         ROPE: rotary.rope_eager,
         QK_NORM_ROPE: rotary.qk_norm_rope_eager,
         LINEAR_CROSS_ENTROPY: crossentropy.linear_cross_entropy_eager,
+        RMS_NORM_ADD: blockops.rms_norm_add_eager,
+        CLAMPED_SWIGLU: blockops.clamped_swiglu_eager,
+        LAYER_NORM: blockops.layer_norm_eager,
     }
 
 
@@ -160,6 +177,9 @@ def fused_impls(ops=None) -> dict[str, Callable]:
         ROPE: rotary.rope,
         QK_NORM_ROPE: rotary.qk_norm_rope,
         LINEAR_CROSS_ENTROPY: crossentropy.linear_cross_entropy,
+        RMS_NORM_ADD: blockops.rms_norm_add,
+        CLAMPED_SWIGLU: blockops.clamped_swiglu,
+        LAYER_NORM: blockops.layer_norm,
     }
     return {op: getattr(ops, op, None) or face for op, face in faces.items()}
 
@@ -233,6 +253,17 @@ def op_cases(
             ]
             shape = f"q {B} x {T} x {Hq} x {D}, k {Hk} heads, {cn}; weights, cos, sin {sn}"
             e, f = _qk_call(e, cos, sin, eps), _qk_call(f, cos, sin, eps)
+        elif op == RMS_NORM_ADD:  # post-norm: a sublayer's output normalised, then onto the stream
+            leaves = [rand(B, T, d, dtype=cd), rand(B, T, d, dtype=sd), 1 + 0.1 * rand(d, dtype=sd)]
+            shape = f"x {B} x {T} x {d} {cn}, residual {sn}, weight {sn}"
+            e, f = _with_eps(e, eps), _with_eps(f, eps)
+        elif op == CLAMPED_SWIGLU:  # gpt-oss: the experts' packed, interleaved gate_up, one row a token
+            leaves = [rand(B * T, 2 * F, dtype=cd)]
+            shape = f"gate_up {B * T} x {2 * F} {cn} (interleaved; the experts' rows at the MLP's width)"
+        elif op == LAYER_NORM:  # a LayerNorm on the residual stream, with its weight and bias
+            leaves = [rand(B, T, d, dtype=sd), 1 + 0.1 * rand(d, dtype=sd), 0.1 * rand(d, dtype=sd)]
+            shape = f"x {B} x {T} x {d} {sn}, weight and bias {sn}"
+            e, f = _with_eps(e, eps), _with_eps(f, eps)
         else:  # LINEAR_CROSS_ENTROPY: the head's matmul and the loss (labels shifted inside)
             labels = torch.randint(dims.vocab, (B, T), generator=gen, device=device)
             leaves = [rand(B, T, d, dtype=cd), 0.02 * rand(dims.vocab, d, dtype=sd)]

@@ -13,6 +13,8 @@ a contiguous last dimension).
 `qk_norm_rope` first normalises each head (Qwen3's q_norm and k_norm: an RMSNorm over D with a
 (D,) weight each), taking q and k before the transpose, (B, T, H, D), as Qwen3 normalises them,
 and returns them rotated in the (B, H, T, D) layout, as Hugging Face's attention goes on with.
+`weight_offset=1.0`: Gemma 3's q/k norms, which scale by (1 + w) in fp32 and cast once
+(Gemma3RMSNorm's order: the output is q's dtype whatever the weight's).
 
 Dtypes: Hugging Face computes in the dtypes it is given, so where cos is fp32 and q bf16 (bf16
 autocast over fp32 parameters) its rotated q comes out fp32, and attention casts it back to bf16.
@@ -69,6 +71,14 @@ def head_rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
     return weight * x32.to(x.dtype)
 
 
+def head_offset_rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: float):
+    """Gemma's RMSNorm (Gemma 3's q_norm, k_norm) op for op: fp32 throughout, times
+    (offset + w_f32), one cast back to x's dtype."""
+    x32 = x.to(torch.float32)
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (weight_offset + weight.float())).to(x.dtype)
+
+
 def qk_norm_rope_eager(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -77,20 +87,29 @@ def qk_norm_rope_eager(
     cos: torch.Tensor,
     sin: torch.Tensor,
     eps: float = DEFAULT_EPS,
+    weight_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3's attention op for op: q (B, T, Hq, D) and k (B, T, Hk, D) normalised per head,
-    transposed to (B, H, T, D), then rotated."""
-    qn = head_rms_norm_hf(q, q_weight, eps).transpose(1, 2)
-    kn = head_rms_norm_hf(k, k_weight, eps).transpose(1, 2)
+    transposed to (B, H, T, D), then rotated; with weight_offset, Gemma 3's (1 + w) norms in
+    their own order."""
+    if weight_offset:
+        qn = head_offset_rms_norm_hf(q, q_weight, eps, weight_offset).transpose(1, 2)
+        kn = head_offset_rms_norm_hf(k, k_weight, eps, weight_offset).transpose(1, 2)
+    else:
+        qn = head_rms_norm_hf(q, q_weight, eps).transpose(1, 2)
+        kn = head_rms_norm_hf(k, k_weight, eps).transpose(1, 2)
     return rope_eager(qn, kn, cos, sin)
 
 
-def qk_norm_rope_reference(q, k, q_weight, k_weight, cos, sin, eps: float = DEFAULT_EPS):
+def qk_norm_rope_reference(
+    q, k, q_weight, k_weight, cos, sin, eps: float = DEFAULT_EPS, weight_offset: float = 0.0
+):
     """The oracle: the same math in float64 (the norm written out, no casts in between)."""
 
     def norm(x, w):
         x = x.double()
-        return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w.double()).transpose(1, 2)
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return (x * rstd * (weight_offset + w.double())).transpose(1, 2)
 
     return rope_reference(norm(q, q_weight), norm(k, k_weight), cos, sin)
 
@@ -164,12 +183,14 @@ def qk_norm_rope(
     cos: torch.Tensor,
     sin: torch.Tensor,
     eps: float = DEFAULT_EPS,
+    weight_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """qk_norm_rope_eager's (q, k) in one Triton launch forward and one backward, fp32 inside;
-    the weights' gradients bitwise repeatable."""
+    the weights' gradients bitwise repeatable. `weight_offset=1.0`: the norms scale by (1 + w)
+    (Gemma 3), and the outputs keep q's and k's dtypes as Gemma3RMSNorm's cast does."""
     if not HAS_TRITON:
         raise RuntimeError(TRITON_MISSING)
     check_qk_norm_rope_args(q, k, q_weight, k_weight, cos, sin)
     from profuse.kernels import rope as kernel
 
-    return kernel.qk_norm_rope_fused(q, k, q_weight, k_weight, cos, sin, float(eps))
+    return kernel.qk_norm_rope_fused(q, k, q_weight, k_weight, cos, sin, float(eps), float(weight_offset))

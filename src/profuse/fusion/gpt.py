@@ -38,6 +38,7 @@ RMS_NORM, ROPE, QK_NORM_ROPE = "rms_norm", "rope", "qk_norm_rope"
 LINEAR_CROSS_ENTROPY = "linear_cross_entropy"
 CLAMPED_SWIGLU = "clamped_swiglu"  # gpt-oss's experts' gate (profuse.fusion.hf_experts)
 RMS_NORM_ADD = "rms_norm_add"  # post-norm layers' norm, then the add (OLMo 2: profuse.fusion.hf_layer)
+LAYER_NORM = "layer_norm"  # LayerNorm with a bias, each alone (StarCoder2: profuse.fusion.hf_layernorm)
 OP_NAMES = (
     SILU_MUL,
     ADD_RMS_NORM,
@@ -47,6 +48,7 @@ OP_NAMES = (
     LINEAR_CROSS_ENTROPY,
     CLAMPED_SWIGLU,
     RMS_NORM_ADD,
+    LAYER_NORM,
 )
 
 # Profiler ranges around each op, by op: what Part C looks for in the eager trace.
@@ -69,6 +71,7 @@ class BlockOps:
     # (gate_up, alpha=, limit=, interleaved=) -> (clamp(u, -limit, limit) + 1) * g * sigmoid(alpha g)
     clamped_swiglu: Callable | None = None
     rms_norm_add: Callable | None = None  # (x, residual, weight, eps) -> residual + rms_norm(x) * weight
+    layer_norm: Callable | None = None  # (x, weight, bias or None, eps) -> nn.LayerNorm's y
 
 
 # profuse's Triton kernels (profuse.kernels: swiglu, add_rms_norm, rms_norm, rope, cross_entropy).
@@ -82,6 +85,7 @@ FUSED = BlockOps(
     linear_cross_entropy=crossentropy.linear_cross_entropy,
     clamped_swiglu=blockops.clamped_swiglu,
     rms_norm_add=blockops.rms_norm_add,
+    layer_norm=blockops.layer_norm,
 )
 # The same math one op at a time, through the ops' own eager versions: a stand-in for the fused
 # ops that runs anywhere (it tests the plumbing; it fuses nothing).
@@ -95,6 +99,7 @@ EAGER = BlockOps(
     linear_cross_entropy=crossentropy.linear_cross_entropy_eager,
     clamped_swiglu=blockops.clamped_swiglu_eager,
     rms_norm_add=blockops.rms_norm_add_eager,
+    layer_norm=blockops.layer_norm_eager,
 )
 
 

@@ -16,8 +16,8 @@ memory-bound ops of a training step fused, each in its place:
     rms_norm               layer 0's input norm, which has no add in front             1 place
     rope                   attention's rotary embedding, q and k in one launch         L places
     qk_norm_rope           Qwen3: q_norm and k_norm with the rotary embedding,         L places
-                           in place of rope (profuse.fusion.hf_attention); not
-                           Gemma 3's (1 + w) q/k norms: the kernel takes no offset
+                           in place of rope (profuse.fusion.hf_attention); Gemma 3's
+                           (1 + w) q/k norms with weight_offset=1.0
     linear_cross_entropy   the causal-LM head and its loss, in training with labels    1 place
                            (in training with labels, no logits: profuse.fusion.hf_head;
                            an MoE head adds the router's aux loss as it did: hf_moe_head;
@@ -27,18 +27,31 @@ memory-bound ops of a training step fused, each in its place:
                            layers: each sublayer's output normalised, then added to
                            the stream (hf_layer's post-norm layer; the final norm,
                            and a sandwich layer's norms in front, are rms_norm's)
+    layer_norm             each nn.LayerNorm a layer holds, and a LayerNorm final      up to 2L + 1
+                           norm, by its class (profuse.fusion.hf_layernorm: StarCoder2,
+                           GPT-NeoX, Phi-1/2, GPT-J, GPT-2); the adds stay (no
+                           add_layer_norm); whether it pays is not measured on a card
 
 By family past Llama's (`profuse fuse --model hf:FAMILY` prints the table and each reason):
 
     Gemma          every op but qk_norm_rope (it has no q/k norms)
     Gemma 2, 3     every op but add_rms_norm (sandwich layers: rms_norm_add after each
                    sublayer, rms_norm before it, all (1 + w)), the GeGLU MLP by its class
-                   (profuse.fusion.hf_mlp), the soft-capped linear_cross_entropy; not Gemma
-                   3's (1 + w) q/k norms (qk_norm_rope takes no offset: rope fuses alone)
+                   (profuse.fusion.hf_mlp), the soft-capped linear_cross_entropy; Gemma 3's
+                   (1 + w) q/k norms in qk_norm_rope (Gemma 2 has none: rope)
     OLMo 2         silu_mul, rms_norm_add, rms_norm (the final norm), linear_cross_entropy;
                    not rope (its q/k norms span the whole projection)
     Phi-3, GLM-4   silu_mul on the packed gate_up_proj (hf_mlp), linear_cross_entropy; their
-                   layers (residual dropout modules; four norms) stay as they are
+                   layers (residual dropout modules; four norms) stay as they are; Phi-3's
+                   rope (partial rotary, q and k from its packed qkv_proj)
+    GPT-NeoX,      rope (partial rotary on the packed query_key_value's chunks, or on
+    Phi-1/2,       slices of each head), linear_cross_entropy where the head has no bias;
+    StarCoder2     not their LayerNorms (no LayerNorm op), not their MLPs (GELU with no gate)
+    Llama 4        silu_mul in its dense layers' feed_forward (hf_mlp); its MoE layers are
+                   the experts' plan's; not rope (complex rotary of its own)
+    GPT-J, CodeGen nothing: LayerNorm, one norm feeding attention and MLP in parallel,
+                   interleaved rotary through a one-tensor apply_rotary_pos_emb, a head with
+                   a bias (refused, each reason named)
 
 Which implementation runs is a BlockOps: FUSED (the default), profuse's Triton kernels; EAGER,
 the ops' eager versions, anywhere; HF_EAGER, the model's own eager math, so the fused model
@@ -80,10 +93,14 @@ torch.compile(fullgraph=True), generate, FSDP2 (fully_shard before or after fusi
 its classes), PEFT (LoRA, LN tuning, modules_to_save, before or after fusing), unfuse.
 
 The model is recognised by structure and behaviour, not by class name: one decoder stack (a
-module with `layers` and a final `norm`); layers with exactly self_attn, mlp, input_layernorm and
-post_attention_layernorm; and probes on small float64 stand-ins (on the CPU, whatever device the
-model is on): each norm class's forward must compute rms_norm(x) * weight, or Gemma's
-rms_norm(x) * (1 + weight), with the eps it holds; the MLP class's down(act(gate(x)) * up(x))
+module with one layer list, `layers`, `h` or `blocks`, and one final norm, `norm`,
+`final_layernorm`, `final_layer_norm`, `norm_f` or `ln_f`), each layer with one attention
+(`self_attn`, `self_attention`, `attention` or `attn`; its output projection `o_proj`, `dense`
+or `out_proj`) and one MLP (`mlp` or `feed_forward`); a layer fused whole holds exactly self_attn, mlp,
+input_layernorm and post_attention_layernorm in a stack of `layers` and `norm`; and probes on
+small float64 stand-ins (on the CPU, whatever device the model is on): each norm class's
+forward must compute rms_norm(x) * weight, or Gemma's rms_norm(x) * (1 + weight), with the eps
+it holds; the MLP class's down(act(gate(x)) * up(x))
 with act SiLU or GELU, tanh or exact (a ReLU fails); the layer class's forward must equal the
 fused one, the attention's and the head's rebuilt forwards their own. A model whose layers are
 not fused whole (Gemma 3's and GLM-4's four norms, OLMo 2's post-norms, Phi-3's residual
@@ -102,6 +119,7 @@ import importlib.util
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from profuse import blockops
@@ -111,6 +129,7 @@ from profuse.fusion.gpt import (
     BLOCK_OP_RANGES,
     CLAMPED_SWIGLU,
     FUSED,
+    LAYER_NORM,
     LINEAR_CROSS_ENTROPY,
     OP_NAMES,
     QK_NORM_ROPE,
@@ -121,7 +140,7 @@ from profuse.fusion.gpt import (
     BlockOps,
 )
 from profuse.fusion.hf_attention import plan_attention
-from profuse.fusion.hf_experts import has_clamped_experts, has_experts, plan_experts
+from profuse.fusion.hf_experts import has_clamped_experts, has_experts, is_experts, plan_experts
 from profuse.fusion.hf_head import plan_head, softcaps
 from profuse.fusion.hf_layer import (
     MIN_TRANSFORMERS,
@@ -139,8 +158,9 @@ from profuse.fusion.hf_layer import (
     probe_norm,
     probe_postnorm_layer,
 )
+from profuse.fusion.hf_layernorm import bound_layer_norm, layer_norms, plan_layer_norms
 from profuse.fusion.hf_mask import plan_mask
-from profuse.fusion.hf_mlp import plan_mlps
+from profuse.fusion.hf_mlp import plan_mlps, ungated
 from profuse.fusion.hf_modules import STATE, forward_owner, fused_class, fused_target, is_fused, unfused_class
 from profuse.fusion.hf_ops import (
     HF_EAGER,
@@ -157,6 +177,15 @@ from profuse.fusion.hf_ops import (
 TRANSFORMERS_MISSING = "transformers is not installed: pip install 'profuse[hf]'"
 
 _LAYER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
+# The names a decoder stack's parts go by across families: the layer list (Llama's `layers`,
+# GPT-J's and CodeGen's `h`), the final norm (Llama's `norm`, Phi's `final_layernorm`, GPT-NeoX's
+# `final_layer_norm`, GPT-J's `ln_f`, Mamba's `norm_f`), a layer's attention (GPT-NeoX's
+# `attention`, GPT-J's `attn`, Falcon's `self_attention`) and its MLP (Llama 4's `feed_forward`).
+# A stack holds exactly one of each; which one is read from the module, never from the family's name.
+LAYER_LISTS = ("layers", "h", "blocks")
+FINAL_NORMS = ("norm", "final_layernorm", "final_layer_norm", "norm_f", "ln_f")
+ATTENTIONS = ("self_attn", "self_attention", "attention", "attn")
+MLPS = ("mlp", "feed_forward")
 _LAYER_OPS = (SILU_MUL, ADD_RMS_NORM, RMS_NORM)
 _WHAT = {
     SILU_MUL: "the MLP's silu(gate) * up (a GeGLU's gelu(gate) * up: gelu_mul)",
@@ -167,6 +196,7 @@ _WHAT = {
     CLAMPED_SWIGLU: "gpt-oss's experts' (clamp(up) + 1) * g * sigmoid(alpha * g), g = clamp(gate)",
     RMS_NORM_ADD: "post-norm: each sublayer's output normalised, then added to the stream",
     LINEAR_CROSS_ENTROPY: "lm_head and the loss: in training with labels, no logits (logits='always')",
+    LAYER_NORM: "each LayerNorm (with its bias) alone: the adds stay as they are",
 }
 # The logits policy (profuse.fusion.hf_head): "auto" skips the logits only in training with labels
 # and gradients on, where linear_cross_entropy computes the loss without them; "always" leaves the
@@ -247,19 +277,69 @@ def _checkpointing_layer_class() -> type:
     return GradientCheckpointingLayer
 
 
+def _child_name(module: nn.Module, names: tuple[str, ...], kind: type = nn.Module) -> str | None:
+    """The one name of `names` under which `module` holds a `kind`; None where none or several."""
+    found = [n for n in names if isinstance(module._modules.get(n), kind)]
+    return found[0] if len(found) == 1 else None
+
+
+def stack_layers(stack: nn.Module) -> nn.ModuleList:
+    """The decoder stack's layer list, under whichever of LAYER_LISTS it holds it."""
+    return stack._modules[_child_name(stack, LAYER_LISTS, nn.ModuleList)]
+
+
+def final_norm(stack: nn.Module) -> nn.Module:
+    """The decoder stack's final norm, under whichever of FINAL_NORMS it holds it."""
+    return stack._modules[_child_name(stack, FINAL_NORMS)]
+
+
+def layer_attention(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's attention, under whichever of ATTENTIONS it holds it."""
+    name = _child_name(layer, ATTENTIONS)
+    return None if name is None else layer._modules[name]
+
+
+def layer_mlp(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's MLP, under whichever of MLPS it holds it."""
+    name = _child_name(layer, MLPS)
+    return None if name is None else layer._modules[name]
+
+
 def _decoder_stack(model: nn.Module, what: str) -> nn.Module:
     stacks = [
         m
         for m in model.modules()
-        if isinstance(getattr(m, "layers", None), nn.ModuleList)
-        and isinstance(getattr(m, "norm", None), nn.Module)
+        if _child_name(m, LAYER_LISTS, nn.ModuleList) is not None and _child_name(m, FINAL_NORMS) is not None
     ]
     if len(stacks) != 1:
         found = "no decoder stack" if not stacks else f"{len(stacks)} decoder stacks"
         raise UnsupportedModel(
-            f"{what}: {found} (a module with `layers` and a final `norm`); profuse fuses one"
+            f"{what}: {found} (a module with a layer list, {_names(LAYER_LISTS)}, and a final norm, "
+            f"{_names(FINAL_NORMS)}); profuse fuses one"
         )
     return stacks[0]
+
+
+def _names(names: tuple[str, ...]) -> str:
+    return "/".join(f"`{n}`" for n in names)
+
+
+def _rotary_dim(stack: nn.Module) -> int | None:
+    """The width of the cos the stack's rotary module hands its attentions: the head dim, or less
+    where the family rotates part of each head (GPT-NeoX, Phi-1/2, Phi-3/4-mini), read from what the
+    module returns for two positions; None where the stack has none that runs so (per-layer-type
+    rotary modules take more arguments: the attention probe then uses the head dim)."""
+    rotary = stack._modules.get("rotary_emb")
+    buffer = next(iter(rotary.buffers()), None) if isinstance(rotary, nn.Module) else None
+    if buffer is None:
+        return None
+    try:
+        with torch.no_grad():
+            x = torch.zeros(1, 2, 1, device=buffer.device)
+            cos, _ = rotary(x, torch.arange(2, device=buffer.device)[None])
+    except Exception:  # a rotary module of another signature: the head dim stands
+        return None
+    return int(cos.shape[-1]) if isinstance(cos, torch.Tensor) and cos.dim() >= 2 else None
 
 
 def _selected(ops, impl: BlockOps | None) -> tuple[BlockOps, tuple[str, ...], bool]:
@@ -300,18 +380,45 @@ def _offset_norms(specs, impl: BlockOps, ops: Iterable[str]) -> dict[str, str]:
     }
 
 
+def _layout_reason(layer: nn.Module) -> str | None:
+    """Why a layer's norms cannot be fused, read from its structure, where it is one of the layouts
+    profuse knows it has no op for: LayerNorm (GPT-NeoX, Phi-1/2, StarCoder2, GPT-J), or one norm
+    feeding attention and MLP in parallel (Cohere, GPT-J, Phi-1/2); else None."""
+    norms = [
+        name
+        for name, m in layer.named_children()
+        if "norm" in name.lower() or name.startswith("ln") or isinstance(m, nn.LayerNorm)
+    ]
+    ln_names = [name for name in norms if isinstance(layer._modules[name], nn.LayerNorm)]
+    why = []
+    if ln_names:
+        why.append(
+            f"{'/'.join(ln_names)} {'is' if len(ln_names) == 1 else 'are'} LayerNorm (mean subtracted, "
+            "a bias), not RMSNorm: no add_layer_norm op (each LayerNorm alone is layer_norm's place)"
+        )
+    if len(norms) == 1:
+        why.append(
+            f"one norm ({norms[0]}) feeds attention and MLP in parallel, x + attn(n(x)) + mlp(n(x)): "
+            "no add comes before a norm"
+        )
+    return f"{type(layer).__name__}: " + "; ".join(why) if why else None
+
+
 def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: BlockOps, label: bool):
     """The fused layers and final norm: (installs, counts); reasons filled for ops that fail."""
     wanted = [op for op in _LAYER_OPS if op in bound]
     if not wanted:
         return [], {}
-    layers = list(stack.layers)
+    layers = list(stack_layers(stack))
 
     def fail(ops, reason):
         for op in ops:
             if op in wanted:
                 reasons.setdefault(op, reason)
 
+    why = _layout_reason(layers[0])
+    if why is not None:
+        fail(_LAYER_OPS, why)
     classes = {type(layer) for layer in layers}
     cls = classes.pop() if len(classes) == 1 else None
     owner = forward_owner(cls) if cls is not None else None
@@ -325,8 +432,13 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
         )
     elif hasattr(owner, "kernel_layer_name"):
         fail(_LAYER_OPS, f"{owner.__name__} is a hub-kernel layer: kernelize would replace its forward")
+    elif stack._modules.get("layers") is None or stack._modules.get("norm") is None:
+        # a fused layer hands its pair on to the next layer or the final norm, found as Llama's are
+        fail(_LAYER_OPS, f"{type(stack).__name__} holds its layers and final norm under other names")
     for i, layer in enumerate(layers):
         children = {name for name, _ in layer.named_children()}
+        if children == _LAYER_CHILDREN - {"mlp"} | {"feed_forward"}:
+            fail(_LAYER_OPS, f"layer {i} holds its MLP as feed_forward: the fused layer calls a Llama's mlp")
         if children != _LAYER_CHILDREN:
             fail(
                 _LAYER_OPS,
@@ -414,19 +526,17 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
     add, rms = ops[ADD_RMS_NORM], ops[RMS_NORM]
     if add is not None or rms is not None:
         try:
-            spec = probe_norm(stack.norm, "the final norm")
+            norm = final_norm(stack)
+            spec = probe_norm(norm, "the final norm")
             norm_ops = [op for op in (ADD_RMS_NORM, RMS_NORM) if ops[op] is not None]
             offsets = _offset_norms([spec], impl, norm_ops)
             if offsets:
                 raise UnsupportedModel("; ".join(offsets.values()))
-            norm_target = fused_target(
-                stack.norm, spec.cls, fused_class(spec.cls, "final_norm", final_norm_forward)
-            )
+            fused_norm = fused_class(spec.cls, "final_norm", final_norm_forward)
+            norm_target = fused_target(norm, spec.cls, fused_norm)
             if norm_target is None:
-                raise UnsupportedModel(
-                    f"the final norm's class {type(stack.norm).__name__} has a forward of its own"
-                )
-            installs.append((stack.norm, norm_target, FinalNormState(add, rms, spec)))
+                raise UnsupportedModel(f"the final norm's class {type(norm).__name__} has its own forward")
+            installs.append((norm, norm_target, FinalNormState(add, rms, spec)))
             final = True
         except UnsupportedModel as e:  # the layers still fuse: the last hands the final norm its hidden state
             fail(
@@ -460,7 +570,7 @@ def _is_postnorm(layers: list[nn.Module]) -> bool:
 def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, what: str, impl: BlockOps):
     """The fused post-norm layers (rms_norm_add, 2 places each) and the final norm (rms_norm):
     installs; counts and reasons filled."""
-    layers = list(stack.layers)
+    layers = list(stack_layers(stack))
     op = bound.get(RMS_NORM_ADD)
     layout = _postnorm_layout(layers)
     if op is None or layout is None:
@@ -515,18 +625,15 @@ def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, w
     counts[RMS_NORM_ADD] = 2 * len(layers)
     if rms is not None:  # the final norm: a plain norm of the last hidden state
         try:
-            spec = probe_norm(stack.norm, "the final norm")
+            norm = final_norm(stack)
+            spec = probe_norm(norm, "the final norm")
             offsets = _offset_norms([spec], impl, [RMS_NORM])
             if offsets:
                 raise UnsupportedModel(offsets[RMS_NORM])
-            target = fused_target(
-                stack.norm, spec.cls, fused_class(spec.cls, "final_norm", final_norm_forward)
-            )
+            target = fused_target(norm, spec.cls, fused_class(spec.cls, "final_norm", final_norm_forward))
             if target is None:
-                raise UnsupportedModel(
-                    f"the final norm's class {type(stack.norm).__name__} has a forward of its own"
-                )
-            installs.append((stack.norm, target, FinalNormState(None, rms, spec)))
+                raise UnsupportedModel(f"the final norm's class {type(norm).__name__} has its own forward")
+            installs.append((norm, target, FinalNormState(None, rms, spec)))
             counts[RMS_NORM] = counts.get(RMS_NORM, 0) + 1
             reasons.pop(RMS_NORM, None)
         except UnsupportedModel as e:
@@ -537,30 +644,82 @@ def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, w
 def _plan_mlps(layers: list[nn.Module], impl: BlockOps, label: bool, reasons: dict, counts: dict, what: str):
     """The MLP places of layers not fused whole, each fused by its MLP's class (hf_mlp): installs;
     counts and reasons filled for silu_mul."""
-    mlps = [layer._modules.get("mlp") for layer in layers]
+    mlps = [layer_mlp(layer) for layer in layers]
     try:
         if any(mlp is None for mlp in mlps):
-            raise UnsupportedModel(f"{what}'s layers have no `mlp`")
+            raise UnsupportedModel(f"{what}'s layers have no MLP ({_names(MLPS)})")
         installs = plan_mlps(mlps, lambda activation: bound_gated(impl, activation, label), what)
     except UnsupportedModel as e:
         layer_why = reasons.get(SILU_MUL)
-        reasons[SILU_MUL] = str(e) if layer_why in (None, str(e)) else f"{layer_why}; the MLP alone: {e}"
+        no_gate = mlps[0] is not None and ungated(mlps[0]) is not None
+        alone = layer_why in (None, str(e)) or no_gate  # the MLP's own reason is the whole reason
+        reasons[SILU_MUL] = str(e) if alone else f"{layer_why}; the MLP alone: {e}"
         return []
     reasons.pop(SILU_MUL, None)
     counts[SILU_MUL] = len(layers)
     return installs
 
 
+def _plan_dense_beside_experts(
+    layers, experts, impl: BlockOps, label: bool, counts: dict, reasons: dict, what: str
+):
+    """The dense layers' MLPs of an MoE stack that the experts' plan left (Llama 4's dense layers:
+    a gated MLP whose act is its activation_fn), each fused by its class (hf_mlp) where every one
+    is of one class and probes right: installs; counts and silu_mul's reason updated. The MoE
+    layers' MLPs stay the experts' plan's, with its reasons."""
+    placed = {id(module) for module, _, _ in experts.installs}
+    dense = [layer_mlp(layer) for layer in layers]
+    dense = [
+        mlp
+        for mlp in dense
+        if mlp is not None and id(mlp) not in placed and not any(is_experts(m) for m in mlp.modules())
+    ]
+    if not dense or any(id(m) in placed for mlp in dense for m in mlp.modules()):
+        return []
+    try:
+        installs = plan_mlps(dense, lambda activation: bound_gated(impl, activation, label), what)
+    except UnsupportedModel:  # the experts' plan has said why of this class already
+        return []
+    counts[SILU_MUL] = counts.get(SILU_MUL, 0) + len(installs)
+    cls = type(dense[0]).__name__
+    kept = [why for why in experts.reasons.get(SILU_MUL, []) if f"({cls})" not in why]
+    if len(kept) < len(experts.reasons.get(SILU_MUL, [])):  # its class's reason was about these
+        kept.append(f"{cls} as an MoE layer's shared expert stays unfused (the experts' plan reads act_fn)")
+    if kept:
+        reasons[SILU_MUL] = "; ".join(kept)
+    else:
+        reasons.pop(SILU_MUL, None)
+    return installs
+
+
+def _plan_layer_norms(stack: nn.Module, bound: dict, reasons: dict, counts: dict):
+    """Each LayerNorm of the stack's layers and its final norm, fused by class (hf_layernorm):
+    installs; counts and reasons filled for layer_norm."""
+    norms = layer_norms(list(stack_layers(stack)), final_norm(stack))
+    if LAYER_NORM not in bound or not norms:
+        return []
+    try:
+        installs = plan_layer_norms(norms, bound[LAYER_NORM])
+    except UnsupportedModel as e:
+        reasons[LAYER_NORM] = str(e)
+        return []
+    counts[LAYER_NORM] = len(installs)
+    return installs
+
+
 def _has_place(op: str, model: nn.Module, stack: nn.Module) -> bool:
     """Whether the model has a place for `op` at all (a decoder stack has one for the others)."""
     if op == QK_NORM_ROPE:
-        return all(isinstance(getattr(layer.self_attn, "q_norm", None), nn.Module) for layer in stack.layers)
+        attentions = [layer_attention(layer) for layer in stack_layers(stack)]
+        return all(isinstance(getattr(a, "q_norm", None), nn.Module) for a in attentions)
     if op == CLAMPED_SWIGLU:
         return has_clamped_experts(stack)
     if op == RMS_NORM_ADD:
-        return _is_postnorm(list(stack.layers))
+        return _is_postnorm(list(stack_layers(stack)))
     if op == LINEAR_CROSS_ENTROPY:
         return plan_head(model, stack, lambda *args, **kwargs: None, probe=False).absent is None
+    if op == LAYER_NORM:
+        return bool(layer_norms(list(stack_layers(stack)), final_norm(stack)))
     return True
 
 
@@ -585,7 +744,7 @@ def _plan(
             f"{what} has accelerate hooks on {hooked} modules (a device_map or cpu_offload, moving weights "
             "in at each forward): profuse fuses a model whose weights stay in place"
         )
-    layers = list(stack.layers)
+    layers = list(stack_layers(stack))
     n_config = getattr(getattr(stack, "config", None), "num_hidden_layers", len(layers))
     if not layers or n_config != len(layers):
         raise UnsupportedModel(
@@ -593,11 +752,11 @@ def _plan(
         )
 
     for i, layer in enumerate(layers):
-        if not isinstance(layer._modules.get("self_attn"), nn.Module):
+        if layer_attention(layer) is None:
             children = sorted(name for name, _ in layer.named_children())
             raise UnsupportedModel(
-                f"{what}: layer {i} ({type(layer).__name__}) has no self_attn (it holds {children}): "
-                "profuse reads Llama-family decoder layers, each with self_attn, mlp and two norms"
+                f"{what}: layer {i} ({type(layer).__name__}) has no attention ({_names(ATTENTIONS)}; it "
+                f"holds {children}): profuse reads decoder layers, each with an attention, an MLP and norms"
             )
 
     reasons: dict[str, str] = {}
@@ -605,7 +764,7 @@ def _plan(
     for op in names:
         why = unavailable(impl, op)
         if why is None:
-            bound[op] = bound_op(impl, op, label)
+            bound[op] = bound_layer_norm(impl, label) if op == LAYER_NORM else bound_op(impl, op, label)
         elif _has_place(op, model, stack):
             reasons[op] = why
     installs, counts = _plan_layers(stack, bound, reasons, what, impl, label)
@@ -620,12 +779,17 @@ def _plan(
         installs += mlps.installs
         counts.update(mlps.counts)
         reasons.update({op: "; ".join(why) for op, why in mlps.reasons.items()})
+        if silu is not None:
+            installs += _plan_dense_beside_experts(layers, mlps, impl, label, counts, reasons, what)
+    installs += _plan_layer_norms(stack, bound, reasons, counts)
+    attentions = [layer_attention(layer) for layer in layers]
+    qk_offset = None if takes_offset(impl, QK_NORM_ROPE) else f"{impl.name!r}'s qk_norm_rope takes no offset"
     attention = plan_attention(
-        [layer.self_attn for layer in layers], bound.get(ROPE), bound.get(QK_NORM_ROPE), what
+        attentions, bound.get(ROPE), bound.get(QK_NORM_ROPE), what, _rotary_dim(stack), qk_offset
     )
     reasons.update(attention.reasons)
     if attention.targets is not None:
-        installs += [(layer.self_attn, t, attention.state) for layer, t in zip(layers, attention.targets)]
+        installs += [(a, t, attention.state) for a, t in zip(attentions, attention.targets)]
         counts.update(attention.counts)
     if logits == "always" and LINEAR_CROSS_ENTROPY in bound:
         if named:

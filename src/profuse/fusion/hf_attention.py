@@ -7,8 +7,10 @@ handling and attention backends stay whatever the installed transformers has.
 
     rope(q, k, cos, sin)                                  q and k in one launch
     qk_norm_rope(q, k, w_q, w_k, cos, sin, eps)           Qwen3: q_norm and k_norm, then rope
+    qk_norm_rope(..., eps, weight_offset=1.0)             Gemma 3: its (1 + w) q/k norms
 
-For Qwen3 the forward is rebuilt a second time with `self.q_norm` and `self.k_norm` renamed in
+For Qwen3 (and Gemma 3, whose norms run after the transpose: the same (B, H, T, D) views reach the
+call site) the forward is rebuilt a second time with `self.q_norm` and `self.k_norm` renamed in
 its code to a pass-through, so the per-head norms run inside qk_norm_rope instead (reading the
 norm modules' weights and eps at the call).
 
@@ -24,6 +26,7 @@ rename runs (rope alone, the norms as modules); where the call is one the ops do
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,6 +52,9 @@ from profuse.fusion.hf_modules import (
 )
 
 ROPE_NAME = "apply_rotary_pos_emb"  # the module-level function every Llama-family attention calls
+# An attention's output projection, under each name families give it (Llama, GPT-NeoX and Phi,
+# GPT-J): the probe's stand-in maps the heads' width back to its small hidden size through it.
+OUTPUT_PROJECTIONS = ("o_proj", "dense", "out_proj")
 _PASS = "_profuse_pass"  # what q_norm and k_norm are renamed to in the qk_norm_rope forward
 _ROPE_FORWARD, _QK_FORWARD = "_profuse_rope_forward", "_profuse_qk_forward"
 
@@ -87,7 +93,8 @@ def _site(module_globals: dict) -> Callable:
             qn, kn = attention._modules["q_norm"], attention._modules["k_norm"]
             if not args and not kwargs:
                 qt, kt = q.transpose(1, 2), k.transpose(1, 2)
-                return st.qk_norm_rope(qt, kt, qn.weight, kn.weight, cos, sin, st.q_norm.eps(qn))
+                eps = st.q_norm.eps(qn)
+                return st.qk_norm_rope(qt, kt, qn.weight, kn.weight, cos, sin, eps, **st.q_norm.kwargs())
             q, k = qn(q.transpose(1, 2)).transpose(1, 2), kn(k.transpose(1, 2)).transpose(1, 2)
         elif not args and not kwargs:
             return st.rope(q, k, cos, sin)
@@ -166,11 +173,36 @@ def _out_features(m: nn.Module) -> int | None:
     return w.shape[0] if isinstance(w, torch.Tensor) and w.dim() == 2 else None
 
 
+def _rope_parameters(owner: type) -> str | None:
+    """The parameters of the attention module's own apply_rotary_pos_emb where they show it rotates
+    one tensor, not q and k: GPT-J's and CodeGen's (tensor, sin, cos), interleaved pairs, Gemma
+    3n's (x, cos, sin); None where it may take (q, k, cos, sin, ...) (a hub-kernel wrapper's
+    (*args, **kwargs) included: the probe decides), or the module has none (the rebuild says so)."""
+    fn = innermost(owner.forward).__globals__.get(ROPE_NAME)
+    try:
+        params = list(inspect.signature(inspect.unwrap(fn)).parameters.values()) if callable(fn) else None
+    except (TypeError, ValueError):
+        return None
+    if not params or any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params[:4]):
+        return None
+    names = [p.name for p in params[:4]]
+    if len(names) == 4 and not {"cos", "sin"} & set(names[:2]):
+        return None
+    return ", ".join(p.name for p in params)
+
+
 def plan_attention(
-    attentions: list[nn.Module], rope: Callable | None, qk: Callable | None, what: str
+    attentions: list[nn.Module],
+    rope: Callable | None,
+    qk: Callable | None,
+    what: str,
+    rotary_dim: int | None = None,
+    qk_offset: str | None = None,
 ) -> AttentionPlan:
     """Check what fusing rope (and qk_norm_rope) into `attentions` needs; change nothing.
-    `rope`, `qk`: the ops to install, or None where not asked for."""
+    `rope`, `qk`: the ops to install, or None where not asked for. `rotary_dim`: the width of the
+    cos the model's rotary module makes (below the head dim for partial rotary); None: the head dim.
+    `qk_offset`: why `qk` cannot take (1 + w) norms (it takes no weight_offset), or None where it can."""
     plan = AttentionPlan(None, None, {}, {}, {})
     wanted = [op for op, fn in ((ROPE, rope), (QK_NORM_ROPE, qk)) if fn is not None]
     if not wanted:
@@ -188,6 +220,9 @@ def plan_attention(
     params = parameter_names(owner.forward)
     if "position_embeddings" not in params:
         return refuse_all(f"{name}.forward takes no position_embeddings: not a Llama-family attention")
+    takes = _rope_parameters(owner)
+    if takes is not None:
+        return refuse_all(f"{name}'s {ROPE_NAME} takes ({takes}), not rope's (q, k, cos, sin)")
     try:
         fused = attention_class(owner)
     except ValueError as e:
@@ -205,13 +240,14 @@ def plan_attention(
             qk = None
         else:
             try:
-                specs = _probe_qk_norms(attentions, name)
+                specs = _probe_qk_norms(attentions, name, qk_offset)
                 _probe(
                     attentions[0],
                     fused,
                     params,
                     AttentionState(None, qk, *specs, params.index("position_embeddings")),
                     name,
+                    rotary_dim,
                 )
             except UnsupportedModel as e:
                 plan.reasons[QK_NORM_ROPE] = str(e)
@@ -224,6 +260,7 @@ def plan_attention(
                 params,
                 AttentionState(rope, None, None, None, params.index("position_embeddings")),
                 name,
+                rotary_dim,
             )
         except UnsupportedModel as e:
             plan.reasons[ROPE] = str(e)
@@ -236,16 +273,19 @@ def plan_attention(
     return plan
 
 
-def _probe_qk_norms(attentions: list[nn.Module], name: str) -> tuple[NormSpec, NormSpec]:
+def _probe_qk_norms(
+    attentions: list[nn.Module], name: str, offset_why: str | None
+) -> tuple[NormSpec, NormSpec]:
+    """The q and k norms' specs, one class each across layers, one eps and one weight offset
+    (Gemma 3's (1 + w) where the op takes it: `offset_why` says why not, else None)."""
     specs = set()
     for i, a in enumerate(attentions):
         q = probe_norm(a.q_norm, f"layer {i}'s q_norm")
         k = probe_norm(a.k_norm, f"layer {i}'s k_norm")
-        if q.offset or k.offset:
-            raise UnsupportedModel(
-                f"{name}'s q_norm and k_norm scale by (1 + weight): "
-                "the qk_norm_rope kernel takes no weight offset"
-            )
+        if (q.offset or k.offset) and offset_why is not None:
+            raise UnsupportedModel(f"{name}'s q_norm and k_norm scale by (1 + weight): {offset_why}")
+        if q.offset != k.offset:
+            raise UnsupportedModel(f"{name}'s q_norm and k_norm scale by different weight offsets")
         if q.eps(a.q_norm) != k.eps(a.k_norm):
             raise UnsupportedModel(f"{name}'s q_norm and k_norm use different eps: qk_norm_rope takes one")
         specs.add((q, k))
@@ -254,43 +294,74 @@ def _probe_qk_norms(attentions: list[nn.Module], name: str) -> tuple[NormSpec, N
     return specs.pop()
 
 
-def _probe(attention: nn.Module, fused: type, params: list[str], st: AttentionState, name: str) -> None:
+def _projections(attention: nn.Module, c: int) -> dict[str, nn.Linear]:
+    """float64 stand-ins for the attention's projections at hidden size `c`: the output projection
+    (Llama's o_proj, GPT-NeoX's and Phi's dense, GPT-J's out_proj) maps the heads' width to c,
+    every other Linear (q/k/v, or GPT-NeoX's packed query_key_value) c to its own width."""
+    out = {}
+    for key, m in attention.named_children():
+        if not isinstance(m, nn.Linear):
+            continue
+        if key in OUTPUT_PROJECTIONS:
+            out[key] = nn.Linear(_in_features(m), c, dtype=torch.float64)
+        else:
+            out[key] = nn.Linear(c, _out_features(m), dtype=torch.float64)
+    if not any(key in OUTPUT_PROJECTIONS for key in out):
+        raise ValueError(f"no output projection ({'/'.join(OUTPUT_PROJECTIONS)}) among its Linears")
+    return out
+
+
+def _in_features(m: nn.Module) -> int:
+    w = m.weight
+    return m.in_features if isinstance(getattr(m, "in_features", None), int) else w.shape[1]
+
+
+def _head_dim(attention: nn.Module) -> int:
+    """The attention's head dim, as Llama (head_dim) or GPT-NeoX (head_size) holds it."""
+    for key in ("head_dim", "head_size"):
+        d = getattr(attention, key, None)
+        if isinstance(d, int):
+            return d
+    raise ValueError("it holds no head_dim")
+
+
+def _probe(
+    attention: nn.Module,
+    fused: type,
+    params: list[str],
+    st: AttentionState,
+    name: str,
+    rotary_dim: int | None = None,
+) -> None:
     """Run the attention class's own forward and the fused one on a float64 stand-in (small
-    hidden size, the real heads and head_dim, eager attention): raise unless the outputs agree
-    and the fused op ran once a call."""
+    hidden size, the real heads and head_dim, the rotary width the model's rotary module makes,
+    eager attention): raise unless the outputs agree and the fused op ran once a call."""
     owner = getattr(fused, ORIGINAL)
     norms = st.qk_norm_rope is not None
     op = "qk_norm_rope" if norms else "rope"
     calls = []
 
     def counted(fn):
-        def call(*args):
+        def call(*args, **kwargs):
             calls.append(1)
-            return fn(*args)
+            return fn(*args, **kwargs)
 
         return call
 
     try:
         c, f64 = 8, torch.float64
-        oq, ok = _out_features(attention.q_proj), _out_features(attention.k_proj)
-        ov = _out_features(attention.v_proj)
-        d = attention.head_dim
+        d = _head_dim(attention)
         with torch.random.fork_rng():
             torch.manual_seed(3)
             children = dict(attention.named_children())
-            children.update(
-                q_proj=nn.Linear(c, oq, dtype=f64),
-                k_proj=nn.Linear(c, ok, dtype=f64),
-                v_proj=nn.Linear(c, ov, dtype=f64),
-                o_proj=nn.Linear(oq, c, dtype=f64),
-            )
+            children.update(_projections(attention, c))
             for key in ("q_norm", "k_norm"):  # float64 stand-ins, norms or not, wherever the model is
                 if key in children:
                     real = children[key]
                     weight = nn.Parameter(1 + torch.randn(d, dtype=f64) / 4)
                     children[key] = stand_in(real, forward_owner(type(real)), {}, weight=weight)
             x = torch.randn(2, 5, c, dtype=f64)
-            angle = 3 * torch.randn(2, 5, d, dtype=f64)
+            angle = 3 * torch.randn(2, 5, rotary_dim or d, dtype=f64)
         attrs = {}
         config = getattr(attention, "config", None)
         if config is not None:
@@ -329,10 +400,36 @@ def _probe(attention: nn.Module, fused: type, params: list[str], st: AttentionSt
     except Exception as e:  # a layout the stand-in does not fit
         raise UnsupportedModel(f"{name} could not be checked with {op} fused: {e}") from None
     if not ok:
+        if calls and _rotates_pairs(owner):
+            raise UnsupportedModel(
+                f"{name}'s {ROPE_NAME} rotates interleaved lane pairs (x0, x1), (x2, x3), ..., where {op} "
+                "rotates the two halves of each head: profuse cannot fuse it exactly"
+            )
         reached = "never called it" if not calls else "computed something else"
         raise UnsupportedModel(
             f"{name}'s forward rebuilt with {op} {reached}: profuse cannot fuse it exactly"
         )
+
+
+def _rotates_pairs(owner: type) -> bool:
+    """Whether the attention module's own apply_rotary_pos_emb rotates interleaved lane pairs
+    (Cohere's and GLM's rotate_half: [-x1, x0, -x3, x2, ...]), with cos as given or with its first
+    half repeated lane by lane (GLM's), where rope rotates the two halves of each head."""
+    fn = innermost(owner.forward).__globals__.get(ROPE_NAME)
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(1, 2, 3, 8, generator=gen, dtype=torch.float64)
+    angle = torch.randn(1, 3, 4, generator=gen, dtype=torch.float64)
+    cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
+    try:
+        got = fn(q, q, cos, sin)[0]
+    except Exception:  # not the (q, k, cos, sin) it was taken for: say nothing more
+        return False
+    pairs = torch.stack((-q[..., 1::2], q[..., ::2]), -1).flatten(-2)
+    for c, s in ((cos, sin), (angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1))):
+        want = q * c.unsqueeze(1) + pairs * s.unsqueeze(1)
+        if got.shape == want.shape and torch.allclose(got.double(), want, atol=1e-6):
+            return True
+    return False
 
 
 __all__ = [

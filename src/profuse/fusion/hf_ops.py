@@ -83,6 +83,7 @@ HF_EAGER = BlockOps(
     linear_cross_entropy=crossentropy.linear_cross_entropy_eager,
     clamped_swiglu=blockops.clamped_swiglu_eager,  # GptOssExperts._apply_gate op for op
     rms_norm_add=blockops.rms_norm_add_eager,  # Olmo2RMSNorm, then the add, op for op
+    layer_norm=blockops.layer_norm_eager,  # nn.LayerNorm's own F.layer_norm
 )
 
 # How many leading arguments of each op are tensors whose dtype the kernels must take.

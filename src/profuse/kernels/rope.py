@@ -10,8 +10,9 @@ Backward, the transposed rotation (cos and sin get no gradient):
 cos and sin are read whole: their halves are equal for Hugging Face's default rope, but nothing
 here assumes it.
 
-qk_norm_rope, per head: z = x * rstd * w,  rstd = 1 / sqrt(mean(x^2) + eps) over D,  then rope on
-z. Backward: dz from dy by the rope backward, then (x_hat = x * rstd, g = dz * w)
+qk_norm_rope, per head: z = x * rstd * (o + w),  rstd = 1 / sqrt(mean(x^2) + eps) over D,  then
+rope on z; the weight offset o is 0 (Qwen3) or 1 (Gemma 3's (1 + w) q/k norms). Backward: dz from
+dy by the rope backward, then (x_hat = x * rstd, g = dz * (o + w))
     dx = rstd * (g - x_hat * mean(x_hat * g))
     dw = the sum over every row and head of dz * x_hat
 The norm is recomputed in the backward from x (saved: the projection's output, alive anyway);
@@ -127,8 +128,8 @@ def _rotate(a1, a2, c1, c2, s1, s2, BACKWARD: tl.constexpr):
 @triton.jit
 def _rope_heads(
     X_ptr, W_ptr, O_ptr, x_base, x_head_stride, out_base, n_heads, half, head_dim, c1, c2, s1, s2, eps,
-    d_mask, p_mask, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr, NORM: tl.constexpr,
-    BACKWARD: tl.constexpr,
+    offset, d_mask, p_mask, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+    NORM: tl.constexpr, BACKWARD: tl.constexpr,
 ):  # fmt: skip
     """All heads of one token of one tensor: load both halves, (norm,) rotate, store both halves
     to the (B, T, H, D)-stored output at `out_base`. `d_mask`: the lanes of a half-head to move
@@ -147,8 +148,9 @@ def _rope_heads(
         ap = tl.load(X_ptr + poffs, mask=pmask, other=0.0).to(tl.float32)
     if NORM:
         eps = tl.cast(eps, tl.float32)
-        w1 = tl.load(W_ptr + d, mask=d < half, other=0.0).to(tl.float32)
-        w2 = tl.load(W_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)
+        offset = tl.cast(offset, tl.float32)
+        w1 = tl.load(W_ptr + d, mask=d < half, other=0.0).to(tl.float32) + offset
+        w2 = tl.load(W_ptr + half + d, mask=d < half, other=0.0).to(tl.float32) + offset
         ss = tl.sum(a1 * a1, axis=1) + tl.sum(a2 * a2, axis=1)
         if BLOCK_P > 0:
             ss += tl.sum(ap * ap, axis=1)
@@ -157,7 +159,7 @@ def _rope_heads(
         a2 = a2 * rstd[:, None] * w2[None, :]
         if BLOCK_P > 0:
             wp = tl.load(W_ptr + 2 * half + p, mask=p < head_dim - 2 * half, other=0.0).to(tl.float32)
-            ap = ap * rstd[:, None] * wp[None, :]
+            ap = ap * rstd[:, None] * (wp + offset)[None, :]
     y1, y2 = _rotate(a1, a2, c1[None, :], c2[None, :], s1[None, :], s2[None, :], BACKWARD)
     out = out_base + heads[:, None] * head_dim + d[None, :]
     tl.store(O_ptr + out, y1.to(O_ptr.dtype.element_ty), mask=mask)
@@ -192,6 +194,7 @@ def _rope_kernel(
     half,  # the rotary dim / 2: D / 2, or less for partial rotary
     head_dim,  # D
     eps,
+    offset,  # the norms' weight offset: 0.0, or 1.0 for (1 + w); unused unless NORM
     BLOCK_HQ: tl.constexpr,  # heads rounded up to a power of two
     BLOCK_HK: tl.constexpr,
     BLOCK_D: tl.constexpr,  # half rounded up to a power of two
@@ -221,18 +224,18 @@ def _rope_kernel(
         s1 = tl.load(SIN_ptr + cs, mask=m, other=0.0).to(tl.float32)
         s2 = tl.load(SIN_ptr + cs + half, mask=m, other=0.0).to(tl.float32)
         _rope_heads(Q_ptr, QW_ptr, QO_ptr, b * q_batch_stride + t * q_seq_stride, q_head_stride,
-                    row * n_q_heads * head_dim, n_q_heads, half, head_dim, c1, c2, s1, s2, eps, m, pm,
-                    BLOCK_HQ, BLOCK_D, BLOCK_P, NORM, BACKWARD)  # fmt: skip
+                    row * n_q_heads * head_dim, n_q_heads, half, head_dim, c1, c2, s1, s2, eps, offset, m,
+                    pm, BLOCK_HQ, BLOCK_D, BLOCK_P, NORM, BACKWARD)  # fmt: skip
         _rope_heads(K_ptr, KW_ptr, KO_ptr, b * k_batch_stride + t * k_seq_stride, k_head_stride,
-                    row * n_k_heads * head_dim, n_k_heads, half, head_dim, c1, c2, s1, s2, eps, m, pm,
-                    BLOCK_HK, BLOCK_D, BLOCK_P, NORM, BACKWARD)  # fmt: skip
+                    row * n_k_heads * head_dim, n_k_heads, half, head_dim, c1, c2, s1, s2, eps, offset, m,
+                    pm, BLOCK_HK, BLOCK_D, BLOCK_P, NORM, BACKWARD)  # fmt: skip
 
 
 @triton.jit
 def _norm_rope_bwd_heads(
     DY_ptr, X_ptr, W_ptr, DX_ptr, dy_base, dy_head_stride, x_base, x_head_stride, out_base, n_heads, half,
-    head_dim, c1, c2, s1, s2, eps, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-    STORE_DX: tl.constexpr,
+    head_dim, c1, c2, s1, s2, eps, offset, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr, STORE_DX: tl.constexpr,
 ):  # fmt: skip
     """One token's heads of one tensor: dx stored (STORE_DX), this token's dw terms returned as
     the (BLOCK_D,) sums over its heads of dz1 * x_hat1 and dz2 * x_hat2, and (BLOCK_P,) of
@@ -266,15 +269,15 @@ def _norm_rope_bwd_heads(
     else:
         dwp = tl.zeros([1], dtype=tl.float32)
     if STORE_DX:
-        w1 = tl.load(W_ptr + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(W_ptr + half + d, mask=d < half, other=0.0).to(tl.float32)[None, :]
+        offset = tl.cast(offset, tl.float32)
+        w1 = (tl.load(W_ptr + d, mask=d < half, other=0.0).to(tl.float32) + offset)[None, :]
+        w2 = (tl.load(W_ptr + half + d, mask=d < half, other=0.0).to(tl.float32) + offset)[None, :]
         g1 = dz1 * w1
         g2 = dz2 * w2
         gx = tl.sum(g1 * xh1, axis=1) + tl.sum(g2 * xh2, axis=1)
         if BLOCK_P > 0:
-            wp = tl.load(W_ptr + 2 * half + p, mask=p < head_dim - 2 * half, other=0.0).to(tl.float32)[
-                None, :
-            ]
+            wp = (tl.load(W_ptr + 2 * half + p, mask=p < head_dim - 2 * half, other=0.0).to(tl.float32)
+                  + offset)[None, :]  # fmt: skip
             gp = dyp * wp
             gx += tl.sum(gp * xhp, axis=1)
         mean = (gx / head_dim)[:, None]
@@ -321,6 +324,7 @@ def _norm_rope_bwd_kernel(
     half,
     head_dim,
     eps,
+    offset,  # the norms' weight offset: 0.0, or 1.0 for (1 + w)
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -353,12 +357,12 @@ def _norm_rope_bwd_kernel(
         q1, q2, qp = _norm_rope_bwd_heads(
             DQO_ptr, Q_ptr, QW_ptr, DQ_ptr, b * dqo_batch_stride + t * dqo_seq_stride, dqo_head_stride,
             b * q_batch_stride + t * q_seq_stride, q_head_stride, row * n_q_heads * head_dim, n_q_heads,
-            half, head_dim, c1, c2, s1, s2, eps, BLOCK_HQ, BLOCK_D, BLOCK_P, STORE_DX,
+            half, head_dim, c1, c2, s1, s2, eps, offset, BLOCK_HQ, BLOCK_D, BLOCK_P, STORE_DX,
         )  # fmt: skip
         k1, k2, kp = _norm_rope_bwd_heads(
             DKO_ptr, K_ptr, KW_ptr, DK_ptr, b * dko_batch_stride + t * dko_seq_stride, dko_head_stride,
             b * k_batch_stride + t * k_seq_stride, k_head_stride, row * n_k_heads * head_dim, n_k_heads,
-            half, head_dim, c1, c2, s1, s2, eps, BLOCK_HK, BLOCK_D, BLOCK_P, STORE_DX,
+            half, head_dim, c1, c2, s1, s2, eps, offset, BLOCK_HK, BLOCK_D, BLOCK_P, STORE_DX,
         )  # fmt: skip
         dwq1 += q1
         dwq2 += q2
@@ -491,7 +495,7 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _run_rows(name, q, k, qw, kw, cos, sin, qo, ko, eps, seq_dim, norm, backward, config) -> None:
+def _run_rows(name, q, k, qw, kw, cos, sin, qo, ko, eps, seq_dim, norm, backward, config, offset=0.0) -> None:
     """Launch the row-grid kernel over q and k (outputs qo, ko allocated by the caller)."""
     b, t, hq, hk, d = q.shape[0], q.shape[seq_dim], q.shape[3 - seq_dim], k.shape[3 - seq_dim], q.shape[-1]
     n_rows = b * t
@@ -500,7 +504,7 @@ def _run_rows(name, q, k, qw, kw, cos, sin, qo, ko, eps, seq_dim, norm, backward
     cos, sin, cos_bs, cos_ts = _cos_sin(cos, sin)
     rot = cos.shape[-1]  # the rotary dim: d, or less (partial rotary: the rest passes through)
     args = (q, k, cos, sin, qw, kw, qo, ko, *_bht(q, seq_dim), *_bht(k, seq_dim), cos_bs, cos_ts,
-            n_rows, t, hq, hk, rot // 2, d, eps)  # fmt: skip
+            n_rows, t, hq, hk, rot // 2, d, eps, offset)  # fmt: skip
     if config is not None:
         _row_launch(config, n_rows, (hq, hk), norm, backward, d - rot)(*args)
         return
@@ -556,15 +560,17 @@ def qk_norm_rope_forward(
     eps: float,
     out_dtypes: tuple[torch.dtype, torch.dtype] | None = None,
     config: KernelConfig | None = None,
+    weight_offset: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_out, k_out) for q (B, T, Hq, D), k (B, T, Hk, D): each head normalised then rotated,
-    returned (B, H, T, D) stored as (B, T, H, D), in `out_dtypes` (default: q's and k's)."""
+    """(q_out, k_out) for q (B, T, Hq, D), k (B, T, Hk, D): each head normalised (times
+    weight_offset + w) then rotated, returned (B, H, T, D) stored as (B, T, H, D), in `out_dtypes`
+    (default: q's and k's)."""
     b, t, hq, d = q.shape
     q_dtype, k_dtype = out_dtypes or (q.dtype, k.dtype)
     qo = heads_major_empty((b, hq, t, d), q_dtype, q.device)
     ko = heads_major_empty((b, k.shape[2], t, d), k_dtype, k.device)
     qw, kw = q_weight.contiguous(), k_weight.contiguous()
-    _run_rows("qk_norm_rope_fwd", q, k, qw, kw, cos, sin, qo, ko, eps, 1, True, False, config)
+    _run_rows("qk_norm_rope_fwd", q, k, qw, kw, cos, sin, qo, ko, eps, 1, True, False, config, weight_offset)
     return qo, ko
 
 
@@ -580,6 +586,7 @@ def qk_norm_rope_backward(
     eps: float,
     needs: tuple[bool, bool] = (True, True),
     config: KernelConfig | None = None,
+    weight_offset: float = 0.0,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """(dq, dk, dw): dq and dk shaped and typed as q and k, contiguous; dw (2, D), the gradients
     of q_weight and k_weight as its rows, in q_weight's dtype (fp32 where the two weights' dtypes
@@ -619,6 +626,7 @@ def qk_norm_rope_backward(
         half,
         d,
         eps,
+        weight_offset,
     )
     if config is not None:
         _NormBackwardPlan(config, n_rows, (hq, hk), half, needs, d)(*args)
@@ -668,12 +676,14 @@ def _rope_fake(a, b, cos, sin, a_dtype, b_dtype):
 
 def _norm_fwd_op(
     q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
-    sin: torch.Tensor, eps: float, q_dtype: torch.dtype, k_dtype: torch.dtype,
+    sin: torch.Tensor, eps: float, weight_offset: float, q_dtype: torch.dtype, k_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    return qk_norm_rope_forward(q, k, q_weight, k_weight, cos, sin, eps, (q_dtype, k_dtype))
+    return qk_norm_rope_forward(
+        q, k, q_weight, k_weight, cos, sin, eps, (q_dtype, k_dtype), weight_offset=weight_offset
+    )
 
 
-def _norm_fwd_fake(q, k, q_weight, k_weight, cos, sin, eps, q_dtype, k_dtype):
+def _norm_fwd_fake(q, k, q_weight, k_weight, cos, sin, eps, weight_offset, q_dtype, k_dtype):
     (b, t, hq, d), hk = q.shape, k.shape[2]
     return heads_major_empty((b, hq, t, d), q_dtype, q.device), heads_major_empty(
         (b, hk, t, d), k_dtype, k.device
@@ -682,17 +692,18 @@ def _norm_fwd_fake(q, k, q_weight, k_weight, cos, sin, eps, q_dtype, k_dtype):
 
 def _norm_bwd_op(
     dq_out: torch.Tensor, dk_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-    k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, need_x: bool, need_w: bool,
+    k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float, weight_offset: float,
+    need_x: bool, need_w: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """(dq, dk, dw); an empty tensor (each its own) where not asked for."""
     dq, dk, dw = qk_norm_rope_backward(
-        dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, (need_x, need_w)
+        dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, (need_x, need_w), weight_offset=weight_offset
     )
     return (q.new_empty(0) if dq is None else dq, k.new_empty(0) if dk is None else dk,
             q.new_empty(0) if dw is None else dw)  # fmt: skip
 
 
-def _norm_bwd_fake(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, need_x, need_w):
+def _norm_bwd_fake(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, weight_offset, need_x, need_w):
     w_dtype = q_weight.dtype if q_weight.dtype == k_weight.dtype else torch.float32
     return (q.new_empty(q.shape) if need_x else q.new_empty(0),
             k.new_empty(k.shape) if need_x else k.new_empty(0),
@@ -739,13 +750,15 @@ class QKNormRopeFunction(torch.autograd.Function):
     recomputed in the backward. Double backward is refused in one line."""
 
     @staticmethod
-    def forward(ctx, q, k, q_weight, k_weight, cos, sin, eps, q_dtype, k_dtype):
+    def forward(ctx, q, k, q_weight, k_weight, cos, sin, eps, offset, q_dtype, k_dtype):
         if torch.compiler.is_compiling():
-            qo, ko = _norm_fwd_compiled(q)(q, k, q_weight, k_weight, cos, sin, eps, q_dtype, k_dtype)
+            qo, ko = _norm_fwd_compiled(q)(q, k, q_weight, k_weight, cos, sin, eps, offset, q_dtype, k_dtype)
         else:
-            qo, ko = qk_norm_rope_forward(q, k, q_weight, k_weight, cos, sin, eps, (q_dtype, k_dtype))
+            qo, ko = qk_norm_rope_forward(
+                q, k, q_weight, k_weight, cos, sin, eps, (q_dtype, k_dtype), weight_offset=offset
+            )
         ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin)
-        ctx.eps = eps
+        ctx.eps, ctx.offset = eps, offset
         return qo, ko
 
     @staticmethod
@@ -755,14 +768,15 @@ class QKNormRopeFunction(torch.autograd.Function):
         needs = (need_q or need_k, need_qw or need_kw)
         args = (dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, ctx.eps)
         if torch.compiler.is_compiling():
-            dq, dk, dw = _norm_bwd_compiled(q)(*args, *needs)
+            dq, dk, dw = _norm_bwd_compiled(q)(*args, ctx.offset, *needs)
         else:
             if torch.is_grad_enabled():  # create_graph=True: the kernel's gradients have no grad_fn
                 raise double_backward_error("qk_norm_rope", "profuse.rotary.qk_norm_rope_eager")
-            dq, dk, dw = qk_norm_rope_backward(*args, needs)
+            dq, dk, dw = qk_norm_rope_backward(*args, needs, weight_offset=ctx.offset)
         dqw = dw[0].to(q_weight.dtype) if need_qw else None
         dkw = dw[1].to(k_weight.dtype) if need_kw else None
-        return (dq if need_q else None), (dk if need_k else None), dqw, dkw, None, None, None, None, None
+        nones = (None,) * 6  # cos, sin, eps, offset and the two dtypes
+        return (dq if need_q else None), (dk if need_k else None), dqw, dkw, *nones
 
 
 def _autocast_on(device: torch.device) -> bool:
@@ -800,13 +814,20 @@ def rope_fused(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
     return rope_forward(q, k, cos, sin, dtypes)
 
 
-def qk_norm_rope_fused(q, k, q_weight, k_weight, cos, sin, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_out, k_out) on checked inputs, as rope_fused; the weights' gradients bitwise repeatable."""
+def qk_norm_rope_fused(
+    q, k, q_weight, k_weight, cos, sin, eps: float, weight_offset: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_out, k_out) on checked inputs, as rope_fused; the weights' gradients bitwise repeatable.
+    With a weight_offset (Gemma 3), the norm casts to q's dtype before the rotation, as
+    Gemma3RMSNorm does: the weight's dtype takes no part in the output's."""
     _no_cos_grad(cos, sin, "qk_norm_rope")
-    dtypes = (out_dtype(q, cos, sin, q_weight), out_dtype(k, cos, sin, k_weight))
+    if weight_offset:
+        dtypes = (out_dtype(q, cos, sin), out_dtype(k, cos, sin))
+    else:
+        dtypes = (out_dtype(q, cos, sin, q_weight), out_dtype(k, cos, sin, k_weight))
     wants = q.requires_grad or k.requires_grad or q_weight.requires_grad or k_weight.requires_grad
     if torch.is_grad_enabled() and wants:
-        return QKNormRopeFunction.apply(q, k, q_weight, k_weight, cos, sin, eps, *dtypes)
+        return QKNormRopeFunction.apply(q, k, q_weight, k_weight, cos, sin, eps, weight_offset, *dtypes)
     if torch.compiler.is_compiling():
-        return _norm_fwd_compiled(q)(q, k, q_weight, k_weight, cos, sin, eps, *dtypes)
-    return qk_norm_rope_forward(q, k, q_weight, k_weight, cos, sin, eps, dtypes)
+        return _norm_fwd_compiled(q)(q, k, q_weight, k_weight, cos, sin, eps, weight_offset, *dtypes)
+    return qk_norm_rope_forward(q, k, q_weight, k_weight, cos, sin, eps, dtypes, weight_offset=weight_offset)

@@ -32,17 +32,20 @@ TINY_SIZES = {
     "n_embd": 64,
     "d_model": 64,
     "intermediate_size": 96,
+    "intermediate_size_mlp": 96,
     "ffn_dim": 96,
     "decoder_ffn_dim": 96,
     "num_hidden_layers": 2,
     "n_layer": 2,
     "num_layers": 2,
+    "n_layers": 2,
     "decoder_layers": 2,
     "num_attention_heads": 4,
     "n_head": 4,
     "decoder_attention_heads": 4,
     "num_key_value_heads": 2,
     "head_dim": 16,
+    "rotary_dim": 8,
     "vocab_size": 128,
     "moe_intermediate_size": 32,
     "expert_intermediate_size": 32,
@@ -81,7 +84,7 @@ def shrink(fields: dict) -> dict:
     sub-configs the same way."""
     out: dict = {}
     vocab = TINY_SIZES["vocab_size"] if fields.get("vocab_size") else None
-    depths = ("num_hidden_layers", "n_layer", "num_layers")
+    depths = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
     depth = next((TINY_SIZES[k] for k in depths if fields.get(k)), None)
     for key, value in fields.items():
         if isinstance(value, dict) and key.endswith("config"):
