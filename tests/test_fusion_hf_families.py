@@ -233,7 +233,8 @@ def test_gemma_fused_with_the_triton_kernels_through_the_interpreter():
 
 # model type -> (the MLP's form, its activation, the other ops that fuse)
 MLP_FAMILIES = {
-    "phi3": (True, "silu", {"rope": 2, "linear_cross_entropy": 1}),  # rope on its packed qkv_proj's q, k
+    # Phi-3: rope on its packed qkv_proj's q, k; its layer fused whole, dropout modules and all
+    "phi3": (True, "silu", {"rope": 2, "linear_cross_entropy": 1, "add_rms_norm": 4, "rms_norm": 1}),
     "glm4": (True, "silu", {"linear_cross_entropy": 1}),
     "olmo2": (False, "silu", {"rms_norm": 1, "linear_cross_entropy": 1, "rms_norm_add": 4}),
     "gemma3_text": (
@@ -259,7 +260,7 @@ def test_mlps_of_layers_not_fused_whole_fuse_by_their_class_packed_or_not(arch, 
         assert (spec.packed, spec.activation) == (packed, activation)
         left = dict(item.split(": ", 1) for item in summary.left_unfused)
         # post-norm and sandwich layers have no add before a norm: no add_rms_norm place
-        assert ("add_rms_norm" in left) == (arch in ("phi3", "glm4"))
+        assert ("add_rms_norm" in left) == (arch == "glm4")
 
 
 def test_a_packed_geglu_mlp_calls_gelu_mul_on_the_packed_output(monkeypatch):
@@ -321,7 +322,14 @@ def test_a_fused_mlp_whose_act_changed_runs_its_own_forward_and_unfuse_restores_
 def test_a_packed_mlp_fused_with_the_triton_kernels_through_the_interpreter():
     model = family("phi3", seed=25, layers=1)
     summary = _compare(model, fusion.FUSED, torch.float32, seed=9, exact=False)
-    assert summary.counts == {"silu_mul": 1, "rope": 1, "linear_cross_entropy": 1} and summary.notes == ()
+    assert summary.notes == ()
+    assert summary.counts == {
+        "silu_mul": 1,
+        "rope": 1,
+        "linear_cross_entropy": 1,
+        "add_rms_norm": 2,
+        "rms_norm": 1,
+    }
 
 
 def softcapped(arch: str, seed: int, dtype=torch.float32, layers: int = 2):
@@ -624,3 +632,30 @@ def test_the_stack_is_found_by_its_parts_names_and_two_final_norms_are_no_stack(
     stack.norm = torch.nn.LayerNorm(32)  # two final norms: which one runs is not for names to say
     with pytest.raises(UnsupportedModel, match="no decoder stack .*`final_layer_norm`"):
         fuse(model, fusion.EAGER, dry_run=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+def test_phi3s_layer_with_dropout_on_each_sublayer_output_fuses_bitwise_in_training(dtype):
+    """Phi-3's layer passes each sublayer's output through a dropout module of its own before the
+    add: the probe places each (different p, so only the right order matches in training), and
+    with the model's own math the fused model draws the same masks and gives the same loss and
+    gradients bitwise."""
+    model = family("phi3", 41, dtype, resid_pdrop=0.1)
+    for layer in model.model.layers:
+        layer.resid_mlp_dropout.p = 0.3
+    ref = copy.deepcopy(model)
+    summary = fuse(model, fusion.HF_EAGER)
+    assert {"silu_mul", "add_rms_norm", "rms_norm"} <= summary.counts.keys()
+    state = model.model.layers[0].__dict__[STATE]
+    assert (state.attn_out, state.mlp_out) == ("resid_attn_dropout", "resid_mlp_dropout")
+    ids = ids_for(42)
+    model.train(), ref.train()
+    torch.manual_seed(7)
+    want, want_grads = loss_and_grads(ref, ids)
+    torch.manual_seed(7)
+    got, grads = loss_and_grads(model, ids)
+    assert torch.equal(got, want) and all(torch.equal(grads[k], want_grads[k]) for k in want_grads)
+    odd = family("phi3", 43)
+    for layer in odd.model.layers:
+        layer.resid_mlp_dropout = torch.nn.Identity()  # an extra child that is not a dropout
+    assert any("an unknown layout" in why for why in fuse(odd, fusion.HF_EAGER).left_unfused)

@@ -150,6 +150,7 @@ from profuse.fusion.hf_layer import (
     LayerState,
     PostNormState,
     attn_defaults,
+    extra_children,
     final_norm_forward,
     layer_forward,
     postnorm_layer_forward,
@@ -439,7 +440,7 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
         children = {name for name, _ in layer.named_children()}
         if children == _LAYER_CHILDREN - {"mlp"} | {"feed_forward"}:
             fail(_LAYER_OPS, f"layer {i} holds its MLP as feed_forward: the fused layer calls a Llama's mlp")
-        if children != _LAYER_CHILDREN:
+        if children != _LAYER_CHILDREN and extra_children(layer) is None:
             fail(
                 _LAYER_OPS,
                 f"layer {i} holds {sorted(children)}, not {sorted(_LAYER_CHILDREN)}: an unknown layout",
@@ -491,7 +492,7 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
     if not any(ops.values()):
         return [], {}
     try:  # the layer's wiring, with eager float64 math for each op
-        scale = probe_layer(
+        wiring = probe_layer(
             layers[0],
             {
                 SILU_MUL: blockops.silu_mul_eager,
@@ -518,7 +519,7 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
             stack,
             i,
             activation,
-            scale=scale,
+            **wiring,
         )
         installs.append((layer, target, state))
 

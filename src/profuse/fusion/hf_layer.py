@@ -25,6 +25,7 @@ hidden state itself, so a hook on a fused layer sees what it saw unfused.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import inspect
@@ -95,6 +96,10 @@ class LayerState:
     # The layer's own float attribute each sublayer's output is multiplied by before its add
     # (Granite's residual_multiplier: h = x + attn(norm(x)) * m), read at each call; None: no scale.
     scale: str | None = None
+    # The layer's own modules each sublayer's output passes through before its add (Phi-3's
+    # resid_attn_dropout and resid_mlp_dropout, nn.Dropout), by name; None: straight to the add.
+    attn_out: str | None = None
+    mlp_out: str | None = None
 
     def __deepcopy__(self, memo):
         """A deep copy of the model copies the stack once, and the copy's layers find the copy's
@@ -211,6 +216,8 @@ def layer_body(self, x, residual, *, pair: bool, **kwargs):
         )
     with _kept(st, y):
         attn_out = self.self_attn(hidden_states=y, **{**st.attn_defaults, **kwargs})[0]
+    if st.attn_out is not None:
+        attn_out = getattr(self, st.attn_out)(attn_out)
     if st.scale is not None:
         attn_out = attn_out * getattr(self, st.scale)
     y, residual = norm_after_add(
@@ -232,6 +239,8 @@ def layer_body(self, x, residual, *, pair: bool, **kwargs):
     else:
         with _kept(st, y):
             out = mlp(y)
+    if st.mlp_out is not None:
+        out = getattr(self, st.mlp_out)(out)
     if st.scale is not None:
         out = out * getattr(self, st.scale)
     return (out, residual) if pair else residual + out
@@ -484,26 +493,47 @@ def _stand_ins(n: int, calls: list[dict]) -> tuple[type, type]:
     return Attention, Norm
 
 
-def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> str | None:
+LAYER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
+
+
+def extra_children(layer: nn.Module) -> list[str] | None:
+    """The layer's children beyond LAYER_CHILDREN where it holds all of those and each extra one
+    is a dropout module (Phi-3's on its sublayers' outputs, which the probe places); else None."""
+    children = dict(layer.named_children())
+    if not LAYER_CHILDREN <= children.keys():
+        return None
+    extra = [name for name in children if name not in LAYER_CHILDREN]
+    if not all(isinstance(children[name], nn.Dropout) for name in extra):
+        return None
+    return extra
+
+
+def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> dict:
     """Run the layer class's own forward and the fused one on stand-in submodules (float64, CPU),
     with the ops fused and with none: raise unless they give the same output and hand attention
     the same arguments. `ops`: silu_mul, add_rms_norm and rms_norm, as eager float64 math.
 
-    The fused layer is tried without a scale, then with each of the layer's own float attributes
-    as the multiplier of each sublayer's output before its add (LayerState.scale): the one whose
-    forward it matches is returned (None: no scale)."""
+    The layer's wiring beyond the four children is found the same way, each candidate tried in
+    turn: a scale of each sublayer's output before its add among the layer's own float
+    attributes (LayerState.scale), and the layer's extra dropout modules on the sublayers'
+    outputs (LayerState.attn_out, mlp_out). Returns the LayerState fields of the first wiring
+    whose forward matches the layer's own."""
     scales = [None] + [k for k, v in vars(layer).items() if type(v) is float and not k.startswith("_")]
-    for scale in scales[:-1]:
+    extra = extra_children(layer) or []
+    outs = [(a, b) for a in [None, *extra] for b in [None, *extra] if (a is None or a != b)]
+    outs = [o for o in outs if set(extra) <= set(o)] or [(None, None)]
+    wirings = [{"scale": s, "attn_out": a, "mlp_out": b} for (a, b) in outs for s in scales]
+    for wiring in wirings[:-1]:
         try:
-            _probe_layer(layer, ops, where, scale)
-            return scale
+            _probe_layer(layer, ops, where, wiring)
+            return wiring
         except UnsupportedModel:
             continue
-    _probe_layer(layer, ops, where, scales[-1])
-    return scales[-1]
+    _probe_layer(layer, ops, where, wirings[-1])
+    return wirings[-1]
 
 
-def _probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str, scale: str | None) -> None:
+def _probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str, wiring: dict) -> None:
     cls = forward_owner(type(layer))
     n, f = 8, 11
     calls: list[dict] = []
@@ -533,6 +563,7 @@ def _probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str, scale: 
             "input_layernorm": Norm(),
             "post_attention_layernorm": Norm(),
         }
+        children.update({name: copy.deepcopy(getattr(layer, name)) for name in extra_children(layer) or ()})
         model = stand_in(layer, cls, children)
         x, r = torch.randn(2, 2, 5, n, dtype=torch.float64)
     fused = LayerState(
@@ -544,7 +575,7 @@ def _probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str, scale: 
         defaults,
         None,
         0,
-        scale=scale,
+        **wiring,
     )
     unfused = dataclasses.replace(fused, silu_mul=None, add_rms_norm=None, rms_norm=None)
     named = {name: _Sentinel(name) for name in defaults}
