@@ -28,6 +28,7 @@ from fusion_cases import counting_ops, fused_modules, has_kernel  # noqa: E402
 from profuse import fusion  # noqa: E402
 from profuse.fusion.hf import fuse, unfuse  # noqa: E402
 from profuse.fusion.hf_experts import PROBED_IMPLEMENTATIONS  # noqa: E402
+from profuse.fusion.hf_modules import STATE  # noqa: E402
 from profuse.tail import relative_error  # noqa: E402
 
 VOCAB, HIDDEN, EXPERTS, TOP_K = 64, 32, 4, 2
@@ -485,20 +486,27 @@ def test_liger_variants_of_a_family_liger_does_not_patch_are_refused_in_one_line
 
 
 @pytest.mark.parametrize("family", ["granitemoe", "granitemoeshared"])
-def test_granite_moe_fuses_its_experts_and_head_and_refuses_its_layer_in_one_line(family):
+def test_granite_moe_fuses_its_experts_head_and_layer_with_its_multipliers(family):
     """The experts' activation and the head (logits / logits_scaling inside the fused loss) fuse
-    with the multipliers as the model applies them (the step's equality: the first test here);
-    the decoder layer, block_sparse_moe where an mlp is expected and its residual branches
-    scaled by residual_multiplier, is left unfused in one line naming what it holds."""
+    with the multipliers as the model applies them (the step's equality: the first test here).
+    GraniteMoE's decoder layer fuses too: its MLP is block_sparse_moe and each residual branch is
+    scaled by residual_multiplier, both found by the layer probe. GraniteMoeShared's layer adds a
+    shared MLP beside the experts: left unfused in one line naming what it holds."""
     model = tiny_moe(family, seed=13)
     ids, labels = batch(13)
     want = run(model, ids, labels)
     calls = Counter()
     summary = fuse(model, impl=counting_ops(calls))  # every op asked for, each counting its calls
     places = gate_places(family)[fusion.SILU_MUL]
-    assert summary.counts == {fusion.SILU_MUL: places, fusion.ROPE: 2, fusion.LINEAR_CROSS_ENTROPY: 1}
+    counts = {fusion.SILU_MUL: places, fusion.ROPE: 2, fusion.LINEAR_CROSS_ENTROPY: 1}
     layer = [r for r in summary.left_unfused if r.startswith(fusion.ADD_RMS_NORM)]
-    assert len(layer) == 1 and "block_sparse_moe" in layer[0] and "\n" not in layer[0]
+    if family == "granitemoe":
+        assert summary.counts == {**counts, fusion.ADD_RMS_NORM: 4, fusion.RMS_NORM: 1} and not layer
+        state = model.model.layers[0].__dict__[STATE]
+        assert (state.mlp_name, state.scale) == ("block_sparse_moe", "residual_multiplier")
+    else:
+        assert summary.counts == counts
+        assert len(layer) == 1 and "shared_mlp" in layer[0] and "\n" not in layer[0]
     assert not any(r.startswith(fusion.SILU_MUL) for r in summary.left_unfused)
     assert_same_step(run(model, ids, labels), want)
     assert calls[fusion.SILU_MUL] >= places and calls[fusion.LINEAR_CROSS_ENTROPY] == 1  # each ran

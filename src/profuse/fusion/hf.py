@@ -150,9 +150,9 @@ from profuse.fusion.hf_layer import (
     LayerState,
     PostNormState,
     attn_defaults,
-    extra_children,
     final_norm_forward,
     layer_forward,
+    layer_parts,
     postnorm_layer_forward,
     probe_layer,
     probe_mlp,
@@ -405,6 +405,12 @@ def _layout_reason(layer: nn.Module) -> str | None:
     return f"{type(layer).__name__}: " + "; ".join(why) if why else None
 
 
+def _mlp_of(layer: nn.Module) -> nn.Module:
+    """The layer's MLP, under whatever name hf_layer.layer_parts finds it."""
+    parts = layer_parts(layer)
+    return getattr(layer, parts[0]) if parts else layer.mlp
+
+
 def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: BlockOps, label: bool):
     """The fused layers and final norm: (installs, counts); reasons filled for ops that fail."""
     wanted = [op for op in _LAYER_OPS if op in bound]
@@ -440,7 +446,7 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
         children = {name for name, _ in layer.named_children()}
         if children == _LAYER_CHILDREN - {"mlp"} | {"feed_forward"}:
             fail(_LAYER_OPS, f"layer {i} holds its MLP as feed_forward: the fused layer calls a Llama's mlp")
-        if children != _LAYER_CHILDREN and extra_children(layer) is None:
+        if children != _LAYER_CHILDREN and layer_parts(layer) is None:
             fail(
                 _LAYER_OPS,
                 f"layer {i} holds {sorted(children)}, not {sorted(_LAYER_CHILDREN)}: an unknown layout",
@@ -463,7 +469,7 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
     gated = None
     if SILU_MUL in wanted:
         try:
-            found = {probe_mlp(layer.mlp, f"layer {i}'s mlp") for i, layer in enumerate(layers)}
+            found = {probe_mlp(_mlp_of(layer), f"layer {i}'s mlp") for i, layer in enumerate(layers)}
             if len(found) != 1:
                 raise UnsupportedModel(f"{what}'s MLPs differ from layer to layer")
             mlp, act, activation = found.pop()

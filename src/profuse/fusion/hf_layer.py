@@ -100,6 +100,7 @@ class LayerState:
     # resid_attn_dropout and resid_mlp_dropout, nn.Dropout), by name; None: straight to the add.
     attn_out: str | None = None
     mlp_out: str | None = None
+    mlp_name: str = "mlp"  # the layer's MLP, whatever it is named (GraniteMoE's block_sparse_moe)
 
     def __deepcopy__(self, memo):
         """A deep copy of the model copies the stack once, and the copy's layers find the copy's
@@ -229,7 +230,7 @@ def layer_body(self, x, residual, *, pair: bool, **kwargs):
         residual,
         owned=True,
     )
-    mlp = self.mlp
+    mlp = getattr(self, st.mlp_name)
     if st.silu_mul is not None and _mlp_runs_as(mlp, st):
         # gate and up are the projections' own outputs, read by nothing else unless a hook holds one
         with _kept(st, y):
@@ -494,18 +495,23 @@ def _stand_ins(n: int, calls: list[dict]) -> tuple[type, type]:
 
 
 LAYER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
+_NAMED_CHILDREN = LAYER_CHILDREN - {"mlp"}
 
 
-def extra_children(layer: nn.Module) -> list[str] | None:
-    """The layer's children beyond LAYER_CHILDREN where it holds all of those and each extra one
-    is a dropout module (Phi-3's on its sublayers' outputs, which the probe places); else None."""
+def layer_parts(layer: nn.Module) -> tuple[str, list[str]] | None:
+    """(the MLP's name, the extra dropout modules' names) of a layer holding self_attn and the two
+    norms, one more module as its MLP whatever its name (mlp; GraniteMoE's block_sparse_moe), and
+    only dropout modules beside (Phi-3's on its sublayers' outputs, which the probe places); else
+    None."""
     children = dict(layer.named_children())
-    if not LAYER_CHILDREN <= children.keys():
+    if not _NAMED_CHILDREN <= children.keys():
         return None
-    extra = [name for name in children if name not in LAYER_CHILDREN]
-    if not all(isinstance(children[name], nn.Dropout) for name in extra):
+    rest = [name for name in children if name not in _NAMED_CHILDREN]
+    dropouts = [name for name in rest if isinstance(children[name], nn.Dropout)]
+    mlps = [name for name in rest if name not in dropouts]
+    if len(mlps) != 1:
         return None
-    return extra
+    return mlps[0], dropouts
 
 
 def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> dict:
@@ -519,10 +525,10 @@ def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> dict:
     outputs (LayerState.attn_out, mlp_out). Returns the LayerState fields of the first wiring
     whose forward matches the layer's own."""
     scales = [None] + [k for k, v in vars(layer).items() if type(v) is float and not k.startswith("_")]
-    extra = extra_children(layer) or []
+    mlp_name, extra = layer_parts(layer) or ("mlp", [])
     outs = [(a, b) for a in [None, *extra] for b in [None, *extra] if (a is None or a != b)]
     outs = [o for o in outs if set(extra) <= set(o)] or [(None, None)]
-    wirings = [{"scale": s, "attn_out": a, "mlp_out": b} for (a, b) in outs for s in scales]
+    wirings = [dict(scale=s, attn_out=a, mlp_out=b, mlp_name=mlp_name) for (a, b) in outs for s in scales]
     for wiring in wirings[:-1]:
         try:
             _probe_layer(layer, ops, where, wiring)
@@ -559,11 +565,12 @@ def _probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str, wiring:
         torch.manual_seed(2)
         children = {
             "self_attn": Attention(),
-            "mlp": Mlp(),
+            wiring["mlp_name"]: Mlp(),
             "input_layernorm": Norm(),
             "post_attention_layernorm": Norm(),
         }
-        children.update({name: copy.deepcopy(getattr(layer, name)) for name in extra_children(layer) or ()})
+        extra = (layer_parts(layer) or ("mlp", []))[1]
+        children.update({name: copy.deepcopy(getattr(layer, name)) for name in extra})
         model = stand_in(layer, cls, children)
         x, r = torch.randn(2, 2, 5, n, dtype=torch.float64)
     fused = LayerState(
