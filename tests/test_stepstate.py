@@ -102,8 +102,8 @@ def test_a_variant_whose_loss_turns_non_finite_in_the_trials_is_reported_failed(
     flag = {"on": False}
     prepare = S._prepare
 
-    def prepared(spec, name, model, ops, autocast):
-        v = prepare(spec, name, model, ops, autocast)
+    def prepared(spec, name, model, ops, autocast, *rest):
+        v = prepare(spec, name, model, ops, autocast, *rest)
         if name == "fused":
             v.loss = _nan_after(flag)(v.loss)
         return v
@@ -123,8 +123,8 @@ def test_a_variant_whose_loss_turns_non_finite_in_the_trials_is_reported_failed(
 def test_a_variant_whose_loss_is_not_finite_from_the_start_is_never_timed(monkeypatch, tmp_path):
     prepare = S._prepare
 
-    def prepared(spec, name, model, ops, autocast):
-        v = prepare(spec, name, model, ops, autocast)
+    def prepared(spec, name, model, ops, autocast, *rest):
+        v = prepare(spec, name, model, ops, autocast, *rest)
         if name == "fused":
             v.loss = _nan_after({"on": True})(v.loss)
         return v
