@@ -235,7 +235,8 @@ def test_gemma_fused_with_the_triton_kernels_through_the_interpreter():
 MLP_FAMILIES = {
     # Phi-3: rope on its packed qkv_proj's q, k; its layer fused whole, dropout modules and all
     "phi3": (True, "silu", {"rope": 2, "linear_cross_entropy": 1, "add_rms_norm": 4, "rms_norm": 1}),
-    "glm4": (True, "silu", {"linear_cross_entropy": 1}),
+    # GLM-4: a sandwich layer whose four norms the probe gives their roles (not Gemma 2's names)
+    "glm4": (True, "silu", {"linear_cross_entropy": 1, "rms_norm": 5, "rms_norm_add": 4}),
     "olmo2": (False, "silu", {"rms_norm": 1, "linear_cross_entropy": 1, "rms_norm_add": 4}),
     "gemma3_text": (
         False,
@@ -251,7 +252,9 @@ def test_mlps_of_layers_not_fused_whole_fuse_by_their_class_packed_or_not(arch, 
     packed, activation, others = MLP_FAMILIES[arch]
     # OLMo 2's final norm multiplies by the weight in fp32, then casts; HF_EAGER's rms_norm is
     # Llama's order (cast, then the weight): in bf16 one ulp apart (its rms_norm_add is bitwise)
-    hf_exact = not (arch == "olmo2" and dtype is BF16)
+    # (GLM-4's post-norms are Llama's order, cast then the weight: HF_EAGER's rms_norm_add, OLMo
+    # 2's, is an ulp apart in bf16 there)
+    hf_exact = not (arch in ("olmo2", "glm4") and dtype is BF16)
     for impl, exact in ((fusion.HF_EAGER, hf_exact), (fusion.EAGER, False)):
         model = family(arch, seed=21, dtype=dtype)
         summary = _compare(model, impl, dtype, seed=6, exact=exact)
@@ -260,7 +263,7 @@ def test_mlps_of_layers_not_fused_whole_fuse_by_their_class_packed_or_not(arch, 
         assert (spec.packed, spec.activation) == (packed, activation)
         left = dict(item.split(": ", 1) for item in summary.left_unfused)
         # post-norm and sandwich layers have no add before a norm: no add_rms_norm place
-        assert ("add_rms_norm" in left) == (arch == "glm4")
+        assert "add_rms_norm" not in left
 
 
 def test_a_packed_geglu_mlp_calls_gelu_mul_on_the_packed_output(monkeypatch):
@@ -659,3 +662,18 @@ def test_phi3s_layer_with_dropout_on_each_sublayer_output_fuses_bitwise_in_train
     for layer in odd.model.layers:
         layer.resid_mlp_dropout = torch.nn.Identity()  # an extra child that is not a dropout
     assert any("an unknown layout" in why for why in fuse(odd, fusion.HF_EAGER).left_unfused)
+
+
+def test_glm4s_four_norms_take_their_roles_from_the_probe_not_their_names():
+    """GLM-4 names its sandwich norms input_layernorm, post_self_attn_layernorm (after attention),
+    post_attention_layernorm (in front of the MLP!) and post_mlp_layernorm: the probe finds the
+    one order of the 24 whose fused body is the layer's own forward."""
+    model = family("glm4", 51)
+    _compare(model, fusion.HF_EAGER, torch.float32, 52, exact=True)
+    roles = model.model.layers[0].__dict__[STATE].roles
+    assert roles == (
+        "input_layernorm",
+        "post_self_attn_layernorm",
+        "post_attention_layernorm",
+        "post_mlp_layernorm",
+    )

@@ -145,6 +145,7 @@ from profuse.fusion.hf_head import plan_head, softcaps
 from profuse.fusion.hf_layer import (
     MIN_TRANSFORMERS,
     POSTNORM_CHILDREN,
+    POSTNORM_ROLES,
     SANDWICH_CHILDREN,
     FinalNormState,
     LayerState,
@@ -158,6 +159,7 @@ from profuse.fusion.hf_layer import (
     probe_mlp,
     probe_norm,
     probe_postnorm_layer,
+    sandwich_roles,
 )
 from profuse.fusion.hf_layernorm import bound_layer_norm, layer_norms, plan_layer_norms
 from profuse.fusion.hf_mask import plan_mask
@@ -565,13 +567,29 @@ def _postnorm_layout(layers: list[nn.Module]) -> str | None:
     """ "postnorm" where every layer holds OLMo 2's post-norm children, "sandwich" where every
     one holds Gemma 2's (the same with a norm in front of each sublayer), else None."""
     found = {frozenset(name for name, _ in layer.named_children()) for layer in layers}
+    if len(found) != 1:
+        return None
+    children = found.pop()
     layouts = {POSTNORM_CHILDREN: "postnorm", SANDWICH_CHILDREN: "sandwich"}
-    return layouts.get(found.pop()) if len(found) == 1 else None
+    return layouts.get(children) or ("sandwich" if sandwich_roles(layers[0]) else None)
 
 
 def _is_postnorm(layers: list[nn.Module]) -> bool:
     """Whether the layers are post-norm or sandwich layers: rms_norm_add's places."""
     return _postnorm_layout(layers) is not None
+
+
+def _probe_roles(layer: nn.Module, where: str) -> tuple:
+    """The sandwich layer's norms by role: the first assignment (hf_layer.sandwich_roles) whose
+    fused body the probe finds computing the layer's own forward; the last one's reason if none."""
+    candidates = sandwich_roles(layer)
+    for roles in candidates[:-1]:
+        try:
+            probe_postnorm_layer(layer, where, True, roles)
+            return roles
+        except UnsupportedModel:
+            continue
+    return candidates[-1]  # probed by the caller, which says why where it fails
 
 
 def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, what: str, impl: BlockOps):
@@ -594,9 +612,10 @@ def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, w
             raise UnsupportedModel(f"{owner.__name__} is not a GradientCheckpointingLayer of its own forward")
         if any("forward" in layer.__dict__ for layer in layers):
             raise UnsupportedModel("a layer has a forward of its own: profuse fuses class forwards only")
+        where = f"{what}'s {cls.__name__}"
+        roles = _probe_roles(layers[0], where) if sandwich else POSTNORM_ROLES
         specs = []
-        keys = ["post_attention_layernorm", "post_feedforward_layernorm"]
-        keys += ["input_layernorm", "pre_feedforward_layernorm"] if sandwich else []
+        keys = [roles[1], roles[3]] + ([roles[0], roles[2]] if sandwich else [])
         for key in keys:
             found = {probe_norm(getattr(layer, key), f"layer {i}'s {key}") for i, layer in enumerate(layers)}
             if len(found) != 1:
@@ -607,7 +626,7 @@ def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, w
         offsets = _offset_norms(specs, impl, [RMS_NORM_ADD])
         if offsets:
             raise UnsupportedModel(offsets[RMS_NORM_ADD])
-        probe_postnorm_layer(layers[0], f"{what}'s {cls.__name__}", sandwich)
+        probe_postnorm_layer(layers[0], where, sandwich, roles)
         fused = fused_class(owner, "postnorm_layer", postnorm_layer_forward)
         targets = [fused_target(layer, owner, fused) for layer in layers]
         if any(t is None for t in targets):
@@ -626,7 +645,7 @@ def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, w
         counts[RMS_NORM] = 2 * len(layers)
         reasons.pop(RMS_NORM, None)
     state = PostNormState(
-        op, specs[0], specs[1], attn_defaults(owner), sandwich, rms if pre else None, specs[0]
+        op, specs[0], specs[1], attn_defaults(owner), sandwich, rms if pre else None, specs[0], roles=roles
     )
     installs = [(layer, target, state) for layer, target in zip(layers, targets)]
     counts[RMS_NORM_ADD] = 2 * len(layers)

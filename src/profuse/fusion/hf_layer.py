@@ -29,6 +29,7 @@ import copy
 import dataclasses
 import functools
 import inspect
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -293,6 +294,28 @@ def final_norm_forward(self, hidden_states):
 
 POSTNORM_CHILDREN = frozenset({"self_attn", "mlp", "post_attention_layernorm", "post_feedforward_layernorm"})
 SANDWICH_CHILDREN = POSTNORM_CHILDREN | {"input_layernorm", "pre_feedforward_layernorm"}
+# A sandwich layer's four norms by role: (in front of attention, after it, in front of the MLP,
+# after it), Gemma 2's names; another layer's four are given these roles by the probe
+# (sandwich_roles), GLM-4's (input_layernorm, post_self_attn_layernorm, post_attention_layernorm,
+# post_mlp_layernorm).
+SANDWICH_ROLES = (
+    "input_layernorm",
+    "post_attention_layernorm",
+    "pre_feedforward_layernorm",
+    "post_feedforward_layernorm",
+)
+POSTNORM_ROLES = (None, "post_attention_layernorm", None, "post_feedforward_layernorm")
+
+
+def sandwich_roles(layer: nn.Module) -> list[tuple[str, str, str, str]]:
+    """The role assignments worth probing for a layer of self_attn, mlp and four other children:
+    Gemma 2's names as they are where the layer has them, else every order of its four."""
+    others = sorted(name for name, _ in layer.named_children() if name not in ("self_attn", "mlp"))
+    if len(others) != 4 or not {"self_attn", "mlp"} <= dict(layer.named_children()).keys():
+        return []
+    if set(others) == set(SANDWICH_ROLES):
+        return [SANDWICH_ROLES]
+    return list(itertools.permutations(others))
 
 
 @dataclass(frozen=True)
@@ -308,6 +331,7 @@ class PostNormState:
     rms_norm: Callable | None = None
     pre_norm: NormSpec | None = None  # input_layernorm's and pre_feedforward_layernorm's class
     recompute: bool = True  # the pre-norms' outputs made again in the backward (hf_recompute)
+    roles: tuple = POSTNORM_ROLES  # the norms' names by role (SANDWICH_ROLES' order)
 
 
 def norm_then_add(op, spec: NormSpec, norm: nn.Module, x, residual):
@@ -330,14 +354,15 @@ def postnorm_layer_forward(self, hidden_states, *args, **kwargs):
 
 def postnorm_layer_body(self, x, **kwargs):
     st: PostNormState = self.__dict__[STATE]
-    y = norm_alone(st.rms_norm, st.pre_norm, self.input_layernorm, x) if st.sandwich else x
+    attn_pre, attn_post, mlp_pre, mlp_post = st.roles
+    y = norm_alone(st.rms_norm, st.pre_norm, getattr(self, attn_pre), x) if st.sandwich else x
     with _kept(st, y) if st.sandwich else contextlib.nullcontext():
         attn_out = self.self_attn(hidden_states=y, **{**st.attn_defaults, **kwargs})[0]
-    h = norm_then_add(st.rms_norm_add, st.attn_norm, self.post_attention_layernorm, attn_out, x)
-    y = norm_alone(st.rms_norm, st.pre_norm, self.pre_feedforward_layernorm, h) if st.sandwich else h
+    h = norm_then_add(st.rms_norm_add, st.attn_norm, getattr(self, attn_post), attn_out, x)
+    y = norm_alone(st.rms_norm, st.pre_norm, getattr(self, mlp_pre), h) if st.sandwich else h
     with _kept(st, y) if st.sandwich else contextlib.nullcontext():
         out = self.mlp(y)
-    return norm_then_add(st.rms_norm_add, st.mlp_norm, self.post_feedforward_layernorm, out, h)
+    return norm_then_add(st.rms_norm_add, st.mlp_norm, getattr(self, mlp_post), out, h)
 
 
 # --------------------------------------------------------------------------------------------
@@ -620,10 +645,13 @@ def _probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str, wiring:
         raise UnsupportedModel(f"{where} ({type(layer).__name__}) could not be checked: {e}") from None
 
 
-def probe_postnorm_layer(layer: nn.Module, where: str, sandwich: bool = False) -> None:
+def probe_postnorm_layer(
+    layer: nn.Module, where: str, sandwich: bool = False, roles: tuple | None = None
+) -> None:
     """Run the layer class's own forward and the fused post-norm (or sandwich) body on stand-in
     submodules (float64, CPU): raise unless they give the same output and hand attention the
-    same arguments."""
+    same arguments. `roles`: the norms' names by role (default Gemma 2's or OLMo 2's)."""
+    roles = roles or (SANDWICH_ROLES if sandwich else POSTNORM_ROLES)
     cls = forward_owner(type(layer))
     n = 8
     calls: list[dict] = []
@@ -642,18 +670,20 @@ def probe_postnorm_layer(layer: nn.Module, where: str, sandwich: bool = False) -
             "mlp": nn.Sequential(
                 nn.Linear(n, 11, dtype=torch.float64), nn.Tanh(), nn.Linear(11, n, dtype=torch.float64)
             ),
-            "post_attention_layernorm": Norm(),
-            "post_feedforward_layernorm": Norm(),
+            roles[1]: Norm(),
+            roles[3]: Norm(),
         }
         if sandwich:
-            children.update(input_layernorm=Norm(), pre_feedforward_layernorm=Norm())
+            children.update({roles[0]: Norm(), roles[2]: Norm()})
         model = stand_in(layer, cls, children)
         x = torch.randn(2, 5, n, dtype=torch.float64)
 
     def rms(x, weight, eps, owned=False):
         return F.rms_norm(x, (n,), weight, eps)
 
-    model.__dict__[STATE] = PostNormState(op, spec, spec, defaults, sandwich, rms if sandwich else None, spec)
+    model.__dict__[STATE] = PostNormState(
+        op, spec, spec, defaults, sandwich, rms if sandwich else None, spec, roles=roles
+    )
     named = {name: _Sentinel(name) for name in defaults}
     named["probe_extra"] = _Sentinel("probe_extra")
     try:
