@@ -448,7 +448,8 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
         children = {name for name, _ in layer.named_children()}
         if children == _LAYER_CHILDREN - {"mlp"} | {"feed_forward"}:
             fail(_LAYER_OPS, f"layer {i} holds its MLP as feed_forward: the fused layer calls a Llama's mlp")
-        if children != _LAYER_CHILDREN and layer_parts(layer) is None:
+        first = {name for name, _ in layers[0].named_children()}  # the probed layer's wiring is every layer's
+        if (children != _LAYER_CHILDREN and layer_parts(layer) is None) or children != first:
             fail(
                 _LAYER_OPS,
                 f"layer {i} holds {sorted(children)}, not {sorted(_LAYER_CHILDREN)}: an unknown layout",
