@@ -602,7 +602,6 @@ def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, w
     if op is None or layout is None:
         return []
     sandwich = layout == "sandwich"
-    reasons.pop(ADD_RMS_NORM, None)  # no add comes before a norm here: rms_norm_add has its places
     classes = {type(layer) for layer in layers}
     try:
         if len(classes) != 1:
@@ -637,6 +636,7 @@ def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, w
     except UnsupportedModel as e:
         reasons[RMS_NORM_ADD] = str(e)
         return []
+    reasons.pop(ADD_RMS_NORM, None)  # no add comes before a norm here: rms_norm_add has its places
     rms = bound.get(RMS_NORM)
     offsets = _offset_norms(specs, impl, [RMS_NORM]) if rms is not None else {}
     if offsets:

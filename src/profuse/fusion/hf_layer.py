@@ -310,7 +310,11 @@ POSTNORM_ROLES = (None, "post_attention_layernorm", None, "post_feedforward_laye
 def sandwich_roles(layer: nn.Module) -> list[tuple[str, str, str, str]]:
     """The role assignments worth probing for a layer of self_attn, mlp and four other children:
     Gemma 2's names as they are where the layer has them, else every order of its four."""
-    others = sorted(name for name, _ in layer.named_children() if name not in ("self_attn", "mlp"))
+    others = sorted(
+        name
+        for name, m in layer.named_children()
+        if name not in ("self_attn", "mlp") and not isinstance(m, nn.Dropout)
+    )
     if len(others) != 4 or not {"self_attn", "mlp"} <= dict(layer.named_children()).keys():
         return []
     if set(others) == set(SANDWICH_ROLES):
