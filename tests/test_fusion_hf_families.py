@@ -237,7 +237,8 @@ MLP_FAMILIES = {
     "phi3": (True, "silu", {"rope": 2, "linear_cross_entropy": 1, "add_rms_norm": 4, "rms_norm": 1}),
     # GLM-4: a sandwich layer whose four norms the probe gives their roles (not Gemma 2's names)
     "glm4": (True, "silu", {"linear_cross_entropy": 1, "rms_norm": 5, "rms_norm_add": 4}),
-    "olmo2": (False, "silu", {"rms_norm": 1, "linear_cross_entropy": 1, "rms_norm_add": 4}),
+    # OLMo 2: post-norm; its q/k norms span the whole projection, so rope fuses after them
+    "olmo2": (False, "silu", {"rms_norm": 1, "rope": 2, "linear_cross_entropy": 1, "rms_norm_add": 4}),
     "gemma3_text": (
         False,
         "gelu_tanh",
@@ -264,6 +265,8 @@ def test_mlps_of_layers_not_fused_whole_fuse_by_their_class_packed_or_not(arch, 
         left = dict(item.split(": ", 1) for item in summary.left_unfused)
         # post-norm and sandwich layers have no add before a norm: no add_rms_norm place
         assert "add_rms_norm" not in left
+        if arch == "olmo2":
+            assert "normalise the whole projection" in left["qk_norm_rope"]
 
 
 def test_a_packed_geglu_mlp_calls_gelu_mul_on_the_packed_output(monkeypatch):

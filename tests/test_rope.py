@@ -235,6 +235,25 @@ def test_autocast_returns_q_dtype_and_promotes_without_it(op, device, poisoned_r
             assert g.dtype == BF16 and T.relative_error(g, r) <= T.BACKWARD_TOL[BF16], name
 
 
+@pytest.mark.parametrize("dtype", [BF16, FP16], ids=str)
+def test_keep_dtype_stores_q_dtype_as_olmo2s_cast_back(dtype, device, poisoned_rope):
+    """OLMo 2's rotation: fp32 cos and sin, the result cast back to q's dtype. keep_dtype=True
+    stores it so without a cast after: the fused op equals the eager one bitwise or within an ulp
+    of the dtype, both within its tolerance of float64, the gradients in q's dtype."""
+    shape = CASES["3/1 heads, D 128, cos per batch"]
+    xs = inputs(shape, dtype, device, seed=12, cos_dtype=FP32)
+    ref = run("rope", shape, (R.rope_reference, *xs), dtype=torch.float64)
+    keep = lambda f: lambda q, k, c, s_: f(q, k, c, s_, keep_dtype=True)  # noqa: E731
+    qf, kf, grads_f = run("rope", shape, (keep(R.rope), *xs))
+    qe, ke, grads_e = run("rope", shape, (keep(R.rope_eager), *xs))
+    assert (qf.dtype, kf.dtype, qe.dtype, ke.dtype) == (dtype,) * 4
+    for name, out, eager, r in (("q", qf, qe, ref[0]), ("k", kf, ke, ref[1])):
+        check(name, out, eager, r.to(dtype), T.FORWARD_TOL)
+    for name, g, e, r in zip(GRAD_NAMES, grads_f, grads_e, ref[2]):
+        assert g.dtype == dtype
+        check(f"d{name}", g, e, r.to(dtype), T.BACKWARD_TOL)
+
+
 def test_qk_norm_rope_output_dtype_promotes_with_the_weight(device):
     """bf16 q and k with fp32 norm weights, no autocast: fp32 out, as Hugging Face's weight * x."""
     shape = CASES["2/2 heads, D 6, 3 tokens"]

@@ -41,11 +41,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rope_eager(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keep_dtype: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face's apply_rotary_pos_emb op for op: q, k (B, H, T, D); cos, sin (B, T, D).
     Partial rotary (cos and sin (B, T, R), R < D; Phi-3/4's form): the first R lanes of each
-    head are rotated, the rest passed through, as Phi3's apply_rotary_pos_emb does."""
+    head are rotated, the rest passed through, as Phi3's apply_rotary_pos_emb does.
+    `keep_dtype`: the results cast back to q's and k's dtypes (OLMo 2's form, whose cos is fp32)."""
+    if keep_dtype:
+        qo, ko = rope_eager(q, k, cos, sin)
+        return qo.to(q.dtype), ko.to(k.dtype)
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     rot = cos.shape[-1]
     if rot < q.shape[-1]:
@@ -164,15 +168,16 @@ def check_qk_norm_rope_args(q, k, q_weight, k_weight, cos, sin) -> None:
 
 
 def rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keep_dtype: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """rope_eager's (q, k) in one Triton launch forward and one backward, fp32 inside."""
+    """rope_eager's (q, k) in one Triton launch forward and one backward, fp32 inside;
+    `keep_dtype`: stored in q's and k's own dtypes, as rope_eager's cast back."""
     if not HAS_TRITON:
         raise RuntimeError(TRITON_MISSING)
     check_rope_args(q, k, cos, sin)
     from profuse.kernels import rope as kernel
 
-    return kernel.rope_fused(q, k, cos, sin)
+    return kernel.rope_fused(q, k, cos, sin, keep_dtype)
 
 
 def qk_norm_rope(

@@ -812,7 +812,13 @@ def _plan(
     attentions = [layer_attention(layer) for layer in layers]
     qk_offset = None if takes_offset(impl, QK_NORM_ROPE) else f"{impl.name!r}'s qk_norm_rope takes no offset"
     attention = plan_attention(
-        attentions, bound.get(ROPE), bound.get(QK_NORM_ROPE), what, _rotary_dim(stack), qk_offset
+        attentions,
+        bound.get(ROPE),
+        bound.get(QK_NORM_ROPE),
+        what,
+        _rotary_dim(stack),
+        qk_offset,
+        impl.rope is not None and takes_keyword(impl, ROPE, "keep_dtype"),
     )
     reasons.update(attention.reasons)
     if attention.targets is not None:

@@ -198,11 +198,14 @@ def plan_attention(
     what: str,
     rotary_dim: int | None = None,
     qk_offset: str | None = None,
+    rope_keeps_dtype: bool = True,
 ) -> AttentionPlan:
     """Check what fusing rope (and qk_norm_rope) into `attentions` needs; change nothing.
     `rope`, `qk`: the ops to install, or None where not asked for. `rotary_dim`: the width of the
     cos the model's rotary module makes (below the head dim for partial rotary); None: the head dim.
-    `qk_offset`: why `qk` cannot take (1 + w) norms (it takes no weight_offset), or None where it can."""
+    `qk_offset`: why `qk` cannot take (1 + w) norms (it takes no weight_offset), or None where it can.
+    `rope_keeps_dtype`: whether `rope` takes keep_dtype=True (else a model whose rotation casts
+    back to q's dtype gets rope's result cast, one pass more)."""
     plan = AttentionPlan(None, None, {}, {}, {})
     wanted = [op for op, fn in ((ROPE, rope), (QK_NORM_ROPE, qk)) if fn is not None]
     if not wanted:
@@ -231,12 +234,20 @@ def plan_attention(
     if any(t is None for t in targets):
         return refuse_all(f"{name} is derived from {owner.__name__} by a class with a forward of its own")
     plan.targets = targets
+    if rope is not None and _casts_back(owner):
+        rope = _keeping_dtype(rope, rope_keeps_dtype)
     specs: tuple[NormSpec | None, NormSpec | None] = (None, None)
     if qk is not None:
         if getattr(fused, _QK_FORWARD) is None or not all(
             hasattr(a, "q_norm") and hasattr(a, "k_norm") for a in attentions
         ):
             plan.absent[QK_NORM_ROPE] = f"{name} has no per-head q_norm and k_norm"
+            qk = None
+        elif (whole := _whole_projection_norms(attentions)) is not None:
+            plan.reasons[QK_NORM_ROPE] = (
+                f"{name}'s q_norm and k_norm normalise the whole projection ({whole} lanes), not each "
+                "head: qk_norm_rope normalises each head (rope still fuses after them)"
+            )
             qk = None
         else:
             try:
@@ -271,6 +282,20 @@ def plan_attention(
     plan.state = AttentionState(rope, qk, *specs, params.index("position_embeddings"))
     plan.counts = {QK_NORM_ROPE if qk is not None else ROPE: len(attentions)}
     return plan
+
+
+def _whole_projection_norms(attentions: list[nn.Module]) -> int | None:
+    """The q_norm's width where it normalises more than one head (OLMo 2's, over every head of
+    the projection at once), else None."""
+    for a in attentions:
+        w = getattr(a.q_norm, "weight", None)
+        try:
+            d = _head_dim(a)
+        except ValueError:
+            return None
+        if isinstance(w, torch.Tensor) and w.dim() == 1 and w.numel() != d:
+            return w.numel()
+    return None
 
 
 def _probe_qk_norms(
@@ -357,8 +382,10 @@ def _probe(
             children.update(_projections(attention, c))
             for key in ("q_norm", "k_norm"):  # float64 stand-ins, norms or not, wherever the model is
                 if key in children:
-                    real = children[key]
-                    weight = nn.Parameter(1 + torch.randn(d, dtype=f64) / 4)
+                    real = children[key]  # per head (Qwen3) or over the whole projection (OLMo 2)
+                    w = getattr(real, "weight", None)
+                    shape = tuple(w.shape) if isinstance(w, torch.Tensor) else (d,)
+                    weight = nn.Parameter(1 + torch.randn(shape, dtype=f64) / 4)
                     children[key] = stand_in(real, forward_owner(type(real)), {}, weight=weight)
             x = torch.randn(2, 5, c, dtype=f64)
             angle = 3 * torch.randn(2, 5, rotary_dim or d, dtype=f64)
@@ -409,6 +436,36 @@ def _probe(
         raise UnsupportedModel(
             f"{name}'s forward rebuilt with {op} {reached}: profuse cannot fuse it exactly"
         )
+
+
+def _casts_back(owner: type) -> bool:
+    """Whether the attention module's own apply_rotary_pos_emb returns q in q's dtype where cos
+    is wider (OLMo 2's, whose cos and sin stay fp32 under bf16 weights), where Llama's promotes."""
+    fn = innermost(owner.forward).__globals__.get(ROPE_NAME)
+    q = torch.ones(1, 1, 2, 4, dtype=torch.bfloat16)
+    cos = torch.ones(1, 2, 4)
+    try:
+        return fn(q, q, cos, cos)[0].dtype == torch.bfloat16
+    except Exception:  # not the (q, k, cos, sin) it was taken for: the probe says why
+        return False
+
+
+def _keeping_dtype(rope: Callable, takes_keyword: bool) -> Callable:
+    """`rope` returning q's and k's own dtypes: through its keep_dtype (stored so by the kernel),
+    or cast after."""
+
+    if takes_keyword:
+
+        def call(q, k, cos, sin):
+            return rope(q, k, cos, sin, keep_dtype=True)
+
+    else:
+
+        def call(q, k, cos, sin):
+            qo, ko = rope(q, k, cos, sin)
+            return qo.to(q.dtype), ko.to(k.dtype)
+
+    return call
 
 
 def _rotates_pairs(owner: type) -> bool:

@@ -802,11 +802,15 @@ def _no_cos_grad(cos: torch.Tensor, sin: torch.Tensor, op: str) -> None:
         )
 
 
-def rope_fused(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_fused(q, k, cos, sin, keep_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_out, k_out) on checked inputs: through autograd where a gradient is wanted, else the
-    forward launch alone (no autograd node). cos or sin that requires grad: ValueError."""
+    forward launch alone (no autograd node). cos or sin that requires grad: ValueError.
+    `keep_dtype`: q's and k's own dtypes out, whatever cos's (OLMo 2's cast back, in the store)."""
     _no_cos_grad(cos, sin, "rope")
-    dtypes = (out_dtype(q, cos, sin), out_dtype(k, cos, sin))
+    if keep_dtype:
+        dtypes = (q.dtype, k.dtype)
+    else:
+        dtypes = (out_dtype(q, cos, sin), out_dtype(k, cos, sin))
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return RopeFunction.apply(q, k, cos, sin, *dtypes)
     if torch.compiler.is_compiling():
