@@ -750,8 +750,8 @@ def test_interleaved_matches_float64_and_eager(form, case, dtype, device, poison
 
 def test_the_pairs_forms_are_the_families_own_rotations_and_differ_from_the_halves(device):
     """rope_eager's pairs, op for op, are GLM-4's, Ernie 4.5's and Cohere's apply_rotary_pos_emb
-    bitwise (bf16 q and k; Ernie's fp32 cos, Cohere's bf16), partial rotary with GLM-4; the
-    halves, and the other pairs' form, give something else."""
+    bitwise, outputs and gradients (bf16 q and k; Ernie's fp32 cos, Cohere's bf16), partial
+    rotary with GLM-4; the halves, and the other pairs' form, give something else."""
     glm4, ernie, cohere = (
         pytest.importorskip(f"transformers.models.{m}.modeling_{m}") for m in ("glm4", "ernie4_5", "cohere")
     )
@@ -763,28 +763,35 @@ def test_the_pairs_forms_are_the_families_own_rotations_and_differ_from_the_halv
     cases = [
         (glm4, half_table, BF16, False, "first_half"),
         (ernie, torch.cat((half_table, half_table + 2), -1), FP32, True, "first_half"),
-        (cohere, by_lane, BF16, True, "lanes"),
+        (cohere, by_lane, BF16, "float", "lanes"),
     ]
+    dq, dk = randn(q.shape, BF16, gen, device), randn(k.shape, BF16, gen, device)
+
+    def outputs_and_grads(fn, cos, sin):
+        qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+        qo, ko = fn(qq, kk, cos, sin)
+        torch.autograd.backward((qo, ko), (dq, dk))
+        return qo.detach(), ko.detach(), qq.grad, kk.grad
+
     for module, table, cos_dtype, keep, form in cases:
         cos, sin = table.cos().to(device, cos_dtype), table.sin().to(device, cos_dtype)
-        want = module.apply_rotary_pos_emb(q, k, cos, sin)
-        got = R.rope_eager(q, k, cos, sin, keep_dtype=keep, interleaved=form)
+        want = outputs_and_grads(module.apply_rotary_pos_emb, cos, sin)
+        got = outputs_and_grads(with_form(R.rope_eager, form, keep_dtype=keep), cos, sin)
         assert all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want)), module.__name__
         other = "lanes" if form == "first_half" else "first_half"
         for wrong in (R.rope_eager(q, k, cos, sin, keep), R.rope_eager(q, k, cos, sin, keep, other)):
             assert not torch.allclose(wrong[0].float(), want[0].float(), atol=0.1), module.__name__
 
 
-@pytest.mark.parametrize("form", R.INTERLEAVED)
-def test_interleaved_keep_dtype_rotates_in_fp32_and_stores_q_dtype(form, device, poisoned_rope):
-    """Cohere's and Ernie 4.5's q.float(): bf16 q and k with bf16 cos rotated in fp32, cast back.
+@pytest.mark.parametrize(("form", "keep"), [("first_half", True), ("lanes", "float")])
+def test_interleaved_keep_dtype_rotates_in_fp32_and_stores_q_dtype(form, keep, device, poisoned_rope):
+    """Ernie 4.5's and Cohere's q.float(): bf16 q and k with bf16 cos rotated in fp32, cast back.
     The fused op stores bf16, within an ulp of the eager op's cast and of float64's rounding, and
     the gradients come back in bf16."""
     shape, rot = PAIR_CASES["3/1 heads, D 40, cos per batch"]
     xs = pair_inputs(shape, rot, BF16, device, seed=24)
-    keep = lambda f: with_form(f, form, keep_dtype=True)  # noqa: E731
-    qf, kf, grads_f = run("rope", shape, (keep(R.rope), *xs))
-    qe, ke, grads_e = run("rope", shape, (keep(R.rope_eager), *xs))
+    qf, kf, grads_f = run("rope", shape, (with_form(R.rope, form, keep_dtype=keep), *xs))
+    qe, ke, grads_e = run("rope", shape, (with_form(R.rope_eager, form, keep_dtype=keep), *xs))
     qr, kr, grads_r = run("rope", shape, (with_form(R.rope_reference, form), *xs), dtype=torch.float64)
     assert (qf.dtype, kf.dtype, qe.dtype, ke.dtype) == (BF16,) * 4
     for out, eager, ref in ((qf, qe, qr), (kf, ke, kr)):
@@ -798,9 +805,11 @@ def test_interleaved_keep_dtype_rotates_in_fp32_and_stores_q_dtype(form, device,
 def test_interleaved_refusals_are_one_line_value_errors(device):
     q = torch.randn(1, 2, 3, 8, device=device)
     cos = torch.ones(1, 3, 8, device=device)
-    with pytest.raises(ValueError, match="interleaved is 'halves'") as info:
-        R.rope(q, q, cos, cos, interleaved="halves")
-    assert "\n" not in str(info.value)
+    for kwargs, message in (({"interleaved": "halves"}, "interleaved is 'halves'"),
+                            ({"keep_dtype": "fp32"}, "keep_dtype is 'fp32'")):  # fmt: skip
+        with pytest.raises(ValueError, match=message) as info:
+            R.rope(q, q, cos, cos, **kwargs)
+        assert "\n" not in str(info.value)
 
 
 def test_interleaved_compiles_without_a_graph_break_to_its_own_ops(device):

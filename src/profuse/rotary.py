@@ -19,7 +19,9 @@ with the pairs' angles read one of two ways: "lanes", cos and sin as given, one 
 (Cohere's rotary module repeats each angle lane by lane); "first_half", cos's first half repeated
 lane by lane (cos[..., :R/2].repeat_interleave(2): GLM's, GLM-4's and Ernie 4.5's reading of
 Llama's [f, f] table). The rotary dim R is cos's width, partial rotary as for the halves (GLM-4).
-With keep_dtype the pairs are rotated in fp32 and cast back (Cohere's and Ernie 4.5's q.float()).
+With keep_dtype the pairs are rotated in fp32 and cast back: Ernie 4.5's q.float() * cos + ...
+(keep_dtype=True, each product upcast, as OLMo 2's promotion does for the halves) or Cohere's
+q.float() first (keep_dtype="float"); the fused op rounds once either way.
 
 `qk_norm_rope` first normalises each head (Qwen3's q_norm and k_norm: an RMSNorm over D with a
 (D,) weight each), taking q and k before the transpose, (B, T, H, D), as Qwen3 normalises them,
@@ -64,16 +66,21 @@ def rope_eager(
     k: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    keep_dtype: bool = False,
+    keep_dtype: bool | str = False,
     interleaved: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face's apply_rotary_pos_emb op for op: q, k (B, H, T, D); cos, sin (B, T, D).
     Partial rotary (cos and sin (B, T, R), R < D; Phi-3/4's form): the first R lanes of each
     head are rotated, the rest passed through, as Phi3's apply_rotary_pos_emb does.
-    `keep_dtype`: the results cast back to q's and k's dtypes (OLMo 2's form, whose cos is fp32).
-    `interleaved`: the lane pairs rotated, "lanes" or "first_half" (_rope_pairs_eager)."""
+    `keep_dtype`: the results cast back to q's and k's dtypes, True: each product promoted (OLMo
+    2's form, whose cos is fp32), "float": q and k cast to fp32 first (Cohere's); the two round
+    the gradients in other places. `interleaved`: the lane pairs rotated, "lanes" or "first_half"
+    (_rope_pairs_eager)."""
     if interleaved is not None:
         return _rope_pairs_eager(q, k, cos, sin, keep_dtype, interleaved)
+    if keep_dtype == "float":
+        qo, ko = rope_eager(q.float(), k.float(), cos, sin)
+        return qo.to(q.dtype), ko.to(k.dtype)
     if keep_dtype:
         qo, ko = rope_eager(q, k, cos, sin)
         return qo.to(q.dtype), ko.to(k.dtype)
@@ -90,13 +97,15 @@ def rope_eager(
 
 
 def _rope_pairs_eager(
-    q, k, cos, sin, keep_dtype: bool, interleaved: str
+    q, k, cos, sin, keep_dtype: bool | str, interleaved: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The lane pairs' apply_rotary_pos_emb of each family op for op: "first_half" as GLM's and
-    GLM-4's (partial rotary: the first R lanes, the rest concatenated after) and, with keep_dtype,
-    Ernie 4.5's (q.float() first, cast back last); "lanes" with keep_dtype as Cohere's."""
+    GLM-4's (partial rotary: the first R lanes, the rest concatenated after) and, with
+    keep_dtype=True, Ernie 4.5's (x.float() * cos + rotate_pairs(x).float() * sin, cast back:
+    the pair turned in x's dtype, each product in fp32); "lanes" with keep_dtype="float" as
+    Cohere's (x.float() first, everything in fp32, cast back)."""
     dtypes = (q.dtype, k.dtype)
-    if keep_dtype:
+    if keep_dtype == "float":
         q, k = q.float(), k.float()
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     if interleaved == "first_half":
@@ -105,11 +114,12 @@ def _rope_pairs_eager(
     rot = cos.shape[-1]
     out = []
     for x in (q, k):
-        if rot < x.shape[-1]:
-            x_rot = x[..., :rot]
-            out.append(torch.cat(((x_rot * cos) + (rotate_pairs(x_rot) * sin), x[..., rot:]), dim=-1))
+        x_rot = x[..., :rot] if rot < x.shape[-1] else x
+        if keep_dtype is True:
+            y = (x_rot.float() * cos) + (rotate_pairs(x_rot).float() * sin)
         else:
-            out.append((x * cos) + (rotate_pairs(x) * sin))
+            y = (x_rot * cos) + (rotate_pairs(x_rot) * sin)
+        out.append(torch.cat((y, x[..., rot:]), dim=-1) if rot < x.shape[-1] else y)
     if keep_dtype:
         return out[0].to(dtypes[0]), out[1].to(dtypes[1])
     return out[0], out[1]
@@ -207,8 +217,11 @@ def check_rope_args(q, k, cos, sin) -> None:
     _check_common(q, k, cos, sin, heads_dim=1)
 
 
-def check_interleaved(interleaved) -> None:
-    """Raise ValueError unless `interleaved` is None or one of the lane pairs' forms."""
+def check_interleaved(interleaved, keep_dtype=False) -> None:
+    """Raise ValueError unless `interleaved` is None or one of the lane pairs' forms, and
+    `keep_dtype` False, True or "float"."""
+    if keep_dtype not in (False, True, "float"):
+        raise ValueError(f"keep_dtype is {keep_dtype!r}; expected False, True or 'float'")
     if interleaved is not None and interleaved not in INTERLEAVED:
         forms = " or ".join(map(repr, INTERLEAVED))
         raise ValueError(f"interleaved is {interleaved!r}; expected None, {forms}")
@@ -232,19 +245,19 @@ def rope(
     k: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-    keep_dtype: bool = False,
+    keep_dtype: bool | str = False,
     interleaved: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rope_eager's (q, k) in one Triton launch forward and one backward, fp32 inside;
-    `keep_dtype`: stored in q's and k's own dtypes, as rope_eager's cast back; `interleaved`:
-    the lane pairs rotated ("lanes" or "first_half", as rope_eager)."""
+    `keep_dtype` (True or "float"): stored in q's and k's own dtypes, as rope_eager's cast back;
+    `interleaved`: the lane pairs rotated ("lanes" or "first_half", as rope_eager)."""
     if not HAS_TRITON:
         raise RuntimeError(TRITON_MISSING)
     check_rope_args(q, k, cos, sin)
-    check_interleaved(interleaved)
+    check_interleaved(interleaved, keep_dtype)
     from profuse.kernels import rope as kernel
 
-    return kernel.rope_fused(q, k, cos, sin, keep_dtype, interleaved)
+    return kernel.rope_fused(q, k, cos, sin, bool(keep_dtype), interleaved)
 
 
 def qk_norm_rope(

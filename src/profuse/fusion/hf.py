@@ -819,6 +819,7 @@ def _plan(
         _rotary_dim(stack),
         qk_offset,
         impl.rope is not None and takes_keyword(impl, ROPE, "keep_dtype"),
+        impl.rope is not None and takes_keyword(impl, ROPE, "interleaved"),
     )
     reasons.update(attention.reasons)
     if attention.targets is not None:
