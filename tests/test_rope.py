@@ -848,3 +848,33 @@ def test_interleaved_compiles_without_a_graph_break_to_its_own_ops(device):
     for op in ("rope_pairs_fwd", "rope_pairs_bwd"):
         assert any(f"profuse.{op}" in t for t in seen), (op, seen)
     assert not any("profuse.rope_fwd" in t for t in seen), seen
+
+
+@pytest.mark.parametrize(("form", "rows"), [("lanes", 4), ("first_half", 2)])
+def test_interleaved_tokens_per_program_and_plans_of_their_own(form, rows, device, poisoned_rope):
+    """2 or 4 tokens a program over 7 (the last program's partly past the end), forward and
+    backward of the pairs; and a call with no config plans the pairs apart from the halves (the
+    halves' plan key and launch as they were: INTERLEAVED 0, name rope_fwd)."""
+    shape = CASES["B 1, D 40, 7 tokens"]
+    pq, pk, cos, sin, dq, dk = inputs(shape, FP32, device, seed=26)
+    gen = torch.Generator().manual_seed(27)  # every lane its own angle: no half or pair repeats
+    cos, sin = randn(cos.shape, FP32, gen, device), randn(sin.shape, FP32, gen, device)
+    q, k = (_heads(x, shape).transpose(1, 2) for x in (pq, pk))
+    code = K.INTERLEAVED_FORMS[form]
+    cfg = KernelConfig("rope", rows, 32, 1, l2="plain")
+    qo, ko = K.rope_forward(q, k, cos, sin, config=cfg, interleaved=code)
+    gq, gk = K.rope_backward(dq, dk, cos, sin, (FP32, FP32), config=cfg, interleaved=code)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k)]
+    qr, kr = R.rope_reference(*leaves, cos, sin, interleaved=form)
+    torch.autograd.backward([qr, kr], [dq.double(), dk.double()])
+    for out, r in ((qo, qr), (ko, kr)):
+        assert T.relative_error(out, r.detach()) <= T.FORWARD_TOL[FP32]
+    for g, leaf in ((gq, leaves[0]), (gk, leaves[1])):
+        assert T.relative_error(g, leaf.grad) <= T.BACKWARD_TOL[FP32]
+    K._PLANS.clear()
+    K.rope_forward(q, k, cos, sin)
+    K.rope_forward(q, k, cos, sin, interleaved=code)
+    plans = {key[0]: plan for key, plan in K._PLANS.items()}
+    assert set(plans) == {"rope_fwd", f"rope_fwd_pairs{code}"}
+    assert plans["rope_fwd"].meta["INTERLEAVED"] == 0 and plans["rope_fwd"].kind == "rope fwd"
+    assert plans[f"rope_fwd_pairs{code}"].meta["INTERLEAVED"] == code
