@@ -11,9 +11,11 @@ cos and sin are read whole: their halves are equal for Hugging Face's default ro
 here assumes it.
 
 Interleaved rope (INTERLEAVED, a compile-time switch: off, the kernels above are compiled as they
-were): the same rotation on the lane pairs (x0, x1), (x2, x3), ... of each head instead of its
-halves, x * cos + rotate_pairs(x) * sin with rotate_pairs(x) = [-x1, x0, -x3, x2, ...]; with
-a1 = x[0::2], a2 = x[1::2] it is the formula above, lane for lane. Where the pair's angle comes from:
+were; triton 3.9's TTIR, TTGIR and sm_90 PTX of the halves' forward, backward with partial rotary
+and qk_norm forward came out the same instructions with the switch as before it): the same
+rotation on the lane pairs (x0, x1), (x2, x3), ... of each head instead of its halves,
+x * cos + rotate_pairs(x) * sin with rotate_pairs(x) = [-x1, x0, -x3, x2, ...]; with a1 = x[0::2],
+a2 = x[1::2] it is the formula above, lane for lane. Where the pair's angle comes from:
     lanes (1)       c1 = cos[0::2], c2 = cos[1::2]: one value per lane (Cohere's rotary module
                     repeats each angle lane by lane)
     first half (2)  c1 = c2 = cos[:R/2]: pair i takes lane i of cos's first half (GLM, GLM-4 and
