@@ -102,3 +102,24 @@ def test_lane_pairs_without_the_op_say_why_in_one_line():
     summary = fuse(family("cohere", seed=74, use_qk_norm=True), impl=fusion.EAGER, dry_run=True)
     left = dict(item.split(": ", 1) for item in summary.left_unfused)
     assert summary.counts["rope"] == 1 and "interleaved lane pairs" in left["qk_norm_rope"]
+
+
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_the_probes_read_each_rotations_form_and_rounding_under_any_grad_mode(mode):
+    """What the attention's own apply_rotary_pos_emb computes, read from calling it (fuse may be
+    called under no_grad or inference_mode: the rounding probe runs a backward all the same)."""
+    from profuse.fusion import hf_attention as H
+
+    models = transformers.models
+    found = {
+        "cohere": (models.cohere.modeling_cohere.CohereAttention, "lanes", "float"),
+        "ernie4_5": (models.ernie4_5.modeling_ernie4_5.Ernie4_5Attention, "first_half", True),
+        "glm4": (models.glm4.modeling_glm4.Glm4Attention, "first_half", False),
+        "olmo2": (models.olmo2.modeling_olmo2.Olmo2Attention, "halves", True),
+        "llama": (models.llama.modeling_llama.LlamaAttention, "halves", False),
+    }
+    with mode():
+        for arch, (attention, form, keep) in found.items():
+            assert H._rope_form(attention) == form, arch
+            keeps = H._casts_back(attention, form)
+            assert keeps == keep and type(keeps) is type(keep), arch

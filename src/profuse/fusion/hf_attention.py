@@ -480,11 +480,6 @@ def _cast_back_order(fn: Callable, interleaved: str | None) -> bool | str:
     bf16, or in fp32 and cast once), so bf16 q, k, cos and sin are run through `fn` and rope_eager
     both ways, forward and backward, bit for bit. True where neither matches (the probe then
     checks the values)."""
-    gen = torch.Generator().manual_seed(10)
-    q, k = (torch.randn(shape, generator=gen).bfloat16() for shape in ((1, 2, 3, 8), (1, 1, 3, 8)))
-    angle = 3 * torch.randn(1, 3, 8, generator=gen)
-    cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
-    dq, dk = torch.randn(q.shape, generator=gen).bfloat16(), torch.randn(k.shape, generator=gen).bfloat16()
 
     def run(rotate):
         qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
@@ -493,7 +488,13 @@ def _cast_back_order(fn: Callable, interleaved: str | None) -> bool | str:
         return qo, ko, qq.grad, kk.grad
 
     try:
-        with torch.enable_grad():
+        # Gradients wherever fuse is called from (under no_grad or inference_mode too)
+        with torch.inference_mode(False), torch.enable_grad():
+            gen = torch.Generator().manual_seed(10)
+            q, k = (torch.randn(shape, generator=gen).bfloat16() for shape in ((1, 2, 3, 8), (1, 1, 3, 8)))
+            angle = 3 * torch.randn(1, 3, 8, generator=gen)
+            cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
+            dq, dk = (torch.randn(x.shape, generator=gen).bfloat16() for x in (q, k))
             want = run(fn)
             for keep in (True, "float"):
                 got = run(
