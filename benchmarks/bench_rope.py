@@ -110,7 +110,7 @@ def liger_op(module: str, name: str):
 LIGER_GEGLU = liger_op("geglu", "LigerGELUMulFunction")
 LIGER_ADD_RMS_NORM = liger_op("fused_add_rms_norm", "LigerFusedAddRMSNormFunction")
 LIGER_LAYER_NORM = liger_op("layer_norm", "LigerLayerNormFunction")
-# Gemma's (1 + w) RMSNorm needs the function's offset and casting_mode (liger-kernel >= 0.3)
+# Gemma's (1 + w) RMSNorm: where its function takes offset and casting_mode
 LIGER_RMS_NORM_OFFSET = HAS_LIGER and {"offset", "casting_mode"} <= set(
     inspect.signature(LigerRMSNormFunction.forward).parameters
 )
