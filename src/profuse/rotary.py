@@ -217,9 +217,9 @@ def check_rope_args(q, k, cos, sin) -> None:
     _check_common(q, k, cos, sin, heads_dim=1)
 
 
-def check_interleaved(interleaved, keep_dtype=False) -> None:
-    """Raise ValueError unless `interleaved` is None or one of the lane pairs' forms, and
-    `keep_dtype` False, True or "float"."""
+def check_rope_options(keep_dtype, interleaved) -> None:
+    """Raise ValueError unless `keep_dtype` is False, True or "float" and `interleaved` None or
+    one of the lane pairs' forms."""
     if keep_dtype not in (False, True, "float"):
         raise ValueError(f"keep_dtype is {keep_dtype!r}; expected False, True or 'float'")
     if interleaved is not None and interleaved not in INTERLEAVED:
@@ -254,7 +254,7 @@ def rope(
     if not HAS_TRITON:
         raise RuntimeError(TRITON_MISSING)
     check_rope_args(q, k, cos, sin)
-    check_interleaved(interleaved, keep_dtype)
+    check_rope_options(keep_dtype, interleaved)
     from profuse.kernels import rope as kernel
 
     return kernel.rope_fused(q, k, cos, sin, bool(keep_dtype), interleaved)
