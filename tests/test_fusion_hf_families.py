@@ -600,6 +600,54 @@ def test_llama4s_dense_layers_fuse_their_feed_forward_and_its_moe_layers_stay_th
     assert "feed_forward" in left["add_rms_norm"] and "apply_rotary_pos_emb" in left["rope"]
 
 
+def _attention_kwargs(model) -> list[set]:
+    """The names of the arguments each layer's attention is handed, recorded at each call."""
+    seen = []
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append(set(kwargs)), with_kwargs=True
+        )
+    return seen
+
+
+def test_a_llama_layer_withholds_nothing_from_attention():
+    model = family("llama", 67)
+    fuse(model, fusion.HF_EAGER)
+    assert model.model.layers[0].__dict__[STATE].withheld == frozenset()
+
+
+class _Olmo2LayerWithoutPositions(transformers.models.olmo2.modeling_olmo2.Olmo2DecoderLayer):
+    """OLMo 2's post-norm layer, but it hands attention no position_ids (as Llama 4's does not)."""
+
+    def forward(
+        self, hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs
+    ):
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + self.post_attention_layernorm(hidden_states)
+        return hidden_states + self.post_feedforward_layernorm(self.mlp(hidden_states))
+
+
+def test_a_post_norm_layer_that_withholds_position_ids_from_attention_is_fused_withholding_them_too():
+    model = family("olmo2", 68)
+    for layer in model.model.layers:
+        layer.__class__ = _Olmo2LayerWithoutPositions
+    ref = copy.deepcopy(model)
+    summary = _compare(model, fusion.HF_EAGER, torch.float32, seed=23, exact=True)
+    assert summary.counts["rms_norm_add"] == 4
+    assert model.model.layers[0].__dict__[STATE].withheld == {"position_ids"}
+    got, want = _attention_kwargs(model), _attention_kwargs(ref)
+    ids = ids_for(24)
+    with torch.no_grad():
+        model(ids, position_ids=torch.arange(7)[None]), ref(ids, position_ids=torch.arange(7)[None])
+    assert len(got) == 2 and got == want and not any("position_ids" in names for names in got)
+
+
 def test_gptj_fuses_its_layer_norms_and_names_why_not_each_other_op():
     model = other_names("gptj", seed=64, rotary_dim=8)
     summary = _compare(model, fusion.EAGER, torch.float32, seed=19, exact=False)

@@ -626,7 +626,7 @@ def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, w
         offsets = _offset_norms(specs, impl, [RMS_NORM_ADD])
         if offsets:
             raise UnsupportedModel(offsets[RMS_NORM_ADD])
-        probe_postnorm_layer(layers[0], where, sandwich, roles)
+        withheld = probe_postnorm_layer(layers[0], where, sandwich, roles)
         fused = fused_class(owner, "postnorm_layer", postnorm_layer_forward)
         targets = [fused_target(layer, owner, fused) for layer in layers]
         if any(t is None for t in targets):
@@ -646,7 +646,15 @@ def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, w
         counts[RMS_NORM] = 2 * len(layers)
         reasons.pop(RMS_NORM, None)
     state = PostNormState(
-        op, specs[0], specs[1], attn_defaults(owner), sandwich, rms if pre else None, specs[0], roles=roles
+        op,
+        specs[0],
+        specs[1],
+        attn_defaults(owner),
+        sandwich,
+        rms if pre else None,
+        specs[0],
+        roles=roles,
+        withheld=withheld,
     )
     installs = [(layer, target, state) for layer, target in zip(layers, targets)]
     counts[RMS_NORM_ADD] = 2 * len(layers)
