@@ -579,17 +579,23 @@ def test_partial_rotary_on_strided_q_and_k_runs_the_rope_kernel_through_the_inte
     assert summary.counts["rope"] == 1 and summary.notes == ()
 
 
-def test_llama4s_dense_layers_fuse_their_feed_forward_and_its_moe_layers_stay_the_experts_plans():
-    model = other_names(
+def llama4(seed: int, dtype=torch.float32, **overrides):
+    """A tiny two-layer Llama 4 text model: dense layers (Llama4TextMLP as feed_forward) at
+    `moe_layers`' complement, MoE layers (Llama4TextMoe, two experts) at `moe_layers`."""
+    return other_names(
         "llama4_text",
-        seed=63,
+        seed=seed,
+        dtype=dtype,
         layers=2,
         head_dim=16,
         intermediate_size_mlp=48,
         num_local_experts=2,
-        moe_layers=[1],
-        interleave_moe_layer_step=2,
+        **overrides,
     )
+
+
+def test_llama4s_dense_layers_fuse_their_feed_forward_and_its_moe_layers_stay_the_experts_plans():
+    model = llama4(63, moe_layers=[1], interleave_moe_layer_step=2)
     assert type(model.model.layers[0].feed_forward).__name__ == "Llama4TextMLP"
     summary = _compare(model, fusion.EAGER, torch.float32, seed=18, exact=False)
     assert summary.counts["silu_mul"] == 1
@@ -597,7 +603,21 @@ def test_llama4s_dense_layers_fuse_their_feed_forward_and_its_moe_layers_stay_th
     assert (spec.act_name, spec.activation, spec.packed) == ("activation_fn", "silu", False)
     assert not fused_modules(model.model.layers[1].feed_forward)
     left = dict(item.split(": ", 1) for item in summary.left_unfused)
-    assert "feed_forward" in left["add_rms_norm"] and "apply_rotary_pos_emb" in left["rope"]
+    assert "apply_rotary_pos_emb" in left["rope"]
+    # layer 0's probe (a dense layer) stands for no MoE layer: the MoE layer's own probe fails, as
+    # its forward unpacks the MoE's (out, router_logits), so the layers stay as they are
+    for op in ("add_rms_norm", "rms_norm"):
+        assert left[op].startswith(
+            "layer 1's feed_forward is a Llama4TextMoe, layer 0's a Llama4TextMLP: the probe of layer 0 "
+            "does not cover it (layer 1 (Llama4TextDecoderLayer) does not take a tensor from its "
+            "feed_forward (Llama4TextMoe)"
+        )
+        assert "\n" not in left[op]
+    # every layer MoE (Llama 4 Scout): layer 0's own probe says so
+    scout = fuse(llama4(64, interleave_moe_layer_step=1), fusion.EAGER, dry_run=True)
+    left = dict(item.split(": ", 1) for item in scout.left_unfused)
+    assert "add_rms_norm" not in scout.counts and "\n" not in left["add_rms_norm"]
+    assert "does not take a tensor from its feed_forward (Llama4TextMoe)" in left["add_rms_norm"]
 
 
 def _attention_kwargs(model) -> list[set]:
@@ -608,6 +628,32 @@ def _attention_kwargs(model) -> list[set]:
             lambda m, args, kwargs: seen.append(set(kwargs)), with_kwargs=True
         )
     return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("impl", ["HF_EAGER", "EAGER"])
+def test_an_all_dense_llama4_fuses_its_layers_whole_and_withholds_position_ids_from_attention(impl, dtype):
+    """Llama 4's layer takes position_ids and does not hand them on to attention (flash
+    attention would read them for packed sequences): the probe finds that from the layer's own
+    forward, and the fused layer withholds them too."""
+    model = llama4(65 if dtype is BF16 else 66, dtype, moe_layers=[])
+    assert {type(layer.feed_forward).__name__ for layer in model.model.layers} == {"Llama4TextMLP"}
+    ref = copy.deepcopy(model)
+    summary = _compare(model, getattr(fusion, impl), dtype, seed=21, exact=impl == "HF_EAGER")
+    assert summary.counts == {"silu_mul": 2, "add_rms_norm": 4, "rms_norm": 1, "linear_cross_entropy": 1}
+    state = model.model.layers[1].__dict__[STATE]
+    assert state.withheld == {"position_ids"} and state.mlp_name == "feed_forward"
+    ids = ids_for(22)
+    positions = torch.arange(ids.shape[1]).flip(0).expand_as(ids)  # given, and not the default
+    got, want = _attention_kwargs(model), _attention_kwargs(ref)
+    model.train(), ref.train()
+    torch.testing.assert_close(
+        loss_and_grads(model, ids, position_ids=positions)[0],
+        loss_and_grads(ref, ids, position_ids=positions)[0],
+        rtol=FORWARD_TOL[dtype],
+        atol=0,
+    )
+    assert len(got) == 2 and got == want and not any("position_ids" in names for names in got)
 
 
 def test_a_llama_layer_withholds_nothing_from_attention():
