@@ -656,6 +656,13 @@ def test_an_all_dense_llama4_fuses_its_layers_whole_and_withholds_position_ids_f
     assert len(got) == 2 and got == want and not any("position_ids" in names for names in got)
 
 
+@pytest.mark.skipif(not _has_fused_kernels(), reason="triton or a kernel module is missing")
+def test_an_all_dense_llama4s_layers_run_the_triton_kernels_through_the_interpreter():
+    model = llama4(69, moe_layers=[])
+    summary = _compare(model, fusion.FUSED, torch.float32, seed=25, exact=False)
+    assert summary.counts["add_rms_norm"] == 4 and summary.notes == ()
+
+
 def test_a_llama_layer_withholds_nothing_from_attention():
     model = family("llama", 67)
     fuse(model, fusion.HF_EAGER)
