@@ -6,8 +6,10 @@
 #   moe:   OLMoE-1B-7B and Qwen3-30B-A3B-12L in bf16: eager, moe-best, moe-best+fused, liger
 #          (liger-kernel 0.8.5 has no OLMoE patch: the run says so), one profiled step a variant
 #          for the routing, activation and loss shares
+#   ops:   bench_rope.py's dense-family ops (GeGLU, the (1 + w) and post-norm RMSNorms, partial
+#          rope, LayerNorm) at Gemma-3-1B, OLMo-2-1B and Phi-4-mini shapes: % of the copy ceiling
 #
-#   bash benchmarks/run_h200_families.sh [PREFIX] [dense|moe]
+#   bash benchmarks/run_h200_families.sh [PREFIX] [dense|moe|ops]
 #
 # Sized for an H200's 141 GB. On an 80 GB card Phi-4-mini runs at BATCH_PHI (default 4; 1 fits an
 # H100) and the mixtures of experts do not fit (profuse refuses them in one line). PREFIX defaults
@@ -50,8 +52,11 @@ if [ "$part" = dense ]; then
 elif [ "$part" = moe ]; then
   run olmoe-bf16 260 olmoe OLMoE-1B-7B eager,moe-best,moe-best+fused,liger 8 1
   run qwen3moe-bf16 300 qwen3_moe Qwen3-30B-A3B-12L eager,moe-best,moe-best+fused,liger 8 1
+elif [ "$part" = ops ]; then
+  step ops 420 python3 "$here/bench_rope.py" --ops gelu_mul,rms_norm_offset,rms_norm_add,add_rms_norm,partial_rope,layer_norm \
+    --out "$out/ops"
 else
-  echo "unknown part '$part': dense or moe" >&2
+  echo "unknown part '$part': dense, moe or ops" >&2
   exit 2
 fi
 echo "### done $(date -u +%FT%TZ)"
