@@ -47,10 +47,11 @@ By family past Llama's (`profuse fuse --model hf:FAMILY` prints the table and ea
     GPT-NeoX,      rope (partial rotary on the packed query_key_value's chunks, or on
     Phi-1/2,       slices of each head), linear_cross_entropy where the head has no bias;
     StarCoder2     not their LayerNorms (no LayerNorm op), not their MLPs (GELU with no gate)
-    Llama 4        all dense: every op but rope (complex rotary of its own), attention not
-                   handed position_ids (its own layer withholds them); with MoE layers,
-                   silu_mul in the dense layers' feed_forward (hf_mlp), the MoE layers the
-                   experts' plan's, and no layer fused whole (it unpacks the MoE's tuple)
+    Llama 4        add_rms_norm and rms_norm in every layer, dense or MoE (an MoE layer takes
+                   the first of its feed_forward's (out, router_logits)), attention not handed
+                   position_ids (its own layer withholds them); silu_mul in the dense layers'
+                   feed_forward (hf_mlp), the MoE layers' experts the experts' plan's; not
+                   rope (complex rotary of its own)
     GPT-J, CodeGen nothing: LayerNorm, one norm feeding attention and MLP in parallel,
                    interleaved rotary through a one-tensor apply_rotary_pos_emb, a head with
                    a bias (refused, each reason named)
@@ -426,21 +427,28 @@ def _other_mlp_forms(layers: list[nn.Module], name: str) -> list[tuple[int, nn.M
     return found
 
 
-def _unprobed_form(layers: list[nn.Module], wiring: dict, eager: dict) -> str | None:
-    """Why the probe of layer 0 does not stand for every layer, or None. The probe stands a plain
-    MLP in for layer 0's, so it covers the layers whose MLP is of the same class; a layer whose
-    MLP is of another class (Llama 4's MoE layers among its dense ones) may read that MLP's output
-    otherwise, so the first layer of each other class is probed too, and must wire as layer 0."""
+def _layer_forms(layers: list[nn.Module], wiring: dict, eager: dict) -> tuple[dict, str | None]:
+    """Each layer's wiring by its MLP's class, and why not where a layer has none. The probe of
+    layer 0 stands a plain MLP in for layer 0's, so it covers the layers whose MLP is of that
+    class; a layer whose MLP is of another class (Llama 4's MoE layers among its dense ones) may
+    read that MLP's output otherwise, so the first layer of each other class is probed too, and
+    must wire as layer 0 but for what it takes from its MLP (LayerState.mlp_unpack)."""
     name = wiring["mlp_name"]
-    first = type(getattr(layers[0], name)).__name__
+    first = type(getattr(layers[0], name))
+    forms = {first: wiring}
     for i, layer in _other_mlp_forms(layers, name):
-        differs = f"layer {i}'s {name} is a {type(getattr(layer, name)).__name__}, layer 0's a {first}"
+        cls = type(getattr(layer, name))
+        differs = f"layer {i}'s {name} is a {cls.__name__}, layer 0's a {first.__name__}"
         try:
-            if probe_layer(layer, eager, f"layer {i}") != wiring:
-                return f"{differs}, and layer {i} is wired otherwise: the probe of layer 0 does not cover it"
+            forms[cls] = probe_layer(layer, eager, f"layer {i}")
         except UnsupportedModel as e:
-            return f"{differs}: the probe of layer 0 does not cover it ({e})"
-    return None
+            return forms, f"{differs}: the probe of layer 0 does not cover it ({e})"
+        if {**forms[cls], "mlp_unpack": False} != {**wiring, "mlp_unpack": False}:
+            return (
+                forms,
+                f"{differs}, and layer {i} is wired otherwise: the probe of layer 0 does not cover it",
+            )
+    return forms, None
 
 
 def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: BlockOps, label: bool):
@@ -538,7 +546,7 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
     except UnsupportedModel as e:
         fail(_LAYER_OPS, str(e))
         return [], {}
-    why = _unprobed_form(layers, wiring, eager)
+    forms, why = _layer_forms(layers, wiring, eager)
     if why is not None:
         fail(_LAYER_OPS, why)
         return [], {}
@@ -557,7 +565,7 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
             stack,
             i,
             activation,
-            **wiring,
+            **forms[type(getattr(layer, wiring["mlp_name"]))],  # as its MLP's form was probed
         )
         installs.append((layer, target, state))
 

@@ -105,6 +105,9 @@ class LayerState:
     # The layer's own arguments that its forward does not hand attention (Llama 4's position_ids),
     # found by the probe: the fused body withholds them too. Empty: attention gets every one.
     withheld: frozenset = frozenset()
+    # The layer takes the first of its MLP's two outputs, viewed as the stream (Llama 4's MoE
+    # layers: out, router_logits = feed_forward(y); x' = h + out.view(h.shape)), found by the probe.
+    mlp_unpack: bool = False
 
     def __deepcopy__(self, memo):
         """A deep copy of the model copies the stack once, and the copy's layers find the copy's
@@ -241,7 +244,7 @@ def layer_body(self, x, residual, *, pair: bool, **kwargs):
         owned=True,
     )
     mlp = getattr(self, st.mlp_name)
-    if st.silu_mul is not None and _mlp_runs_as(mlp, st):
+    if st.silu_mul is not None and not st.mlp_unpack and _mlp_runs_as(mlp, st):
         # gate and up are the projections' own outputs, read by nothing else unless a hook holds one
         with _kept(st, y):
             gate, up = mlp.gate_proj(y), mlp.up_proj(y)
@@ -250,6 +253,8 @@ def layer_body(self, x, residual, *, pair: bool, **kwargs):
     else:
         with _kept(st, y):
             out = mlp(y)
+        if st.mlp_unpack:
+            out = out[0].view(residual.shape)
     if st.mlp_out is not None:
         out = getattr(self, st.mlp_out)(out)
     if st.scale is not None:
@@ -561,20 +566,26 @@ def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> dict:
     The layer's wiring beyond the four children is found the same way, each candidate tried in
     turn: a scale of each sublayer's output before its add among the layer's own float
     attributes (LayerState.scale), and the layer's extra dropout modules on the sublayers'
-    outputs (LayerState.attn_out, mlp_out). Returns the LayerState fields of the first wiring
-    whose forward matches the layer's own, with the layer's arguments that its forward does not
-    hand attention (LayerState.withheld)."""
+    outputs (LayerState.attn_out, mlp_out). The MLP is a stand-in returning a tensor; where no
+    wiring matches so, one returning (out, aux) with out flattened to rows, as an MoE does whose
+    layer takes out and views it as the stream (LayerState.mlp_unpack: Llama 4's). Returns the
+    LayerState fields of the first wiring whose forward matches the layer's own, with the
+    layer's arguments that its forward does not hand attention (LayerState.withheld); raises
+    the last tensor wiring's reason where none does (the last pair wiring's where the layer
+    took no tensor from its MLP)."""
     scales = [None] + [k for k, v in vars(layer).items() if type(v) is float and not k.startswith("_")]
     mlp_name, extra = layer_parts(layer) or ("mlp", [])
     outs = [(a, b) for a in [None, *extra] for b in [None, *extra] if (a is None or a != b)]
     outs = [o for o in outs if set(extra) <= set(o)] or [(None, None)]
     wirings = [dict(scale=s, attn_out=a, mlp_out=b, mlp_name=mlp_name) for (a, b) in outs for s in scales]
-    for wiring in wirings[:-1]:
+    reasons = {}  # by mlp_unpack, the last wiring's
+    for wiring in [*wirings, *({**w, "mlp_unpack": True} for w in wirings)]:
         try:
             return _probe_layer(layer, ops, where, wiring)
-        except UnsupportedModel:
-            continue
-    return _probe_layer(layer, ops, where, wirings[-1])
+        except UnsupportedModel as e:
+            reasons[wiring.get("mlp_unpack", False)] = e
+    # a layer that takes no tensor from its MLP is better told by what it does with a pair
+    raise reasons[True] if isinstance(reasons[False], _OtherMlpOutput) else reasons[False]
 
 
 def _withheld(defaults: dict, named: dict, calls: list[dict]) -> frozenset:
@@ -584,10 +595,16 @@ def _withheld(defaults: dict, named: dict, calls: list[dict]) -> frozenset:
     return frozenset(name for name in defaults if id(named[name]) not in handed)
 
 
-def _own_forward(cls: type, model: nn.Module, x, kwargs: dict, mlp_calls: list, where: str, mlp_name: str):
+class _OtherMlpOutput(UnsupportedModel):
+    """The layer's own forward raised on what the stand-in MLP returned."""
+
+
+def _own_forward(
+    cls: type, model: nn.Module, x, kwargs: dict, mlp_calls: list, where: str, mlp_name: str, returned: str
+):
     """The layer class's own forward on the stand-in; where it raises after the stand-in MLP
-    returned its tensor, the reason says so: the layer reads its MLP's output as something else
-    (Llama 4's MoE layers unpack a tuple)."""
+    returned (`returned`: what it returns), the reason says so: the layer reads its MLP's output
+    as something else (Llama 4's MoE layers unpack a tuple)."""
     mlp_calls.clear()
     try:
         with seeded(6):
@@ -595,9 +612,9 @@ def _own_forward(cls: type, model: nn.Module, x, kwargs: dict, mlp_calls: list, 
     except Exception as e:
         if not mlp_calls:
             raise
-        raise UnsupportedModel(
-            f"{where} does not take a tensor from its {mlp_name}: handed one by a stand-in, its forward "
-            f"raised {type(e).__name__}: {e}"
+        raise _OtherMlpOutput(
+            f"{where} does not take {returned} from its {mlp_name}: handed that by a stand-in, its "
+            f"forward raised {type(e).__name__}: {e}"
         ) from None
 
 
@@ -606,6 +623,7 @@ def _probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str, wiring:
     n, f = 8, 11
     calls: list[dict] = []
     mlp_calls: list[int] = []
+    unpack = wiring.get("mlp_unpack", False)
 
     Attention, Norm = _stand_ins(n, calls)
 
@@ -621,7 +639,8 @@ def _probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str, wiring:
 
         def forward(self, x):
             mlp_calls.append(1)
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            out = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            return (out.reshape(-1, n), _Sentinel("aux")) if unpack else out
 
     defaults = attn_defaults(cls)
     spec = NormSpec(Norm, "eps")
@@ -647,6 +666,7 @@ def _probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str, wiring:
         mlp_calls=mlp_calls,
         where=f"{where} ({type(layer).__name__})",
         mlp_name=f"{wiring['mlp_name']} ({mlp})",
+        returned="(out, aux)" if unpack else "a tensor",
     )
     try:
         with torch.no_grad():
