@@ -235,8 +235,9 @@ def test_gemma_fused_with_the_triton_kernels_through_the_interpreter():
 MLP_FAMILIES = {
     # Phi-3: rope on its packed qkv_proj's q, k; its layer fused whole, dropout modules and all
     "phi3": (True, "silu", {"rope": 2, "linear_cross_entropy": 1, "add_rms_norm": 4, "rms_norm": 1}),
-    # GLM-4: a sandwich layer whose four norms the probe gives their roles (not Gemma 2's names)
-    "glm4": (True, "silu", {"linear_cross_entropy": 1, "rms_norm": 5, "rms_norm_add": 4}),
+    # GLM-4: a sandwich layer whose four norms the probe gives their roles (not Gemma 2's names);
+    # rope over interleaved lane pairs, partial rotary
+    "glm4": (True, "silu", {"rope": 2, "linear_cross_entropy": 1, "rms_norm": 5, "rms_norm_add": 4}),
     # OLMo 2: post-norm; its q/k norms span the whole projection, so rope fuses after them
     "olmo2": (False, "silu", {"rms_norm": 1, "rope": 2, "linear_cross_entropy": 1, "rms_norm_add": 4}),
     "gemma3_text": (
@@ -543,10 +544,10 @@ OTHER_NAMES = {
             "linear_cross_entropy": "bias-free",
         },
     ),
-    # one norm feeding attention and MLP in parallel; rotary over interleaved lane pairs
+    # one norm feeding attention and MLP in parallel; rope over interleaved lane pairs, cast back
     "cohere": (
-        {"silu_mul": 1, "linear_cross_entropy": 1},
-        {"add_rms_norm": "parallel", "rms_norm": "parallel", "rope": "interleaved lane pairs"},
+        {"silu_mul": 1, "rope": 1, "linear_cross_entropy": 1},
+        {"add_rms_norm": "parallel", "rms_norm": "parallel"},
     ),
     "starcoder2": (
         {"rope": 1, "linear_cross_entropy": 1, "layer_norm": 3},

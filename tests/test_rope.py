@@ -697,3 +697,184 @@ def test_qk_norm_rope_with_an_offset_keeps_q_dtype_as_gemma3s_norm_casts(device)
         qo, ko = fn(q, k, w, w, cos, sin, EPS, weight_offset=1.0)
         assert qo.dtype == ko.dtype == BF16
         assert fn(q, k, w, w, cos, sin, EPS)[0].dtype == FP32
+
+
+# --------------------------------------------------------------------------------------------
+# Interleaved lane pairs (GLM, GLM-4, Ernie 4.5: cos's first half; Cohere, Cohere 2: by lane)
+# --------------------------------------------------------------------------------------------
+
+# (case, rotary dim R or None for D): GQA 3/1 at D 40 with cos per batch row, and partial rotary
+# at the odd D 14 (R 6: three pairs, no power of two; eight lanes passed through, no power of
+# two either). The "random" table's halves and lanes all differ: a kernel reading cos's second
+# half for "first_half", or a lane's neighbour for "lanes", is off by O(1).
+PAIR_CASES = {
+    "3/1 heads, D 40, cos per batch": ((2, 3, 3, 1, 40, 2, "random"), None),
+    "partial R 6 of D 14, 4 tokens": ((1, 4, 2, 2, 14, 1, "random"), 6),
+}
+
+
+def pair_inputs(case, rot, dtype, device, seed, cos_dtype=None):
+    """inputs() with cos and sin narrowed to the rotary dim R (a strided view, as a slice of a
+    wider table is)."""
+    pq, pk, cos, sin, dq, dk = inputs(case, dtype, device, seed=seed, cos_dtype=cos_dtype)
+    return pq, pk, cos[..., : rot or cos.shape[-1]], sin[..., : rot or sin.shape[-1]], dq, dk
+
+
+def with_form(fn, interleaved, **kwargs):
+    return lambda q, k, cos, sin: fn(q, k, cos, sin, interleaved=interleaved, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", PAIR_CASES)
+@pytest.mark.parametrize("form", R.INTERLEAVED)
+def test_interleaved_matches_float64_and_eager(form, case, dtype, device, poisoned_rope):
+    """Outputs and both gradients of the pairs' forms against float64 and eager; the lanes past a
+    partial rotary dim are q's own, bit for bit, and their gradient the output's."""
+    shape, rot = PAIR_CASES[case]
+    xs = pair_inputs(shape, rot, dtype, device, seed=21)
+    qo, ko, grads = run("rope", shape, (with_form(R.rope, form), *xs))
+    qe, ke, grads_e = run("rope", shape, (with_form(R.rope_eager, form), *xs))
+    qr, kr, grads_r = run("rope", shape, (with_form(R.rope_reference, form), *xs), dtype=torch.float64)
+    for name, out, e, r in (("q_out", qo, qe, qr), ("k_out", ko, ke, kr)):
+        assert out.shape == r.shape and out.dtype == dtype and heads_major(out), name
+        check(name, out, e, r, T.FORWARD_TOL)
+    for name, g, e, r in zip(GRAD_NAMES, grads, grads_e, grads_r):
+        assert g.shape == r.shape and g.dtype == dtype, name
+        check("d" + name, g, e, r, T.BACKWARD_TOL)
+    if rot is not None:
+        b, t, hq, _, d = shape[:5]
+        q = xs[0].view(b, t, hq, d).transpose(1, 2)
+        assert torch.equal(qo[..., rot:], q[..., rot:])
+        assert torch.equal(grads[0].view(b, t, hq, d).transpose(1, 2)[..., rot:], xs[4][..., rot:])
+
+
+def test_the_pairs_forms_are_the_families_own_rotations_and_differ_from_the_halves(device):
+    """rope_eager's pairs, op for op, are GLM-4's, Ernie 4.5's and Cohere's apply_rotary_pos_emb
+    bitwise, outputs and gradients (bf16 q and k; Ernie's fp32 cos, Cohere's bf16), partial
+    rotary with GLM-4; the halves, and the other pairs' form, give something else."""
+    glm4, ernie, cohere = (
+        pytest.importorskip(f"transformers.models.{m}.modeling_{m}") for m in ("glm4", "ernie4_5", "cohere")
+    )
+    gen = torch.Generator().manual_seed(23)
+    q, k = randn((2, 3, 4, 16), BF16, gen, device), randn((2, 1, 4, 16), BF16, gen, device)
+    angles = 6 * torch.rand((1, 4, 4), generator=gen)
+    half_table = torch.cat((angles, angles), -1)  # Llama's [f, f], R 8 of D 16
+    by_lane = torch.cat((angles, angles + 1), -1).repeat_interleave(2, -1)  # Cohere's, D 16
+    cases = [
+        (glm4, half_table, BF16, False, "first_half"),
+        (ernie, torch.cat((half_table, half_table + 2), -1), FP32, True, "first_half"),
+        (cohere, by_lane, BF16, "float", "lanes"),
+    ]
+    dq, dk = randn(q.shape, BF16, gen, device), randn(k.shape, BF16, gen, device)
+
+    def outputs_and_grads(fn, cos, sin):
+        qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+        qo, ko = fn(qq, kk, cos, sin)
+        torch.autograd.backward((qo, ko), (dq, dk))
+        return qo.detach(), ko.detach(), qq.grad, kk.grad
+
+    for module, table, cos_dtype, keep, form in cases:
+        cos, sin = table.cos().to(device, cos_dtype), table.sin().to(device, cos_dtype)
+        want = outputs_and_grads(module.apply_rotary_pos_emb, cos, sin)
+        got = outputs_and_grads(with_form(R.rope_eager, form, keep_dtype=keep), cos, sin)
+        assert all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want)), module.__name__
+        other = "lanes" if form == "first_half" else "first_half"
+        for wrong in (R.rope_eager(q, k, cos, sin, keep), R.rope_eager(q, k, cos, sin, keep, other)):
+            assert not torch.allclose(wrong[0].float(), want[0].float(), atol=0.1), module.__name__
+
+
+@pytest.mark.parametrize(("form", "keep"), [("first_half", True), ("lanes", "float")])
+def test_interleaved_keep_dtype_rotates_in_fp32_and_stores_q_dtype(form, keep, device, poisoned_rope):
+    """Ernie 4.5's and Cohere's q.float(): bf16 q and k with bf16 cos rotated in fp32, cast back.
+    The fused op stores bf16, within an ulp of the eager op's cast and of float64's rounding, and
+    the gradients come back in bf16."""
+    shape, rot = PAIR_CASES["3/1 heads, D 40, cos per batch"]
+    xs = pair_inputs(shape, rot, BF16, device, seed=24)
+    qf, kf, grads_f = run("rope", shape, (with_form(R.rope, form, keep_dtype=keep), *xs))
+    qe, ke, grads_e = run("rope", shape, (with_form(R.rope_eager, form, keep_dtype=keep), *xs))
+    qr, kr, grads_r = run("rope", shape, (with_form(R.rope_reference, form), *xs), dtype=torch.float64)
+    assert (qf.dtype, kf.dtype, qe.dtype, ke.dtype) == (BF16,) * 4
+    for out, eager, ref in ((qf, qe, qr), (kf, ke, kr)):
+        ulp = 2 * T.UNIT_ROUNDOFF[BF16] * ref.abs()  # one bf16 ulp at each element, at most
+        assert ((out.double() - ref).abs() <= ulp).all() and ((eager.double() - ref).abs() <= ulp).all()
+    for g, e, r in zip(grads_f, grads_e, grads_r):
+        assert g.dtype == BF16
+        check("grad", g, e, r.to(BF16), T.BACKWARD_TOL)
+
+
+def test_interleaved_refusals_are_one_line_value_errors(device):
+    q = torch.randn(1, 2, 3, 8, device=device)
+    cos = torch.ones(1, 3, 8, device=device)
+    for kwargs, message in (({"interleaved": "halves"}, "interleaved is 'halves'"),
+                            ({"keep_dtype": "fp32"}, "keep_dtype is 'fp32'")):  # fmt: skip
+        with pytest.raises(ValueError, match=message) as info:
+            R.rope(q, q, cos, cos, **kwargs)
+        assert "\n" not in str(info.value)
+
+
+def test_interleaved_compiles_without_a_graph_break_to_its_own_ops(device):
+    """fullgraph=True through RopeFunction with the pairs: AOTAutograd's graphs call the pairs'
+    ops (not the halves'), and the result matches the eager call."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    seen: set = set()
+
+    def compiler(gm, example_inputs):
+        seen.update(str(node.target) for node in gm.graph.nodes if node.op == "call_function")
+        return make_boxed_func(gm.forward)
+
+    def step(pq, pk, cos, sin, dq, dk):
+        b, t = pq.shape[:2]
+        q, k = pq.view(b, t, -1, 6).transpose(1, 2), (pk * 2).view(b, t, -1, 6).transpose(1, 2)
+        qo, ko = R.rope(q, k, cos, sin, interleaved="first_half")
+        return (qo * dq).sum() + (ko * dk).sum()
+
+    torch._dynamo.reset()
+    backend = aot_autograd(fw_compiler=compiler, bw_compiler=compiler)
+    compiled = torch.compile(step, backend=backend, fullgraph=True)
+    pq, pk, cos, sin, dq, dk = inputs(CASES["one token, D 6"], FP32, device, seed=25)
+    results = []
+    for fn in (compiled, step):
+        leaves = [x.clone().requires_grad_() for x in (pq, pk)]
+        loss = fn(*leaves, cos, sin, dq, dk)
+        loss.backward()
+        results.append((loss.detach(), *(leaf.grad for leaf in leaves)))
+    for c, e in zip(*results):
+        assert T.relative_error(c, e) <= 1e-6
+    if device.type == "cuda" and A.HAS_TRITON_OP:
+        assert any("triton_kernel_wrapper" in t for t in seen), seen
+        return
+    for op in ("rope_pairs_fwd", "rope_pairs_bwd"):
+        assert any(f"profuse.{op}" in t for t in seen), (op, seen)
+    assert not any("profuse.rope_fwd" in t for t in seen), seen
+
+
+@pytest.mark.parametrize(("form", "rows"), [("lanes", 4), ("first_half", 2)])
+def test_interleaved_tokens_per_program_and_plans_of_their_own(form, rows, device, poisoned_rope):
+    """2 or 4 tokens a program over 7 (the last program's partly past the end), forward and
+    backward of the pairs; and a call with no config plans the pairs apart from the halves (the
+    halves' plan key and launch as they were: INTERLEAVED 0, name rope_fwd)."""
+    shape = CASES["B 1, D 40, 7 tokens"]
+    pq, pk, cos, sin, dq, dk = inputs(shape, FP32, device, seed=26)
+    gen = torch.Generator().manual_seed(27)  # every lane its own angle: no half or pair repeats
+    cos, sin = randn(cos.shape, FP32, gen, device), randn(sin.shape, FP32, gen, device)
+    q, k = (_heads(x, shape).transpose(1, 2) for x in (pq, pk))
+    code = K.INTERLEAVED_FORMS[form]
+    cfg = KernelConfig("rope", rows, 32, 1, l2="plain")
+    qo, ko = K.rope_forward(q, k, cos, sin, config=cfg, interleaved=code)
+    gq, gk = K.rope_backward(dq, dk, cos, sin, (FP32, FP32), config=cfg, interleaved=code)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k)]
+    qr, kr = R.rope_reference(*leaves, cos, sin, interleaved=form)
+    torch.autograd.backward([qr, kr], [dq.double(), dk.double()])
+    for out, r in ((qo, qr), (ko, kr)):
+        assert T.relative_error(out, r.detach()) <= T.FORWARD_TOL[FP32]
+    for g, leaf in ((gq, leaves[0]), (gk, leaves[1])):
+        assert T.relative_error(g, leaf.grad) <= T.BACKWARD_TOL[FP32]
+    K._PLANS.clear()
+    K.rope_forward(q, k, cos, sin)
+    K.rope_forward(q, k, cos, sin, interleaved=code)
+    plans = {key[0]: plan for key, plan in K._PLANS.items()}
+    assert set(plans) == {"rope_fwd", f"rope_fwd_pairs{code}"}
+    assert plans["rope_fwd"].meta["INTERLEAVED"] == 0 and plans["rope_fwd"].kind == "rope fwd"
+    assert plans[f"rope_fwd_pairs{code}"].meta["INTERLEAVED"] == code

@@ -10,6 +10,19 @@ and Phi-4-mini, GLM-4): cos and sin of (B, T, R), R < D even, rotate each head's
 Hugging Face's attention passes (views of (B, T, H, D) projections, transposed; any strides with
 a contiguous last dimension).
 
+Interleaved rope (`interleaved=`): the lane pairs (x0, x1), (x2, x3), ... of each head rotated in
+place of its halves, as GLM, GLM-4, Ernie 4.5, Cohere and Cohere 2 do:
+
+    rope(x) = x * cos + rotate_pairs(x) * sin,   rotate_pairs(x) = [-x1, x0, -x3, x2, ...]
+
+with the pairs' angles read one of two ways: "lanes", cos and sin as given, one value a lane
+(Cohere's rotary module repeats each angle lane by lane); "first_half", cos's first half repeated
+lane by lane (cos[..., :R/2].repeat_interleave(2): GLM's, GLM-4's and Ernie 4.5's reading of
+Llama's [f, f] table). The rotary dim R is cos's width, partial rotary as for the halves (GLM-4).
+With keep_dtype the pairs are rotated in fp32 and cast back: Ernie 4.5's q.float() * cos + ...
+(keep_dtype=True, each product upcast, as OLMo 2's promotion does for the halves) or Cohere's
+q.float() first (keep_dtype="float"); the fused op rounds once either way.
+
 `qk_norm_rope` first normalises each head (Qwen3's q_norm and k_norm: an RMSNorm over D with a
 (D,) weight each), taking q and k before the transpose, (B, T, H, D), as Qwen3 normalises them,
 and returns them rotated in the (B, H, T, D) layout, as Hugging Face's attention goes on with.
@@ -40,13 +53,34 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+INTERLEAVED = ("lanes", "first_half")  # the lane pairs' forms (`interleaved=`), None: the halves
+
+
+def rotate_pairs(x: torch.Tensor) -> torch.Tensor:
+    """[-x1, x0, -x3, x2, ...]: each lane pair of the last dimension turned a quarter."""
+    return torch.stack((-x[..., 1::2], x[..., 0::2]), dim=-1).flatten(-2)
+
+
 def rope_eager(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keep_dtype: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keep_dtype: bool | str = False,
+    interleaved: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Hugging Face's apply_rotary_pos_emb op for op: q, k (B, H, T, D); cos, sin (B, T, D).
     Partial rotary (cos and sin (B, T, R), R < D; Phi-3/4's form): the first R lanes of each
     head are rotated, the rest passed through, as Phi3's apply_rotary_pos_emb does.
-    `keep_dtype`: the results cast back to q's and k's dtypes (OLMo 2's form, whose cos is fp32)."""
+    `keep_dtype`: the results cast back to q's and k's dtypes, True: each product promoted (OLMo
+    2's form, whose cos is fp32), "float": q and k cast to fp32 first (Cohere's); the two round
+    the gradients in other places. `interleaved`: the lane pairs rotated, "lanes" or "first_half"
+    (_rope_pairs_eager)."""
+    if interleaved is not None:
+        return _rope_pairs_eager(q, k, cos, sin, keep_dtype, interleaved)
+    if keep_dtype == "float":
+        qo, ko = rope_eager(q.float(), k.float(), cos, sin)
+        return qo.to(q.dtype), ko.to(k.dtype)
     if keep_dtype:
         qo, ko = rope_eager(q, k, cos, sin)
         return qo.to(q.dtype), ko.to(k.dtype)
@@ -62,9 +96,38 @@ def rope_eager(
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
-def rope_reference(q, k, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+def _rope_pairs_eager(
+    q, k, cos, sin, keep_dtype: bool | str, interleaved: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The lane pairs' apply_rotary_pos_emb of each family op for op: "first_half" as GLM's and
+    GLM-4's (partial rotary: the first R lanes, the rest concatenated after) and, with
+    keep_dtype=True, Ernie 4.5's (x.float() * cos + rotate_pairs(x).float() * sin, cast back:
+    the pair turned in x's dtype, each product in fp32); "lanes" with keep_dtype="float" as
+    Cohere's (x.float() first, everything in fp32, cast back)."""
+    dtypes = (q.dtype, k.dtype)
+    if keep_dtype == "float":
+        q, k = q.float(), k.float()
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if interleaved == "first_half":
+        cos = cos[..., : cos.shape[-1] // 2].repeat_interleave(2, dim=-1)
+        sin = sin[..., : sin.shape[-1] // 2].repeat_interleave(2, dim=-1)
+    rot = cos.shape[-1]
+    out = []
+    for x in (q, k):
+        x_rot = x[..., :rot] if rot < x.shape[-1] else x
+        if keep_dtype is True:
+            y = (x_rot.float() * cos) + (rotate_pairs(x_rot).float() * sin)
+        else:
+            y = (x_rot * cos) + (rotate_pairs(x_rot) * sin)
+        out.append(torch.cat((y, x[..., rot:]), dim=-1) if rot < x.shape[-1] else y)
+    if keep_dtype:
+        return out[0].to(dtypes[0]), out[1].to(dtypes[1])
+    return out[0], out[1]
+
+
+def rope_reference(q, k, cos, sin, interleaved: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The oracle: the same math in float64."""
-    return rope_eager(q.double(), k.double(), cos.double(), sin.double())
+    return rope_eager(q.double(), k.double(), cos.double(), sin.double(), interleaved=interleaved)
 
 
 def head_rms_norm_hf(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -154,6 +217,16 @@ def check_rope_args(q, k, cos, sin) -> None:
     _check_common(q, k, cos, sin, heads_dim=1)
 
 
+def check_rope_options(keep_dtype, interleaved) -> None:
+    """Raise ValueError unless `keep_dtype` is False, True or "float" and `interleaved` None or
+    one of the lane pairs' forms."""
+    if keep_dtype not in (False, True, "float"):
+        raise ValueError(f"keep_dtype is {keep_dtype!r}; expected False, True or 'float'")
+    if interleaved is not None and interleaved not in INTERLEAVED:
+        forms = " or ".join(map(repr, INTERLEAVED))
+        raise ValueError(f"interleaved is {interleaved!r}; expected None, {forms}")
+
+
 def check_qk_norm_rope_args(q, k, q_weight, k_weight, cos, sin) -> None:
     """Raise ValueError naming the argument whose type, shape, dtype or device is off."""
     _check_common(q, k, cos, sin, heads_dim=2)
@@ -168,16 +241,23 @@ def check_qk_norm_rope_args(q, k, q_weight, k_weight, cos, sin) -> None:
 
 
 def rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keep_dtype: bool = False
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    keep_dtype: bool | str = False,
+    interleaved: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """rope_eager's (q, k) in one Triton launch forward and one backward, fp32 inside;
-    `keep_dtype`: stored in q's and k's own dtypes, as rope_eager's cast back."""
+    `keep_dtype` (True or "float"): stored in q's and k's own dtypes, as rope_eager's cast back;
+    `interleaved`: the lane pairs rotated ("lanes" or "first_half", as rope_eager)."""
     if not HAS_TRITON:
         raise RuntimeError(TRITON_MISSING)
     check_rope_args(q, k, cos, sin)
+    check_rope_options(keep_dtype, interleaved)
     from profuse.kernels import rope as kernel
 
-    return kernel.rope_fused(q, k, cos, sin, keep_dtype)
+    return kernel.rope_fused(q, k, cos, sin, bool(keep_dtype), interleaved)
 
 
 def qk_norm_rope(

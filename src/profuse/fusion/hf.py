@@ -39,22 +39,27 @@ By family past Llama's (`profuse fuse --model hf:FAMILY` prints the table and ea
                    sublayer, rms_norm before it, all (1 + w)), the GeGLU MLP by its class
                    (profuse.fusion.hf_mlp), the soft-capped linear_cross_entropy; Gemma 3's
                    (1 + w) q/k norms in qk_norm_rope (Gemma 2 has none: rope)
-    OLMo 2         silu_mul, rms_norm_add, rms_norm (the final norm), linear_cross_entropy;
-                   not rope (its q/k norms span the whole projection)
-    Phi-3, GLM-4   silu_mul on the packed gate_up_proj (hf_mlp), linear_cross_entropy; their
-                   layers (residual dropout modules; four norms) stay as they are; Phi-3's
-                   rope (partial rotary, q and k from its packed qkv_proj)
+    OLMo 2         silu_mul, rms_norm_add, rms_norm (the final norm), rope (after its q/k
+                   norms, which span the whole projection: no qk_norm_rope), the loss
+    Phi-3          its layer whole (residual dropout modules placed by the probe), silu_mul on
+                   the packed gate_up_proj (hf_mlp), rope (partial rotary, q and k from its
+                   packed qkv_proj), the loss
+    GLM-4, GLM     GLM-4's sandwich layer (four norms, roles by the probe), silu_mul on the
+                   packed gate_up_proj, rope over interleaved lane pairs (partial rotary);
+                   GLM's pre-norm layer
+    Cohere,        rope over interleaved lane pairs (Ernie 4.5 and Helium too), silu_mul, the
+    Cohere 2       loss; not their norms (one LayerNorm feeds attention and MLP in parallel)
     GPT-NeoX,      rope (partial rotary on the packed query_key_value's chunks, or on
     Phi-1/2,       slices of each head), linear_cross_entropy where the head has no bias;
-    StarCoder2     not their LayerNorms (no LayerNorm op), not their MLPs (GELU with no gate)
+    StarCoder2     their LayerNorms (layer_norm), not their MLPs (GELU with no gate)
     Llama 4        add_rms_norm and rms_norm in every layer, dense or MoE (an MoE layer takes
                    the first of its feed_forward's (out, router_logits)), attention not handed
                    position_ids (its own layer withholds them); silu_mul in the dense layers'
                    feed_forward (hf_mlp), the MoE layers' experts the experts' plan's; not
                    rope (complex rotary of its own)
-    GPT-J, CodeGen nothing: LayerNorm, one norm feeding attention and MLP in parallel,
+    GPT-J, CodeGen their LayerNorms alone: one norm feeds attention and MLP in parallel,
                    interleaved rotary through a one-tensor apply_rotary_pos_emb, a head with
-                   a bias (refused, each reason named)
+                   a bias (each reason named)
 
 Which implementation runs is a BlockOps: FUSED (the default), profuse's Triton kernels; EAGER,
 the ops' eager versions, anywhere; HF_EAGER, the model's own eager math, so the fused model
@@ -873,6 +878,7 @@ def _plan(
         _rotary_dim(stack),
         qk_offset,
         impl.rope is not None and takes_keyword(impl, ROPE, "keep_dtype"),
+        impl.rope is not None and takes_keyword(impl, ROPE, "interleaved"),
     )
     reasons.update(attention.reasons)
     if attention.targets is not None:

@@ -6,6 +6,9 @@ profuse's call site. Nothing of the forward is written again here, so its kwarg 
 handling and attention backends stay whatever the installed transformers has.
 
     rope(q, k, cos, sin)                                  q and k in one launch
+    rope(q, k, cos, sin, interleaved=...)                 the lane pairs (x0, x1), (x2, x3), ...
+                                                          rotated: GLM, GLM-4, Ernie 4.5 ("first_half"),
+                                                          Cohere, Cohere 2 ("lanes")
     qk_norm_rope(q, k, w_q, w_k, cos, sin, eps)           Qwen3: q_norm and k_norm, then rope
     qk_norm_rope(..., eps, weight_offset=1.0)             Gemma 3: its (1 + w) q/k norms
 
@@ -21,6 +24,11 @@ untouched. A carrier is made per call, so threads and torch.compile see no state
 norms are not as the probe checked (replaced, wrapped, hooked), the forward rebuilt without the
 rename runs (rope alone, the norms as modules); where the call is one the ops do not cover
 (position_embeddings not given, extra arguments to apply_rotary_pos_emb), the model's own.
+
+Which rotation the model's own apply_rotary_pos_emb computes (the halves, or the lane pairs with
+their angles read either way) and whether it casts back to q's dtype are found by calling it on
+small float64 stand-ins (_rope_form, _casts_back), never from its name; the attention's probe
+then checks the whole forward with that form of rope in place.
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from profuse import rotary
 from profuse.errors import UnsupportedModel
 from profuse.fusion.gpt import QK_NORM_ROPE, ROPE
 from profuse.fusion.hf_layer import PROBE_TOL, NormSpec, probe_norm
@@ -199,13 +208,15 @@ def plan_attention(
     rotary_dim: int | None = None,
     qk_offset: str | None = None,
     rope_keeps_dtype: bool = True,
+    rope_pairs: bool = False,
 ) -> AttentionPlan:
     """Check what fusing rope (and qk_norm_rope) into `attentions` needs; change nothing.
     `rope`, `qk`: the ops to install, or None where not asked for. `rotary_dim`: the width of the
     cos the model's rotary module makes (below the head dim for partial rotary); None: the head dim.
     `qk_offset`: why `qk` cannot take (1 + w) norms (it takes no weight_offset), or None where it can.
     `rope_keeps_dtype`: whether `rope` takes keep_dtype=True (else a model whose rotation casts
-    back to q's dtype gets rope's result cast, one pass more)."""
+    back to q's dtype gets rope's result cast, one pass more). `rope_pairs`: whether `rope` takes
+    interleaved= (else a model that rotates lane pairs keeps its own rotation, with the reason)."""
     plan = AttentionPlan(None, None, {}, {}, {})
     wanted = [op for op, fn in ((ROPE, rope), (QK_NORM_ROPE, qk)) if fn is not None]
     if not wanted:
@@ -234,14 +245,28 @@ def plan_attention(
     if any(t is None for t in targets):
         return refuse_all(f"{name} is derived from {owner.__name__} by a class with a forward of its own")
     plan.targets = targets
-    if rope is not None and _casts_back(owner):
-        rope = _keeping_dtype(rope, rope_keeps_dtype)
+    form = _rope_form(owner) if rope is not None or qk is not None else None
+    if rope is not None and form not in (None, _HALVES):
+        if rope_pairs:
+            rope = _rotating_pairs(rope, form)
+        else:
+            plan.reasons[ROPE] = (
+                f"{name}'s {ROPE_NAME} {_ROTATES_PAIRS}: this op set's rope takes no interleaved"
+            )
+            rope = None
+    if rope is not None and (keep := _casts_back(owner, form)):
+        rope = _keeping_dtype(rope, rope_keeps_dtype, keep)
     specs: tuple[NormSpec | None, NormSpec | None] = (None, None)
     if qk is not None:
         if getattr(fused, _QK_FORWARD) is None or not all(
             hasattr(a, "q_norm") and hasattr(a, "k_norm") for a in attentions
         ):
             plan.absent[QK_NORM_ROPE] = f"{name} has no per-head q_norm and k_norm"
+            qk = None
+        elif form not in (None, _HALVES):
+            plan.reasons[QK_NORM_ROPE] = (
+                f"{name}'s {ROPE_NAME} {_ROTATES_PAIRS}, where qk_norm_rope rotates each head's halves"
+            )
             qk = None
         elif (whole := _whole_projection_norms(attentions)) is not None:
             plan.reasons[QK_NORM_ROPE] = (
@@ -427,37 +452,69 @@ def _probe(
     except Exception as e:  # a layout the stand-in does not fit
         raise UnsupportedModel(f"{name} could not be checked with {op} fused: {e}") from None
     if not ok:
-        if calls and _rotates_pairs(owner):
-            raise UnsupportedModel(
-                f"{name}'s {ROPE_NAME} rotates interleaved lane pairs (x0, x1), (x2, x3), ..., where {op} "
-                "rotates the two halves of each head: profuse cannot fuse it exactly"
-            )
         reached = "never called it" if not calls else "computed something else"
         raise UnsupportedModel(
             f"{name}'s forward rebuilt with {op} {reached}: profuse cannot fuse it exactly"
         )
 
 
-def _casts_back(owner: type) -> bool:
+def _casts_back(owner: type, form: str | None = None) -> bool | str:
     """Whether the attention module's own apply_rotary_pos_emb returns q in q's dtype where cos
-    is wider (OLMo 2's, whose cos and sin stay fp32 under bf16 weights), where Llama's promotes."""
+    is wider (OLMo 2's, whose cos and sin stay fp32 under bf16 weights), where Llama's promotes:
+    False, or the keep_dtype whose roundings are its own (_cast_back_order)."""
     fn = innermost(owner.forward).__globals__.get(ROPE_NAME)
     q = torch.ones(1, 1, 2, 4, dtype=torch.bfloat16)
     cos = torch.ones(1, 2, 4)
     try:
-        return fn(q, q, cos, cos)[0].dtype == torch.bfloat16
+        if fn(q, q, cos, cos)[0].dtype != torch.bfloat16:
+            return False
     except Exception:  # not the (q, k, cos, sin) it was taken for: the probe says why
         return False
+    return _cast_back_order(fn, None if form == _HALVES else form)
 
 
-def _keeping_dtype(rope: Callable, takes_keyword: bool) -> Callable:
-    """`rope` returning q's and k's own dtypes: through its keep_dtype (stored so by the kernel),
-    or cast after."""
+def _cast_back_order(fn: Callable, interleaved: str | None) -> bool | str:
+    """Where a rotation that casts back rounds: keep_dtype=True, each product upcast (OLMo 2's
+    promotion, Ernie 4.5's x.float() * cos + rotate(x).float() * sin), or "float", q and k upcast
+    first (Cohere's). The forwards agree; the gradients do not (the two terms' gradients summed in
+    bf16, or in fp32 and cast once), so bf16 q, k, cos and sin are run through `fn` and rope_eager
+    both ways, forward and backward, bit for bit. True where neither matches (the probe then
+    checks the values)."""
+
+    def run(rotate):
+        qq, kk = q.clone().requires_grad_(), k.clone().requires_grad_()
+        qo, ko = rotate(qq, kk, cos, sin)[:2]
+        torch.autograd.backward((qo, ko), (dq, dk))
+        return qo, ko, qq.grad, kk.grad
+
+    try:
+        # Gradients wherever fuse is called from (under no_grad or inference_mode too)
+        with torch.inference_mode(False), torch.enable_grad():
+            gen = torch.Generator().manual_seed(10)
+            q, k = (torch.randn(shape, generator=gen).bfloat16() for shape in ((1, 2, 3, 8), (1, 1, 3, 8)))
+            angle = 3 * torch.randn(1, 3, 8, generator=gen)
+            cos, sin = angle.cos().bfloat16(), angle.sin().bfloat16()
+            dq, dk = (torch.randn(x.shape, generator=gen).bfloat16() for x in (q, k))
+            want = run(fn)
+            for keep in (True, "float"):
+                got = run(
+                    lambda *a, keep=keep: rotary.rope_eager(*a, keep_dtype=keep, interleaved=interleaved)
+                )
+                if all(g.dtype == w.dtype and torch.equal(g, w) for g, w in zip(got, want)):
+                    return keep
+    except Exception:  # a rotation autograd cannot run back, or not of this shape
+        pass
+    return True
+
+
+def _keeping_dtype(rope: Callable, takes_keyword: bool, keep: bool | str = True) -> Callable:
+    """`rope` returning q's and k's own dtypes: through its keep_dtype (stored so by the kernel;
+    `keep`, the model's own rounding order, for an eager rope), or cast after."""
 
     if takes_keyword:
 
         def call(q, k, cos, sin):
-            return rope(q, k, cos, sin, keep_dtype=True)
+            return rope(q, k, cos, sin, keep_dtype=keep)
 
     else:
 
@@ -468,25 +525,42 @@ def _keeping_dtype(rope: Callable, takes_keyword: bool) -> Callable:
     return call
 
 
-def _rotates_pairs(owner: type) -> bool:
-    """Whether the attention module's own apply_rotary_pos_emb rotates interleaved lane pairs
-    (Cohere's and GLM's rotate_half: [-x1, x0, -x3, x2, ...]), with cos as given or with its first
-    half repeated lane by lane (GLM's), where rope rotates the two halves of each head."""
+_HALVES = "halves"  # _rope_form's name for Llama's rotate_half
+_ROTATES_PAIRS = "rotates interleaved lane pairs (x0, x1), (x2, x3), ..."
+
+
+def _rope_form(owner: type) -> str | None:
+    """Which rotation the attention module's own apply_rotary_pos_emb computes, called on float64
+    stand-ins whose cos and sin differ in every lane: _HALVES (Llama's rotate_half), a lane pairs'
+    form of profuse.rotary.INTERLEAVED (cos by lane, Cohere's; its first half repeated, GLM's), or
+    None where it is none of them or not (q, k, cos, sin) (the probe then says what it does)."""
     fn = innermost(owner.forward).__globals__.get(ROPE_NAME)
     gen = torch.Generator().manual_seed(9)
     q = torch.randn(1, 2, 3, 8, generator=gen, dtype=torch.float64)
-    angle = torch.randn(1, 3, 4, generator=gen, dtype=torch.float64)
-    cos, sin = torch.cat((angle, angle), -1).cos(), torch.cat((angle, angle), -1).sin()
+    k = torch.randn(1, 1, 3, 8, generator=gen, dtype=torch.float64)
+    angle = 3 * torch.randn(1, 3, 8, generator=gen, dtype=torch.float64)
+    cos, sin = angle.cos(), angle.sin()
     try:
-        got = fn(q, q, cos, sin)[0]
-    except Exception:  # not the (q, k, cos, sin) it was taken for: say nothing more
-        return False
-    pairs = torch.stack((-q[..., 1::2], q[..., ::2]), -1).flatten(-2)
-    for c, s in ((cos, sin), (angle.cos().repeat_interleave(2, -1), angle.sin().repeat_interleave(2, -1))):
-        want = q * c.unsqueeze(1) + pairs * s.unsqueeze(1)
-        if got.shape == want.shape and torch.allclose(got.double(), want, atol=1e-6):
-            return True
-    return False
+        got = fn(q, k, cos, sin)
+        got = [t.double() for t in got[:2]]
+    except Exception:  # not the (q, k, cos, sin) it was taken for: the probe says why
+        return None
+    for form in (None, *rotary.INTERLEAVED):
+        want = rotary.rope_eager(q, k, cos, sin, interleaved=form)
+        # fp32's rounding: Cohere's and Ernie 4.5's rotation runs in fp32 (q.float()) even on float64;
+        # a wrong form is off by O(1)
+        if all(g.shape == w.shape and torch.allclose(g, w, rtol=1e-5, atol=1e-6) for g, w in zip(got, want)):
+            return form or _HALVES
+    return None
+
+
+def _rotating_pairs(rope: Callable, interleaved: str) -> Callable:
+    """`rope` rotating the lane pairs in `interleaved`'s form (its other keywords passed on)."""
+
+    def call(q, k, cos, sin, **kwargs):
+        return rope(q, k, cos, sin, interleaved=interleaved, **kwargs)
+
+    return call
 
 
 __all__ = [

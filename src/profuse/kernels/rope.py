@@ -10,6 +10,19 @@ Backward, the transposed rotation (cos and sin get no gradient):
 cos and sin are read whole: their halves are equal for Hugging Face's default rope, but nothing
 here assumes it.
 
+Interleaved rope (INTERLEAVED, a compile-time switch: off, the kernels above are compiled as they
+were; triton 3.9's TTIR, TTGIR and sm_90 PTX of the halves' forward, backward with partial rotary
+and qk_norm forward came out the same instructions with the switch as before it): the same
+rotation on the lane pairs (x0, x1), (x2, x3), ... of each head instead of its halves,
+x * cos + rotate_pairs(x) * sin with rotate_pairs(x) = [-x1, x0, -x3, x2, ...]; with a1 = x[0::2],
+a2 = x[1::2] it is the formula above, lane for lane. Where the pair's angle comes from:
+    lanes (1)       c1 = cos[0::2], c2 = cos[1::2]: one value per lane (Cohere's rotary module
+                    repeats each angle lane by lane)
+    first half (2)  c1 = c2 = cos[:R/2]: pair i takes lane i of cos's first half (GLM, GLM-4 and
+                    Ernie 4.5 read Llama's [f, f] table so)
+A pair's two lanes are read and written as two stride-2 accesses, which touch the same lines
+(not timed on a GPU yet: a (.., D/2, 2) tile split in registers is the alternative to time).
+
 qk_norm_rope, per head: z = x * rstd * (o + w),  rstd = 1 / sqrt(mean(x^2) + eps) over D,  then
 rope on z; the weight offset o is 0 (Qwen3) or 1 (Gemma 3's (1 + w) q/k norms). Backward: dz from
 dy by the rope backward, then (x_hat = x * rstd, g = dz * (o + w))
@@ -129,18 +142,23 @@ def _rotate(a1, a2, c1, c2, s1, s2, BACKWARD: tl.constexpr):
 def _rope_heads(
     X_ptr, W_ptr, O_ptr, x_base, x_head_stride, out_base, n_heads, half, head_dim, c1, c2, s1, s2, eps,
     offset, d_mask, p_mask, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-    NORM: tl.constexpr, BACKWARD: tl.constexpr,
+    NORM: tl.constexpr, BACKWARD: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):  # fmt: skip
     """All heads of one token of one tensor: load both halves, (norm,) rotate, store both halves
     to the (B, T, H, D)-stored output at `out_base`. `d_mask`: the lanes of a half-head to move
     (none where the token is past the last). With partial rotary (BLOCK_P > 0) the head's last
-    head_dim - 2 half lanes (`p_mask`) pass through unrotated (normalised first with NORM)."""
+    head_dim - 2 half lanes (`p_mask`) pass through unrotated (normalised first with NORM).
+    INTERLEAVED: the even and odd lanes of the rotary dim in place of its halves (never with NORM)."""
     heads = tl.arange(0, BLOCK_H).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
     mask = (heads < n_heads)[:, None] & d_mask[None, :]
     offs = x_base + heads[:, None] * x_head_stride + d[None, :]
-    a1 = tl.load(X_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    a2 = tl.load(X_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
+    if INTERLEAVED:  # lane 2d and 2d + 1: offs + d is x_base + ... + 2d
+        a1 = tl.load(X_ptr + offs + d[None, :], mask=mask, other=0.0).to(tl.float32)
+        a2 = tl.load(X_ptr + offs + d[None, :] + 1, mask=mask, other=0.0).to(tl.float32)
+    else:
+        a1 = tl.load(X_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        a2 = tl.load(X_ptr + offs + half, mask=mask, other=0.0).to(tl.float32)
     if BLOCK_P > 0:
         p = tl.arange(0, BLOCK_P)
         pmask = (heads < n_heads)[:, None] & p_mask[None, :]
@@ -162,8 +180,12 @@ def _rope_heads(
             ap = ap * rstd[:, None] * (wp + offset)[None, :]
     y1, y2 = _rotate(a1, a2, c1[None, :], c2[None, :], s1[None, :], s2[None, :], BACKWARD)
     out = out_base + heads[:, None] * head_dim + d[None, :]
-    tl.store(O_ptr + out, y1.to(O_ptr.dtype.element_ty), mask=mask)
-    tl.store(O_ptr + out + half, y2.to(O_ptr.dtype.element_ty), mask=mask)
+    if INTERLEAVED:
+        tl.store(O_ptr + out + d[None, :], y1.to(O_ptr.dtype.element_ty), mask=mask)
+        tl.store(O_ptr + out + d[None, :] + 1, y2.to(O_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(O_ptr + out, y1.to(O_ptr.dtype.element_ty), mask=mask)
+        tl.store(O_ptr + out + half, y2.to(O_ptr.dtype.element_ty), mask=mask)
     if BLOCK_P > 0:
         pout = out_base + heads[:, None] * head_dim + 2 * half + p[None, :]
         tl.store(O_ptr + pout, ap.to(O_ptr.dtype.element_ty), mask=pmask)
@@ -202,6 +224,7 @@ def _rope_kernel(
     ROWS: tl.constexpr,  # tokens a program takes, unrolled
     NORM: tl.constexpr,  # qk_norm_rope: each head normalised first
     BACKWARD: tl.constexpr,  # rope's backward: the transposed rotation (never with NORM)
+    INTERLEAVED: tl.constexpr,  # 0: the halves; lane pairs, cos by lane (1) or its first half (2)
 ):
     """ROWS tokens (b, t), each with all its q and k heads: (norm and) rotate, stored once."""
     d = tl.arange(0, BLOCK_D)
@@ -219,16 +242,27 @@ def _rope_kernel(
             pm = (p < head_dim - 2 * half) & ((row + tl.zeros([BLOCK_P], dtype=tl.int64)) < n_rows)
         else:
             pm = m
-        c1 = tl.load(COS_ptr + cs, mask=m, other=0.0).to(tl.float32)
-        c2 = tl.load(COS_ptr + cs + half, mask=m, other=0.0).to(tl.float32)
-        s1 = tl.load(SIN_ptr + cs, mask=m, other=0.0).to(tl.float32)
-        s2 = tl.load(SIN_ptr + cs + half, mask=m, other=0.0).to(tl.float32)
+        if INTERLEAVED == 1:  # one angle a lane: pair d's at lanes 2d and 2d + 1
+            c1 = tl.load(COS_ptr + cs + d, mask=m, other=0.0).to(tl.float32)
+            c2 = tl.load(COS_ptr + cs + d + 1, mask=m, other=0.0).to(tl.float32)
+            s1 = tl.load(SIN_ptr + cs + d, mask=m, other=0.0).to(tl.float32)
+            s2 = tl.load(SIN_ptr + cs + d + 1, mask=m, other=0.0).to(tl.float32)
+        elif INTERLEAVED == 2:  # pair d's angle at lane d of the first half, for both its lanes
+            c1 = tl.load(COS_ptr + cs, mask=m, other=0.0).to(tl.float32)
+            s1 = tl.load(SIN_ptr + cs, mask=m, other=0.0).to(tl.float32)
+            c2 = c1
+            s2 = s1
+        else:
+            c1 = tl.load(COS_ptr + cs, mask=m, other=0.0).to(tl.float32)
+            c2 = tl.load(COS_ptr + cs + half, mask=m, other=0.0).to(tl.float32)
+            s1 = tl.load(SIN_ptr + cs, mask=m, other=0.0).to(tl.float32)
+            s2 = tl.load(SIN_ptr + cs + half, mask=m, other=0.0).to(tl.float32)
         _rope_heads(Q_ptr, QW_ptr, QO_ptr, b * q_batch_stride + t * q_seq_stride, q_head_stride,
                     row * n_q_heads * head_dim, n_q_heads, half, head_dim, c1, c2, s1, s2, eps, offset, m,
-                    pm, BLOCK_HQ, BLOCK_D, BLOCK_P, NORM, BACKWARD)  # fmt: skip
+                    pm, BLOCK_HQ, BLOCK_D, BLOCK_P, NORM, BACKWARD, INTERLEAVED)  # fmt: skip
         _rope_heads(K_ptr, KW_ptr, KO_ptr, b * k_batch_stride + t * k_seq_stride, k_head_stride,
                     row * n_k_heads * head_dim, n_k_heads, half, head_dim, c1, c2, s1, s2, eps, offset, m,
-                    pm, BLOCK_HK, BLOCK_D, BLOCK_P, NORM, BACKWARD)  # fmt: skip
+                    pm, BLOCK_HK, BLOCK_D, BLOCK_P, NORM, BACKWARD, INTERLEAVED)  # fmt: skip
 
 
 @triton.jit
@@ -393,16 +427,23 @@ _PLANS = PlanCache()
 
 
 def _row_launch(
-    cfg: KernelConfig, n_rows: int, heads: tuple[int, int], norm: bool, backward: bool, n_pass: int = 0
+    cfg: KernelConfig,
+    n_rows: int,
+    heads: tuple[int, int],
+    norm: bool,
+    backward: bool,
+    n_pass: int = 0,
+    interleaved: int = 0,
 ) -> Launch:
     """The row-grid kernel for `cfg`, bound to its grid. Runtime arguments: _rope_kernel's.
-    `n_pass`: the lanes of a head past the rotary dim (partial rotary), else 0."""
+    `n_pass`: the lanes of a head past the rotary dim (partial rotary), else 0. `interleaved`:
+    0 (the halves), or the lane pairs' form (INTERLEAVED_FORMS' code)."""
     kind = "qk_norm_rope fwd" if norm else ("rope bwd" if backward else "rope fwd")
     return Launch(
-        _rope_kernel, (triton.cdiv(n_rows, cfg.block_m),), cfg, kind,
+        _rope_kernel, (triton.cdiv(n_rows, cfg.block_m),), cfg, kind + (" pairs" if interleaved else ""),
         BLOCK_HQ=triton.next_power_of_2(heads[0]), BLOCK_HK=triton.next_power_of_2(heads[1]),
         BLOCK_D=cfg.block_n, BLOCK_P=triton.next_power_of_2(n_pass) if n_pass else 0, ROWS=cfg.block_m,
-        NORM=norm, BACKWARD=backward, num_warps=cfg.num_warps,
+        NORM=norm, BACKWARD=backward, INTERLEAVED=interleaved, num_warps=cfg.num_warps,
     )  # fmt: skip
 
 
@@ -453,7 +494,7 @@ def _bht(x: torch.Tensor, seq_dim: int = 2) -> tuple[int, int, int]:
     return x.stride(0), x.stride(3 - seq_dim), x.stride(seq_dim)
 
 
-def _row_plan(key: tuple, args: tuple, norm: bool, backward: bool) -> Launch:
+def _row_plan(key: tuple, args: tuple, norm: bool, backward: bool, interleaved: int = 0) -> Launch:
     """The row-grid launch for a new signature: the tuned config, bound to this shape's grid."""
     _, n_rows, _, hq, hk, d, rot, *_, device = key
     check_runnable(device, "qk_norm_rope" if norm else "rope")
@@ -461,11 +502,11 @@ def _row_plan(key: tuple, args: tuple, norm: bool, backward: bool) -> Launch:
     tune_key = (key[0], C.pow2_rows(n_rows), *key[3:-1])
 
     def run(c):  # returns the outputs, so the tuner compares each candidate's answer
-        _row_launch(c, n_rows, (hq, hk), norm, backward, d - rot)(*args)
+        _row_launch(c, n_rows, (hq, hk), norm, backward, d - rot, interleaved)(*args)
         return args[6], args[7]
 
     cfg = TUNER.pick(tune_key, candidates, run, device)
-    launch = _row_launch(cfg, n_rows, (hq, hk), norm, backward, d - rot)
+    launch = _row_launch(cfg, n_rows, (hq, hk), norm, backward, d - rot, interleaved)
     if not capturing(device):  # a plan made inside a graph capture is untuned: not kept
         _PLANS.add(key, launch)
     return launch
@@ -495,8 +536,12 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _run_rows(name, q, k, qw, kw, cos, sin, qo, ko, eps, seq_dim, norm, backward, config, offset=0.0) -> None:
-    """Launch the row-grid kernel over q and k (outputs qo, ko allocated by the caller)."""
+def _run_rows(
+    name, q, k, qw, kw, cos, sin, qo, ko, eps, seq_dim, norm, backward, config, offset=0.0, interleaved=0
+) -> None:
+    """Launch the row-grid kernel over q and k (outputs qo, ko allocated by the caller).
+    `interleaved`: a lane pairs' form (its code; `name` then names it, so plans and tunings of the
+    halves are their own)."""
     b, t, hq, hk, d = q.shape[0], q.shape[seq_dim], q.shape[3 - seq_dim], k.shape[3 - seq_dim], q.shape[-1]
     n_rows = b * t
     if n_rows == 0:
@@ -506,14 +551,23 @@ def _run_rows(name, q, k, qw, kw, cos, sin, qo, ko, eps, seq_dim, norm, backward
     args = (q, k, cos, sin, qw, kw, qo, ko, *_bht(q, seq_dim), *_bht(k, seq_dim), cos_bs, cos_ts,
             n_rows, t, hq, hk, rot // 2, d, eps, offset)  # fmt: skip
     if config is not None:
-        _row_launch(config, n_rows, (hq, hk), norm, backward, d - rot)(*args)
+        _row_launch(config, n_rows, (hq, hk), norm, backward, d - rot, interleaved)(*args)
         return
     key = (name, n_rows, t, hq, hk, d, rot, q.dtype, k.dtype, cos.dtype, qw.dtype, qo.dtype, ko.dtype,
            q.device)  # fmt: skip
     launch = _PLANS.get(key)
     if launch is None:
-        launch = _row_plan(key, args, norm, backward)
+        launch = _row_plan(key, args, norm, backward, interleaved)
     launch(*args)
+
+
+# The lane pairs' forms (profuse.rotary's `interleaved`) and their INTERLEAVED codes; None, the halves, is 0.
+INTERLEAVED_FORMS = {"lanes": 1, "first_half": 2}
+
+
+def _rows_name(name: str, interleaved: int) -> str:
+    """The plan's and tuning's name: the halves' own, or with the pairs' form after it."""
+    return f"{name}_pairs{interleaved}" if interleaved else name
 
 
 def rope_forward(
@@ -523,14 +577,17 @@ def rope_forward(
     sin: torch.Tensor,
     out_dtypes: tuple[torch.dtype, torch.dtype] | None = None,
     config: KernelConfig | None = None,
+    interleaved: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_out, k_out) for q (B, Hq, T, D), k (B, Hk, T, D): (B, H, T, D) stored as (B, T, H, D),
     in `out_dtypes` (default: q's and k's). `config` runs that launch shape; without it the
-    shape's plan runs (tuned on its first call)."""
+    shape's plan runs (tuned on its first call). `interleaved`: 0, the halves rotated, or an
+    INTERLEAVED_FORMS code, the lane pairs."""
     q_dtype, k_dtype = out_dtypes or (q.dtype, k.dtype)
     qo = heads_major_empty(q.shape, q_dtype, q.device)
     ko = heads_major_empty(k.shape, k_dtype, k.device)
-    _run_rows("rope_fwd", q, k, cos, cos, cos, sin, qo, ko, 0.0, 2, False, False, config)
+    name = _rows_name("rope_fwd", interleaved)
+    _run_rows(name, q, k, cos, cos, cos, sin, qo, ko, 0.0, 2, False, False, config, 0.0, interleaved)
     return qo, ko
 
 
@@ -541,12 +598,14 @@ def rope_backward(
     sin: torch.Tensor,
     dtypes: tuple[torch.dtype, torch.dtype],
     config: KernelConfig | None = None,
+    interleaved: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(dq, dk) in `dtypes` (q's and k's), (B, H, T, D) stored as (B, T, H, D)."""
     dq_out, dk_out = _unit_last(dq_out), _unit_last(dk_out)
     dq = heads_major_empty(dq_out.shape, dtypes[0], dq_out.device)
     dk = heads_major_empty(dk_out.shape, dtypes[1], dk_out.device)
-    _run_rows("rope_bwd", dq_out, dk_out, cos, cos, cos, sin, dq, dk, 0.0, 2, False, True, config)
+    name = _rows_name("rope_bwd", interleaved)
+    _run_rows(name, dq_out, dk_out, cos, cos, cos, sin, dq, dk, 0.0, 2, False, True, config, 0.0, interleaved)
     return dq, dk
 
 
@@ -674,6 +733,24 @@ def _rope_fake(a, b, cos, sin, a_dtype, b_dtype):
     return heads_major_empty(a.shape, a_dtype, a.device), heads_major_empty(b.shape, b_dtype, b.device)
 
 
+def _rope_pairs_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_dtype: torch.dtype,
+    k_dtype: torch.dtype, interleaved: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return rope_forward(q, k, cos, sin, (q_dtype, k_dtype), interleaved=interleaved)
+
+
+def _rope_pairs_bwd_op(
+    dq_out: torch.Tensor, dk_out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_dtype: torch.dtype,
+    k_dtype: torch.dtype, interleaved: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return rope_backward(dq_out, dk_out, cos, sin, (q_dtype, k_dtype), interleaved=interleaved)
+
+
+def _rope_pairs_fake(a, b, cos, sin, a_dtype, b_dtype, interleaved):
+    return _rope_fake(a, b, cos, sin, a_dtype, b_dtype)
+
+
 def _norm_fwd_op(
     q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, cos: torch.Tensor,
     sin: torch.Tensor, eps: float, weight_offset: float, q_dtype: torch.dtype, k_dtype: torch.dtype,
@@ -714,35 +791,46 @@ def _norm_bwd_fake(dq_out, dk_out, q, k, q_weight, k_weight, cos, sin, eps, weig
 # Triton-op twins, whose kernels Inductor launches itself (kernels/autotune.compiled_op).
 _rope_fwd_compiled = compiled_op("rope_fwd", _rope_fwd_op, _rope_fake)
 _rope_bwd_compiled = compiled_op("rope_bwd", _rope_bwd_op, _rope_fake)
+_rope_pairs_fwd_compiled = compiled_op("rope_pairs_fwd", _rope_pairs_fwd_op, _rope_pairs_fake)
+_rope_pairs_bwd_compiled = compiled_op("rope_pairs_bwd", _rope_pairs_bwd_op, _rope_pairs_fake)
 _norm_fwd_compiled = compiled_op("qk_norm_rope_fwd", _norm_fwd_op, _norm_fwd_fake)
 _norm_bwd_compiled = compiled_op("qk_norm_rope_bwd", _norm_bwd_op, _norm_bwd_fake)
 
 
 class RopeFunction(torch.autograd.Function):
     """Saves cos and sin only (q and k are not needed: the rotation is linear). Eager calls go
-    to the launchers; a traced call, to the compiled ops. Double backward is refused in one line."""
+    to the launchers; a traced call, to the compiled ops. Double backward is refused in one line.
+    `interleaved`: 0, the halves (rope_fwd, rope_bwd), or the lane pairs' form (rope_pairs_*)."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, q_dtype, k_dtype):
+    def forward(ctx, q, k, cos, sin, q_dtype, k_dtype, interleaved=0):
         if torch.compiler.is_compiling():
-            qo, ko = _rope_fwd_compiled(q)(q, k, cos, sin, q_dtype, k_dtype)
+            if interleaved:
+                qo, ko = _rope_pairs_fwd_compiled(q)(q, k, cos, sin, q_dtype, k_dtype, interleaved)
+            else:
+                qo, ko = _rope_fwd_compiled(q)(q, k, cos, sin, q_dtype, k_dtype)
         else:
-            qo, ko = rope_forward(q, k, cos, sin, (q_dtype, k_dtype))
+            qo, ko = rope_forward(q, k, cos, sin, (q_dtype, k_dtype), interleaved=interleaved)
         ctx.save_for_backward(cos, sin)
         ctx.dtypes = (q.dtype, k.dtype)
+        ctx.interleaved = interleaved
         return qo, ko
 
     @staticmethod
     def backward(ctx, dq_out, dk_out):
         cos, sin = ctx.saved_tensors
         need_q, need_k = ctx.needs_input_grad[:2]
+        interleaved = ctx.interleaved
         if torch.compiler.is_compiling():
-            dq, dk = _rope_bwd_compiled(cos)(dq_out, dk_out, cos, sin, *ctx.dtypes)
+            if interleaved:
+                dq, dk = _rope_pairs_bwd_compiled(cos)(dq_out, dk_out, cos, sin, *ctx.dtypes, interleaved)
+            else:
+                dq, dk = _rope_bwd_compiled(cos)(dq_out, dk_out, cos, sin, *ctx.dtypes)
         else:
             if torch.is_grad_enabled():  # create_graph=True: the kernel's gradients have no grad_fn
                 raise double_backward_error("rope", "profuse.rotary.rope_eager")
-            dq, dk = rope_backward(dq_out, dk_out, cos, sin, ctx.dtypes)
-        return (dq if need_q else None), (dk if need_k else None), None, None, None, None
+            dq, dk = rope_backward(dq_out, dk_out, cos, sin, ctx.dtypes, interleaved=interleaved)
+        return (dq if need_q else None), (dk if need_k else None), None, None, None, None, None
 
 
 class QKNormRopeFunction(torch.autograd.Function):
@@ -802,15 +890,25 @@ def _no_cos_grad(cos: torch.Tensor, sin: torch.Tensor, op: str) -> None:
         )
 
 
-def rope_fused(q, k, cos, sin, keep_dtype: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_fused(
+    q, k, cos, sin, keep_dtype: bool = False, interleaved: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_out, k_out) on checked inputs: through autograd where a gradient is wanted, else the
     forward launch alone (no autograd node). cos or sin that requires grad: ValueError.
-    `keep_dtype`: q's and k's own dtypes out, whatever cos's (OLMo 2's cast back, in the store)."""
+    `keep_dtype`: q's and k's own dtypes out, whatever cos's (OLMo 2's cast back, in the store).
+    `interleaved`: None (the halves), or the lane pairs' form, a key of INTERLEAVED_FORMS."""
     _no_cos_grad(cos, sin, "rope")
     if keep_dtype:
         dtypes = (q.dtype, k.dtype)
     else:
         dtypes = (out_dtype(q, cos, sin), out_dtype(k, cos, sin))
+    if interleaved is not None:
+        code = INTERLEAVED_FORMS[interleaved]
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+            return RopeFunction.apply(q, k, cos, sin, *dtypes, code)
+        if torch.compiler.is_compiling():
+            return _rope_pairs_fwd_compiled(q)(q, k, cos, sin, *dtypes, code)
+        return rope_forward(q, k, cos, sin, dtypes, interleaved=code)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
         return RopeFunction.apply(q, k, cos, sin, *dtypes)
     if torch.compiler.is_compiling():
