@@ -580,25 +580,172 @@ def test_partial_rotary_on_strided_q_and_k_runs_the_rope_kernel_through_the_inte
     assert summary.counts["rope"] == 1 and summary.notes == ()
 
 
-def test_llama4s_dense_layers_fuse_their_feed_forward_and_its_moe_layers_stay_the_experts_plans():
-    model = other_names(
+def llama4(seed: int, dtype=torch.float32, **overrides):
+    """A tiny two-layer Llama 4 text model: dense layers (Llama4TextMLP as feed_forward) at
+    `moe_layers`' complement, MoE layers (Llama4TextMoe, two experts) at `moe_layers`."""
+    return other_names(
         "llama4_text",
-        seed=63,
+        seed=seed,
+        dtype=dtype,
         layers=2,
         head_dim=16,
         intermediate_size_mlp=48,
         num_local_experts=2,
-        moe_layers=[1],
-        interleave_moe_layer_step=2,
+        **overrides,
     )
-    assert type(model.model.layers[0].feed_forward).__name__ == "Llama4TextMLP"
-    summary = _compare(model, fusion.EAGER, torch.float32, seed=18, exact=False)
-    assert summary.counts["silu_mul"] == 1
-    spec = model.model.layers[0].feed_forward.__dict__[STATE].spec
-    assert (spec.act_name, spec.activation, spec.packed) == ("activation_fn", "silu", False)
-    assert not fused_modules(model.model.layers[1].feed_forward)
+
+
+# Llama 4's layouts: Maverick's (dense and MoE layers interleaved) and Scout's (every layer MoE)
+LLAMA4_LAYOUTS = {
+    "interleaved": dict(moe_layers=[1], interleave_moe_layer_step=2),
+    "all-moe": dict(interleave_moe_layer_step=1),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("layout", list(LLAMA4_LAYOUTS))
+def test_llama4s_moe_layers_fuse_whole_taking_the_first_of_the_moes_pair(layout, dtype):
+    """An MoE layer of Llama 4 unpacks its feed_forward's (out, router_logits) and views out as
+    the stream: the probe of each MLP class's first layer finds that form, and the fused layer
+    does the same (LayerState.mlp_unpack); the dense layers' feed_forward fuses by its class, the
+    MoE's experts stay the experts' plan's."""
+    moe = LLAMA4_LAYOUTS[layout].get("moe_layers", [0, 1])
+    for impl, exact in ((fusion.HF_EAGER, True), (fusion.EAGER, False)):
+        model = llama4(63, dtype, **LLAMA4_LAYOUTS[layout])
+        summary = _compare(model, impl, dtype, seed=18, exact=exact)
+        dense = 2 - len(moe)
+        assert summary.counts == {
+            **({"silu_mul": dense} if dense else {}),
+            "add_rms_norm": 4,
+            "rms_norm": 1,
+            "linear_cross_entropy": 1,
+        }
+        states = [layer.__dict__[STATE] for layer in model.model.layers]
+        assert [s.mlp_unpack for s in states] == [i in moe for i in range(2)]
+        assert all(s.withheld == {"position_ids"} for s in states)
+        for i, layer in enumerate(model.model.layers):
+            fused = fused_modules(layer.feed_forward)
+            assert (i in moe) == (layer.feed_forward not in fused), i
+        left = dict(item.split(": ", 1) for item in summary.left_unfused)
+        assert "apply_rotary_pos_emb" in left["rope"] and "add_rms_norm" not in left
+
+
+class _Llama4LayerHalvingItsMoe(transformers.models.llama4.modeling_llama4.Llama4TextDecoderLayer):
+    """Llama 4's layer, but its MoE layers add half their feed_forward's output: neither form the
+    probe knows."""
+
+    def forward(
+        self, hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs
+    ):
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            **kwargs,
+        )
+        residual = residual + hidden_states
+        hidden_states = self.feed_forward(self.post_attention_layernorm(residual))
+        if self.is_moe_layer:
+            hidden_states = 0.5 * hidden_states[0]
+        return residual + hidden_states.view(residual.shape)
+
+
+def test_a_layer_whose_mlp_form_the_probe_cannot_place_leaves_the_layers_as_they_are_in_one_line():
+    model = llama4(64, **LLAMA4_LAYOUTS["interleaved"])
+    for layer in model.model.layers:
+        layer.__class__ = _Llama4LayerHalvingItsMoe
+    summary = _compare(model, fusion.EAGER, torch.float32, seed=19, exact=False)
+    assert summary.counts == {"silu_mul": 1, "linear_cross_entropy": 1}
     left = dict(item.split(": ", 1) for item in summary.left_unfused)
-    assert "feed_forward" in left["add_rms_norm"] and "apply_rotary_pos_emb" in left["rope"]
+    for op in ("add_rms_norm", "rms_norm"):
+        assert left[op].startswith(
+            "layer 1's feed_forward is a Llama4TextMoe, layer 0's a Llama4TextMLP: the probe of layer 0 "
+            "does not cover it (layer 1 (_Llama4LayerHalvingItsMoe) is not the pre-norm layer"
+        )
+        assert "\n" not in left[op]
+
+
+def _attention_kwargs(model) -> list[set]:
+    """The names of the arguments each layer's attention is handed, recorded at each call."""
+    seen = []
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(
+            lambda m, args, kwargs: seen.append(set(kwargs)), with_kwargs=True
+        )
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("impl", ["HF_EAGER", "EAGER"])
+def test_an_all_dense_llama4_fuses_its_layers_whole_and_withholds_position_ids_from_attention(impl, dtype):
+    """Llama 4's layer takes position_ids and does not hand them on to attention (flash
+    attention would read them for packed sequences): the probe finds that from the layer's own
+    forward, and the fused layer withholds them too."""
+    model = llama4(65 if dtype is BF16 else 66, dtype, moe_layers=[])
+    assert {type(layer.feed_forward).__name__ for layer in model.model.layers} == {"Llama4TextMLP"}
+    ref = copy.deepcopy(model)
+    summary = _compare(model, getattr(fusion, impl), dtype, seed=21, exact=impl == "HF_EAGER")
+    assert summary.counts == {"silu_mul": 2, "add_rms_norm": 4, "rms_norm": 1, "linear_cross_entropy": 1}
+    state = model.model.layers[1].__dict__[STATE]
+    assert state.withheld == {"position_ids"} and state.mlp_name == "feed_forward"
+    ids = ids_for(22)
+    positions = torch.arange(ids.shape[1]).flip(0).expand_as(ids)  # given, and not the default
+    got, want = _attention_kwargs(model), _attention_kwargs(ref)
+    model.train(), ref.train()
+    torch.testing.assert_close(
+        loss_and_grads(model, ids, position_ids=positions)[0],
+        loss_and_grads(ref, ids, position_ids=positions)[0],
+        rtol=FORWARD_TOL[dtype],
+        atol=0,
+    )
+    assert len(got) == 2 and got == want and not any("position_ids" in names for names in got)
+
+
+@pytest.mark.skipif(not _has_fused_kernels(), reason="triton or a kernel module is missing")
+@pytest.mark.parametrize("layout", ["all-dense", "interleaved"])
+def test_llama4s_layers_run_the_triton_kernels_through_the_interpreter(layout):
+    model = llama4(69, **LLAMA4_LAYOUTS.get(layout, dict(moe_layers=[])))
+    summary = _compare(model, fusion.FUSED, torch.float32, seed=25, exact=False)
+    assert summary.counts["add_rms_norm"] == 4 and summary.notes == ()
+
+
+def test_a_llama_layer_withholds_nothing_from_attention():
+    model = family("llama", 67)
+    fuse(model, fusion.HF_EAGER)
+    assert model.model.layers[0].__dict__[STATE].withheld == frozenset()
+
+
+class _Olmo2LayerWithoutPositions(transformers.models.olmo2.modeling_olmo2.Olmo2DecoderLayer):
+    """OLMo 2's post-norm layer, but it hands attention no position_ids (as Llama 4's does not)."""
+
+    def forward(
+        self, hidden_states, attention_mask=None, position_ids=None, position_embeddings=None, **kwargs
+    ):
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            hidden_states=hidden_states,
+            attention_mask=attention_mask,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        hidden_states = residual + self.post_attention_layernorm(hidden_states)
+        return hidden_states + self.post_feedforward_layernorm(self.mlp(hidden_states))
+
+
+def test_a_post_norm_layer_that_withholds_position_ids_from_attention_is_fused_withholding_them_too():
+    model = family("olmo2", 68)
+    for layer in model.model.layers:
+        layer.__class__ = _Olmo2LayerWithoutPositions
+    ref = copy.deepcopy(model)
+    summary = _compare(model, fusion.HF_EAGER, torch.float32, seed=23, exact=True)
+    assert summary.counts["rms_norm_add"] == 4
+    assert model.model.layers[0].__dict__[STATE].withheld == {"position_ids"}
+    got, want = _attention_kwargs(model), _attention_kwargs(ref)
+    ids = ids_for(24)
+    with torch.no_grad():
+        model(ids, position_ids=torch.arange(7)[None]), ref(ids, position_ids=torch.arange(7)[None])
+    assert len(got) == 2 and got == want and not any("position_ids" in names for names in got)
 
 
 def test_gptj_fuses_its_layer_norms_and_names_why_not_each_other_op():

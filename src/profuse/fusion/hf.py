@@ -52,8 +52,11 @@ By family past Llama's (`profuse fuse --model hf:FAMILY` prints the table and ea
     GPT-NeoX,      rope (partial rotary on the packed query_key_value's chunks, or on
     Phi-1/2,       slices of each head), linear_cross_entropy where the head has no bias;
     StarCoder2     their LayerNorms (layer_norm), not their MLPs (GELU with no gate)
-    Llama 4        silu_mul in its dense layers' feed_forward (hf_mlp); its MoE layers are
-                   the experts' plan's; not rope (complex rotary of its own)
+    Llama 4        add_rms_norm and rms_norm in every layer, dense or MoE (an MoE layer takes
+                   the first of its feed_forward's (out, router_logits)), attention not handed
+                   position_ids (its own layer withholds them); silu_mul in the dense layers'
+                   feed_forward (hf_mlp), the MoE layers' experts the experts' plan's; not
+                   rope (complex rotary of its own)
     GPT-J, CodeGen their LayerNorms alone: one norm feeds attention and MLP in parallel,
                    interleaved rotary through a one-tensor apply_rotary_pos_emb, a head with
                    a bias (each reason named)
@@ -418,6 +421,41 @@ def _mlp_of(layer: nn.Module) -> nn.Module:
     return getattr(layer, parts[0]) if parts else layer.mlp
 
 
+def _other_mlp_forms(layers: list[nn.Module], name: str) -> list[tuple[int, nn.Module]]:
+    """(index, layer) of the first layer of each MLP class (under `name`) other than layer 0's."""
+    seen = {type(getattr(layers[0], name))}
+    found = []
+    for i, layer in enumerate(layers):
+        if type(getattr(layer, name)) not in seen:
+            seen.add(type(getattr(layer, name)))
+            found.append((i, layer))
+    return found
+
+
+def _layer_forms(layers: list[nn.Module], wiring: dict, eager: dict) -> tuple[dict, str | None]:
+    """Each layer's wiring by its MLP's class, and why not where a layer has none. The probe of
+    layer 0 stands a plain MLP in for layer 0's, so it covers the layers whose MLP is of that
+    class; a layer whose MLP is of another class (Llama 4's MoE layers among its dense ones) may
+    read that MLP's output otherwise, so the first layer of each other class is probed too, and
+    must wire as layer 0 but for what it takes from its MLP (LayerState.mlp_unpack)."""
+    name = wiring["mlp_name"]
+    first = type(getattr(layers[0], name))
+    forms = {first: wiring}
+    for i, layer in _other_mlp_forms(layers, name):
+        cls = type(getattr(layer, name))
+        differs = f"layer {i}'s {name} is a {cls.__name__}, layer 0's a {first.__name__}"
+        try:
+            forms[cls] = probe_layer(layer, eager, f"layer {i}")
+        except UnsupportedModel as e:
+            return forms, f"{differs}: the probe of layer 0 does not cover it ({e})"
+        if {**forms[cls], "mlp_unpack": False} != {**wiring, "mlp_unpack": False}:
+            return (
+                forms,
+                f"{differs}, and layer {i} is wired otherwise: the probe of layer 0 does not cover it",
+            )
+    return forms, None
+
+
 def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: BlockOps, label: bool):
     """The fused layers and final norm: (installs, counts); reasons filled for ops that fail."""
     wanted = [op for op in _LAYER_OPS if op in bound]
@@ -451,8 +489,6 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
         fail(_LAYER_OPS, f"{type(stack).__name__} holds its layers and final norm under other names")
     for i, layer in enumerate(layers):
         children = {name for name, _ in layer.named_children()}
-        if children == _LAYER_CHILDREN - {"mlp"} | {"feed_forward"}:
-            fail(_LAYER_OPS, f"layer {i} holds its MLP as feed_forward: the fused layer calls a Llama's mlp")
         first = {name for name, _ in layers[0].named_children()}  # the probed layer's wiring is every layer's
         if (children != _LAYER_CHILDREN and layer_parts(layer) is None) or children != first:
             fail(
@@ -505,18 +541,19 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
         ops[SILU_MUL] = gated
     if not any(ops.values()):
         return [], {}
+    eager = {
+        SILU_MUL: blockops.silu_mul_eager,
+        ADD_RMS_NORM: blockops.add_rms_norm_eager,
+        RMS_NORM: blockops.rms_norm_eager,
+    }
     try:  # the layer's wiring, with eager float64 math for each op
-        wiring = probe_layer(
-            layers[0],
-            {
-                SILU_MUL: blockops.silu_mul_eager,
-                ADD_RMS_NORM: blockops.add_rms_norm_eager,
-                RMS_NORM: blockops.rms_norm_eager,
-            },
-            f"{what}'s {cls.__name__}",
-        )
+        wiring = probe_layer(layers[0], eager, f"{what}'s {cls.__name__}")
     except UnsupportedModel as e:
         fail(_LAYER_OPS, str(e))
+        return [], {}
+    forms, why = _layer_forms(layers, wiring, eager)
+    if why is not None:
+        fail(_LAYER_OPS, why)
         return [], {}
 
     defaults = attn_defaults(owner)
@@ -533,7 +570,7 @@ def _plan_layers(stack: nn.Module, bound: dict, reasons: dict, what: str, impl: 
             stack,
             i,
             activation,
-            **wiring,
+            **forms[type(getattr(layer, wiring["mlp_name"]))],  # as its MLP's form was probed
         )
         installs.append((layer, target, state))
 
@@ -631,7 +668,16 @@ def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, w
         offsets = _offset_norms(specs, impl, [RMS_NORM_ADD])
         if offsets:
             raise UnsupportedModel(offsets[RMS_NORM_ADD])
-        probe_postnorm_layer(layers[0], where, sandwich, roles)
+        withheld = probe_postnorm_layer(layers[0], where, sandwich, roles)
+        for i, layer in _other_mlp_forms(layers, "mlp"):  # as _unprobed_form: each other MLP class's layer
+            differs = (
+                f"layer {i}'s mlp is a {type(layer.mlp).__name__}, layer 0's a {type(layers[0].mlp).__name__}"
+            )
+            try:
+                if probe_postnorm_layer(layer, f"layer {i}", sandwich, roles) != withheld:
+                    raise UnsupportedModel("its attention is handed other arguments")
+            except UnsupportedModel as e:
+                raise UnsupportedModel(f"{differs}: the probe of layer 0 does not cover it ({e})") from None
         fused = fused_class(owner, "postnorm_layer", postnorm_layer_forward)
         targets = [fused_target(layer, owner, fused) for layer in layers]
         if any(t is None for t in targets):
@@ -651,7 +697,15 @@ def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, w
         counts[RMS_NORM] = 2 * len(layers)
         reasons.pop(RMS_NORM, None)
     state = PostNormState(
-        op, specs[0], specs[1], attn_defaults(owner), sandwich, rms if pre else None, specs[0], roles=roles
+        op,
+        specs[0],
+        specs[1],
+        attn_defaults(owner),
+        sandwich,
+        rms if pre else None,
+        specs[0],
+        roles=roles,
+        withheld=withheld,
     )
     installs = [(layer, target, state) for layer, target in zip(layers, targets)]
     counts[RMS_NORM_ADD] = 2 * len(layers)

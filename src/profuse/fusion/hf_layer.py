@@ -102,6 +102,12 @@ class LayerState:
     attn_out: str | None = None
     mlp_out: str | None = None
     mlp_name: str = "mlp"  # the layer's MLP, whatever it is named (GraniteMoE's block_sparse_moe)
+    # The layer's own arguments that its forward does not hand attention (Llama 4's position_ids),
+    # found by the probe: the fused body withholds them too. Empty: attention gets every one.
+    withheld: frozenset = frozenset()
+    # The layer takes the first of its MLP's two outputs, viewed as the stream (Llama 4's MoE
+    # layers: out, router_logits = feed_forward(y); x' = h + out.view(h.shape)), found by the probe.
+    mlp_unpack: bool = False
 
     def __deepcopy__(self, memo):
         """A deep copy of the model copies the stack once, and the copy's layers find the copy's
@@ -190,6 +196,12 @@ def _mlp_runs_as(mlp: nn.Module, st: LayerState) -> bool:
     return not isinstance(act, nn.Module) or runs_as(act, st.act_cls)
 
 
+def attn_kwargs(st: LayerState | PostNormState, kwargs: dict) -> dict:
+    """What a fused body hands attention: the layer's arguments (defaults, then those given)
+    but the ones its own forward withholds."""
+    return {k: v for k, v in {**st.attn_defaults, **kwargs}.items() if k not in st.withheld}
+
+
 def layer_forward(self, hidden_states, *args, **kwargs):
     """The fused decoder layer: the stream as one tensor or the (x, residual) pair in; the pair
     (mlp_out, h) out, or the hidden state where something would see the pair."""
@@ -217,7 +229,7 @@ def layer_body(self, x, residual, *, pair: bool, **kwargs):
             st.add_rms_norm, st.rms_norm, st.input_norm, self.input_layernorm, x, residual, owned=True
         )
     with _kept(st, y):
-        attn_out = self.self_attn(hidden_states=y, **{**st.attn_defaults, **kwargs})[0]
+        attn_out = self.self_attn(hidden_states=y, **attn_kwargs(st, kwargs))[0]
     if st.attn_out is not None:
         attn_out = getattr(self, st.attn_out)(attn_out)
     if st.scale is not None:
@@ -232,7 +244,7 @@ def layer_body(self, x, residual, *, pair: bool, **kwargs):
         owned=True,
     )
     mlp = getattr(self, st.mlp_name)
-    if st.silu_mul is not None and _mlp_runs_as(mlp, st):
+    if st.silu_mul is not None and not st.mlp_unpack and _mlp_runs_as(mlp, st):
         # gate and up are the projections' own outputs, read by nothing else unless a hook holds one
         with _kept(st, y):
             gate, up = mlp.gate_proj(y), mlp.up_proj(y)
@@ -241,6 +253,8 @@ def layer_body(self, x, residual, *, pair: bool, **kwargs):
     else:
         with _kept(st, y):
             out = mlp(y)
+        if st.mlp_unpack:
+            out = out[0].view(residual.shape)
     if st.mlp_out is not None:
         out = getattr(self, st.mlp_out)(out)
     if st.scale is not None:
@@ -336,6 +350,7 @@ class PostNormState:
     pre_norm: NormSpec | None = None  # input_layernorm's and pre_feedforward_layernorm's class
     recompute: bool = True  # the pre-norms' outputs made again in the backward (hf_recompute)
     roles: tuple = POSTNORM_ROLES  # the norms' names by role (SANDWICH_ROLES' order)
+    withheld: frozenset = frozenset()  # as LayerState's: the arguments attention is not handed
 
 
 def norm_then_add(op, spec: NormSpec, norm: nn.Module, x, residual):
@@ -361,7 +376,7 @@ def postnorm_layer_body(self, x, **kwargs):
     attn_pre, attn_post, mlp_pre, mlp_post = st.roles
     y = norm_alone(st.rms_norm, st.pre_norm, getattr(self, attn_pre), x) if st.sandwich else x
     with _kept(st, y) if st.sandwich else contextlib.nullcontext():
-        attn_out = self.self_attn(hidden_states=y, **{**st.attn_defaults, **kwargs})[0]
+        attn_out = self.self_attn(hidden_states=y, **attn_kwargs(st, kwargs))[0]
     h = norm_then_add(st.rms_norm_add, st.attn_norm, getattr(self, attn_post), attn_out, x)
     y = norm_alone(st.rms_norm, st.pre_norm, getattr(self, mlp_pre), h) if st.sandwich else h
     with _kept(st, y) if st.sandwich else contextlib.nullcontext():
@@ -551,27 +566,64 @@ def probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str) -> dict:
     The layer's wiring beyond the four children is found the same way, each candidate tried in
     turn: a scale of each sublayer's output before its add among the layer's own float
     attributes (LayerState.scale), and the layer's extra dropout modules on the sublayers'
-    outputs (LayerState.attn_out, mlp_out). Returns the LayerState fields of the first wiring
-    whose forward matches the layer's own."""
+    outputs (LayerState.attn_out, mlp_out). The MLP is a stand-in returning a tensor; where no
+    wiring matches so, one returning (out, aux) with out flattened to rows, as an MoE does whose
+    layer takes out and views it as the stream (LayerState.mlp_unpack: Llama 4's). Returns the
+    LayerState fields of the first wiring whose forward matches the layer's own, with the
+    layer's arguments that its forward does not hand attention (LayerState.withheld); raises
+    the last tensor wiring's reason where none does (the last pair wiring's where the layer
+    took no tensor from its MLP)."""
     scales = [None] + [k for k, v in vars(layer).items() if type(v) is float and not k.startswith("_")]
     mlp_name, extra = layer_parts(layer) or ("mlp", [])
     outs = [(a, b) for a in [None, *extra] for b in [None, *extra] if (a is None or a != b)]
     outs = [o for o in outs if set(extra) <= set(o)] or [(None, None)]
     wirings = [dict(scale=s, attn_out=a, mlp_out=b, mlp_name=mlp_name) for (a, b) in outs for s in scales]
-    for wiring in wirings[:-1]:
+    reasons = {}  # by mlp_unpack, the last wiring's
+    for wiring in [*wirings, *({**w, "mlp_unpack": True} for w in wirings)]:
         try:
-            _probe_layer(layer, ops, where, wiring)
-            return wiring
-        except UnsupportedModel:
-            continue
-    _probe_layer(layer, ops, where, wirings[-1])
-    return wirings[-1]
+            return _probe_layer(layer, ops, where, wiring)
+        except UnsupportedModel as e:
+            reasons[wiring.get("mlp_unpack", False)] = e
+    # a layer that takes no tensor from its MLP is better told by what it does with a pair
+    raise reasons[True] if isinstance(reasons[False], _OtherMlpOutput) else reasons[False]
 
 
-def _probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str, wiring: dict) -> None:
+def _withheld(defaults: dict, named: dict, calls: list[dict]) -> frozenset:
+    """The layer's named arguments whose sentinels did not reach attention in its own forward's
+    call (the first in `calls`): those its forward withholds from attention."""
+    handed = {id(v) for v in calls[0].values()} if calls else set()
+    return frozenset(name for name in defaults if id(named[name]) not in handed)
+
+
+class _OtherMlpOutput(UnsupportedModel):
+    """The layer's own forward raised on what the stand-in MLP returned."""
+
+
+def _own_forward(
+    cls: type, model: nn.Module, x, kwargs: dict, mlp_calls: list, where: str, mlp_name: str, returned: str
+):
+    """The layer class's own forward on the stand-in; where it raises after the stand-in MLP
+    returned (`returned`: what it returns), the reason says so: the layer reads its MLP's output
+    as something else (Llama 4's MoE layers unpack a tuple)."""
+    mlp_calls.clear()
+    try:
+        with seeded(6):
+            return cls.forward(model, x, **kwargs)
+    except Exception as e:
+        if not mlp_calls:
+            raise
+        raise _OtherMlpOutput(
+            f"{where} does not take {returned} from its {mlp_name}: handed that by a stand-in, its "
+            f"forward raised {type(e).__name__}: {e}"
+        ) from None
+
+
+def _probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str, wiring: dict) -> dict:
     cls = forward_owner(type(layer))
     n, f = 8, 11
     calls: list[dict] = []
+    mlp_calls: list[int] = []
+    unpack = wiring.get("mlp_unpack", False)
 
     Attention, Norm = _stand_ins(n, calls)
 
@@ -586,7 +638,9 @@ def _probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str, wiring:
             self.act_fn = nn.SiLU()
 
         def forward(self, x):
-            return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            mlp_calls.append(1)
+            out = self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+            return (out.reshape(-1, n), _Sentinel("aux")) if unpack else out
 
     defaults = attn_defaults(cls)
     spec = NormSpec(Norm, "eps")
@@ -602,32 +656,43 @@ def _probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str, wiring:
         children.update({name: copy.deepcopy(getattr(layer, name)) for name in extra})
         model = stand_in(layer, cls, children)
         x, r = torch.randn(2, 2, 5, n, dtype=torch.float64)
-    fused = LayerState(
-        *(_unowned(ops[op]) for op in ("silu_mul", "add_rms_norm", "rms_norm")),
-        spec,
-        spec,
-        Mlp,
-        nn.SiLU,
-        defaults,
-        None,
-        0,
-        **wiring,
-    )
-    unfused = dataclasses.replace(fused, silu_mul=None, add_rms_norm=None, rms_norm=None)
     named = {name: _Sentinel(name) for name in defaults}
     named["probe_extra"] = _Sentinel("probe_extra")  # **kwargs pass through to attention too
+    mlp = type(getattr(layer, wiring["mlp_name"], None)).__name__
+    own = functools.partial(
+        _own_forward,
+        cls,
+        model,
+        mlp_calls=mlp_calls,
+        where=f"{where} ({type(layer).__name__})",
+        mlp_name=f"{wiring['mlp_name']} ({mlp})",
+        returned="(out, aux)" if unpack else "a tensor",
+    )
     try:
         with torch.no_grad():
             for training, kwargs in ((False, named), (False, {}), (True, named)):
                 calls.clear()
                 model.train(training)
-                with seeded(6):
-                    want = cls.forward(model, x + r, **kwargs)
+                want = own(x + r, kwargs)
                 if not isinstance(want, torch.Tensor):
                     raise UnsupportedModel(
                         f"{where} ({type(layer).__name__}) returns a {type(want).__name__}, not the "
                         f"hidden state alone: pip install 'transformers>={MIN_TRANSFORMERS}'"
                     )
+                if kwargs is named and not training:  # the first run: which arguments reach attention
+                    wiring = {**wiring, "withheld": _withheld(defaults, named, calls)}
+                    fused = LayerState(
+                        *(_unowned(ops[op]) for op in ("silu_mul", "add_rms_norm", "rms_norm")),
+                        spec,
+                        spec,
+                        Mlp,
+                        nn.SiLU,
+                        defaults,
+                        None,
+                        0,
+                        **wiring,
+                    )
+                    unfused = dataclasses.replace(fused, silu_mul=None, add_rms_norm=None, rms_norm=None)
                 got = []
                 for state, pair in ((fused, True), (fused, False), (unfused, False)):
                     model.__dict__[STATE] = state
@@ -647,14 +712,16 @@ def _probe_layer(layer: nn.Module, ops: dict[str, Callable], where: str, wiring:
         raise
     except Exception as e:
         raise UnsupportedModel(f"{where} ({type(layer).__name__}) could not be checked: {e}") from None
+    return wiring
 
 
 def probe_postnorm_layer(
     layer: nn.Module, where: str, sandwich: bool = False, roles: tuple | None = None
-) -> None:
+) -> frozenset:
     """Run the layer class's own forward and the fused post-norm (or sandwich) body on stand-in
     submodules (float64, CPU): raise unless they give the same output and hand attention the
-    same arguments. `roles`: the norms' names by role (default Gemma 2's or OLMo 2's)."""
+    same arguments. `roles`: the norms' names by role (default Gemma 2's or OLMo 2's). Returns
+    the layer's arguments that its forward does not hand attention (PostNormState.withheld)."""
     roles = roles or (SANDWICH_ROLES if sandwich else POSTNORM_ROLES)
     cls = forward_owner(type(layer))
     n = 8
@@ -685,9 +752,7 @@ def probe_postnorm_layer(
     def rms(x, weight, eps, owned=False):
         return F.rms_norm(x, (n,), weight, eps)
 
-    model.__dict__[STATE] = PostNormState(
-        op, spec, spec, defaults, sandwich, rms if sandwich else None, spec, roles=roles
-    )
+    state = PostNormState(op, spec, spec, defaults, sandwich, rms if sandwich else None, spec, roles=roles)
     named = {name: _Sentinel(name) for name in defaults}
     named["probe_extra"] = _Sentinel("probe_extra")
     try:
@@ -697,6 +762,9 @@ def probe_postnorm_layer(
                 model.train(training)
                 with seeded(6):
                     want = cls.forward(model, x, **kwargs)
+                if kwargs is named and not training:  # the first run: which arguments reach attention
+                    state = dataclasses.replace(state, withheld=_withheld(defaults, named, calls))
+                    model.__dict__[STATE] = state
                 with seeded(6):
                     got = postnorm_layer_body(model, x, **kwargs)
                 same_args = len(calls) == 2 and calls[0] == calls[1]
@@ -715,6 +783,7 @@ def probe_postnorm_layer(
         raise
     except Exception as e:
         raise UnsupportedModel(f"{where} ({type(layer).__name__}) could not be checked: {e}") from None
+    return state.withheld
 
 
 __all__ = [
@@ -731,6 +800,7 @@ __all__ = [
     "LayerState",
     "NormSpec",
     "attn_defaults",
+    "attn_kwargs",
     "final_norm_forward",
     "layer_body",
     "layer_forward",
