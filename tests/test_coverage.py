@@ -125,6 +125,17 @@ def test_fuse_command_bad_input_is_one_line(argv, says, capsys):
     assert says in err and len(err.splitlines()) == 1
 
 
+def test_a_config_files_layout_survives_the_shrinking_and_its_sizes_do_not():
+    """--hf-config: the file's activation and MoE layout are the tiny model's, its sizes tiny."""
+    fields = {"model_type": "llama4_text", "moe_layers": [], "hidden_act": "gelu", "hidden_size": 5120,
+              "num_hidden_layers": 48, "intermediate_size_mlp": 16384}  # fmt: skip
+    config = hf_families.tiny_config("llama4_text", fields)
+    assert (config.moe_layers, config.hidden_act) == ([], "gelu")
+    assert config.hidden_size == hf_families.TINY_SIZES["hidden_size"] and config.num_hidden_layers <= 4
+    model = hf_families.build_tiny(config)
+    assert type(model.model.layers[0].feed_forward).__name__ == "Llama4TextMLP"
+
+
 def test_the_check_tells_two_different_models_apart():
     model = hf_families.build_tiny(hf_families.tiny_config("llama"))
     other = hf_families.build_tiny(hf_families.tiny_config("llama"), seed=1)

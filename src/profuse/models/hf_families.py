@@ -107,8 +107,10 @@ def tiny_config(family: str, fields: dict | None = None):
     if family not in families():
         version = transformers.__version__
         raise UsageError(f"{family!r} is not a causal-LM model type of transformers {version}")
-    base = transformers.AutoConfig.for_model(family, **_known(family, fields)).to_dict()
-    fields = {k: v for k, v in shrink(base).items() if k != "model_type"}
+    known = _known(family, fields)
+    base = transformers.AutoConfig.for_model(family, **known).to_dict()
+    # the config.json's own layout (activation, which layers are MoE, ...) kept, its sizes shrunk
+    fields = {k: v for k, v in {**known, **shrink(base)}.items() if k != "model_type"}
     return transformers.AutoConfig.for_model(family, **fields)
 
 
