@@ -841,6 +841,13 @@ def test_hf_fused_step_with_eager_ops(tmp_path):
     assert all(v > 0 for v in res.profiles["eager"].block_op_pct.values())
     assert set(res.amdahl.op_s) == ops
     assert res.amdahl is not None and res.amdahl.predict() is not None
+    # what fuse placed is the run's record, and the report's "fused ops" line says it
+    placed = res.to_dict()["fused_ops"]["fused"]
+    assert set(placed["counts"]) == ops and placed["counts"]["add_rms_norm"] == 2 * 2
+    from profuse.report.step import format_step
+
+    [line] = [x for x in format_step(res.to_dict()).splitlines() if x.startswith("fused ops: ")]
+    assert "add_rms_norm x4" in line and "rope x2" in line
 
 
 def test_hf_fused_step_through_the_interpreter(monkeypatch):

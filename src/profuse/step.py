@@ -420,6 +420,8 @@ class _Variant:
     autocast: Callable[[], contextlib.AbstractContextManager]  # the precision's (nothing for bf16)
     globals: contextlib.AbstractContextManager = field(default_factory=contextlib.nullcontext)
     mask: MaskRoute | None = None  # a compiled variant's causal mask: fixed or transformers' own
+    # what profuse.fuse placed in a fused variant: {"counts": op -> places, "left_unfused": [...]}
+    fused: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -470,7 +472,10 @@ def _prepare(
     if name in COMPILED_VARIANTS:
         mask = _mask_route(spec, name, model, fused)
         net = _compile.compile_model(model, cudagraphs=name in GRAPH_VARIANTS)
-    return _Variant(name, model, net, spec.loss, spec.reference_loss, autocast, module_globals, mask)
+    placed = None
+    if getattr(fused, "counts", None) is not None:  # a Hugging Face model's FuseSummary
+        placed = {"counts": dict(fused.counts), "left_unfused": list(fused.left_unfused)}
+    return _Variant(name, model, net, spec.loss, spec.reference_loss, autocast, module_globals, mask, placed)
 
 
 def _train_step(
@@ -972,6 +977,8 @@ class StepResult:
     weights: WeightsCheck | None = None  # the shared weights through the timed steps
     # each compiled variant's causal mask: profuse's fix (SDPA's is_causal) or the model's own
     masks: dict[str, MaskRoute] = field(default_factory=dict)
+    # each fused variant's placed ops and what profuse.fuse left unfused, and why (_Variant.fused)
+    fused_ops: dict[str, dict] = field(default_factory=dict)
     # each variant's row: its math checked or not, at which size, against what (samemath.status)
     math: dict[str, samemath.MathStatus] = field(default_factory=dict)
 
@@ -1014,6 +1021,7 @@ class StepResult:
             "same_math_note": self.same_math_note,
             "weights": self.weights.to_dict() if self.weights else None,
             "masks": {k: v.to_dict() for k, v in self.masks.items()},
+            "fused_ops": self.fused_ops,
             "math": {k: v.to_dict() for k, v in self.math.items()},
             "comparison": cmp.to_dict() if cmp else None,
         }
@@ -1118,6 +1126,7 @@ def run_step(
         batch = spec.batch(dev, cfg.seed)
         variants, optimizer = _build_variants(cfg, names, block_ops, failed)
     masks = {v.name: v.mask for v in variants if v.mask is not None}
+    fused_ops = {v.name: v.fused for v in variants if v.fused is not None}
     params = [p for group in optimizer.param_groups for p in group["params"]]
     comparison, memory, weights, splits = None, {}, None, {}
     with stepstate.zero_lr(optimizer):  # every variant times the same weights (profuse.stepstate)
@@ -1186,6 +1195,7 @@ def run_step(
         same_math_note=same_math_note,
         weights=weights,
         masks=masks,
+        fused_ops=fused_ops,
         math=math_rows(cfg.variants, skipped, failed, checks, same_math, same_math_note),
     )
     result.phases["total"] = clock() - start

@@ -418,6 +418,13 @@ def format_step(data: dict) -> str:
             else "every op profuse.fuse places: silu_mul, add_rms_norm, rms_norm, "
             "rope (Qwen3: qk_norm_rope), linear_cross_entropy"
         )
+        placed = next(iter((data.get("fused_ops") or {}).values()), None)
+        if placed is not None:  # what profuse.fuse placed in this model, from its summary
+            ops = ", ".join(f"{op} x{n}" for op, n in placed["counts"].items())
+            left = len(placed["left_unfused"])
+            ops += (
+                f"; {left} op(s) left unfused, each with its reason in step.json's fused_ops" if left else ""
+            )
         lines.append(f"fused ops: {data['block_ops']} ({ops})")
     lines += small_check_lines(data)
     for name, c in data.get("checks", {}).items():
