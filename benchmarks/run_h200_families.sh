@@ -12,7 +12,7 @@
 #   bash benchmarks/run_h200_families.sh [PREFIX] [dense|moe|ops]
 #
 # Sized for an H200's 141 GB. On an 80 GB card Phi-4-mini runs at BATCH_PHI (default 4; 1 fits an
-# H100) and the mixtures of experts do not fit (profuse refuses them in one line). PREFIX defaults
+# H100) and the mixtures of experts at the depth such a card holds (OLMoE-1B-7B-8L, Qwen3-30B-A3B-4L). PREFIX defaults
 # to benchmarks/results/CARD-DATE, CARD the GPU found; writes PREFIX-families/: one folder a step
 # (step.json, its console output as produced, stamped by stamp.py) and driver.log. Needs torch,
 # triton, transformers and liger-kernel on a CUDA machine, PYTHONPATH=src; PROFUSE_SOURCE_COMMIT
@@ -50,8 +50,10 @@ if [ "$part" = dense ]; then
   run olmo2-bf16 150 olmo2 OLMo-2-1B eager,fused,liger 10 0
   run phi4-bf16 240 phi3 Phi-4-mini eager,fused,liger 6 0 --batch-size "${BATCH_PHI:-4}"
 elif [ "$part" = moe ]; then
-  run olmoe-bf16 260 olmoe OLMoE-1B-7B eager,moe-best,moe-best+fused,liger 8 1
-  run qwen3moe-bf16 300 qwen3_moe Qwen3-30B-A3B-12L eager,moe-best,moe-best+fused,liger 8 1
+  mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2>/dev/null | head -1)
+  if [ "${mem:-0}" -gt 100000 ]; then olmoe=OLMoE-1B-7B; qwen=Qwen3-30B-A3B-12L; else olmoe=OLMoE-1B-7B-8L; qwen=Qwen3-30B-A3B-4L; fi
+  run olmoe-bf16 260 olmoe "$olmoe" eager,moe-best,moe-best+fused,liger 8 1
+  run qwen3moe-bf16 300 qwen3_moe "$qwen" eager,moe-best,moe-best+fused,liger 8 1
 elif [ "$part" = ops ]; then
   step ops 420 python3 "$here/bench_rope.py" --ops gelu_mul,rms_norm_offset,rms_norm_add,add_rms_norm,partial_rope,layer_norm \
     --out "$out/ops"

@@ -372,6 +372,20 @@ def test_moe_presets_have_the_published_sizes_and_the_tiny_ones_fuse():
     assert abs(HFSpec(whole, "whole", 1, 8).param_count() / 1e9 - 30.53) < 0.01
     for spec in (olmoe, qwen):
         assert spec.config.output_router_logits and (spec.batch_size, spec.seq_len) == (4, 2048)
+    # the 80 GB card's: the same layer, fewer of them, and the run's estimate under 90% of 80 GB
+    from profuse.step import StepConfig, estimated_bytes
+
+    for arch, name, whole, layers in (
+        ("olmoe", "OLMoE-1B-7B-8L", olmoe, 8),
+        ("qwen3_moe", "Qwen3-30B-A3B-4L", qwen, 4),
+    ):
+        small = hf_spec(arch, name)
+        assert small.n_layer == layers
+        keep = {k: v for k, v in small.config.to_dict().items() if k != "num_hidden_layers"}
+        assert keep == {k: v for k, v in whole.config.to_dict().items() if k != "num_hidden_layers"}
+        variants = ("eager", "moe-best", "moe-best+fused", "liger")
+        cfg = StepConfig(model=small, device=torch.device("cpu"), precision="bf16", variants=variants)
+        assert estimated_bytes(cfg) < 0.9 * 80e9 < estimated_bytes(dataclasses.replace(cfg, model=whole))
 
     for arch in ("olmoe", "qwen3_moe"):  # the CPU-sized model: the router's aux loss in its loss
         spec = hf_spec(arch, batch_size=1, seq_len=9)

@@ -34,7 +34,7 @@ STEP_VARIANTS = (
 GPT_STEP_PRESETS = ("lab", "small", "medium")
 HF_STEP_PRESETS = (
     "tiny", "Llama-3.2-1B", "Qwen2.5-0.5B", "Qwen3-0.6B", "Gemma-3-1B", "OLMo-2-1B", "Phi-4-mini",
-    "OLMoE-1B-7B", "Qwen3-30B-A3B-12L",
+    "OLMoE-1B-7B", "Qwen3-30B-A3B-12L", "OLMoE-1B-7B-8L", "Qwen3-30B-A3B-4L",
 )  # fmt: skip
 CPU_STEP_HINT = (
     "Part C (the whole training step, eager vs fused vs torch.compile) runs here on CUDA; on a CPU run "
@@ -83,7 +83,8 @@ def build_step_parser() -> argparse.ArgumentParser:
         "the router's aux loss on: OLMoE-1B-7B (hf:olmoe, 6.9B parameters, 64 experts top-8) and "
         "Qwen3-30B-A3B-12L (hf:qwen3_moe): Qwen3-30B-A3B's layer at 12 of its 48 layers, 8.1B "
         "parameters, because 48 hold 30.5B, 244 GB with AdamW in bf16, and 12 fit one 141 GB card "
-        "(~100 GB with the step's activations and logits) with room for the baselines",
+        "(~100 GB with the step's activations and logits) with room for the baselines; for an 80 GB "
+        "card, OLMoE-1B-7B-8L and Qwen3-30B-A3B-4L: the same layers, 8 of 16 and 4 of 48",
     )  # fmt: skip
     p.add_argument(
         "--hf-config", type=Path, default=None, metavar="PATH",
