@@ -669,7 +669,7 @@ def _plan_postnorm(stack: nn.Module, bound: dict, reasons: dict, counts: dict, w
         if offsets:
             raise UnsupportedModel(offsets[RMS_NORM_ADD])
         withheld = probe_postnorm_layer(layers[0], where, sandwich, roles)
-        for i, layer in _other_mlp_forms(layers, "mlp"):  # as _unprobed_form: each other MLP class's layer
+        for i, layer in _other_mlp_forms(layers, "mlp"):  # as _layer_forms: each other MLP class's layer
             differs = (
                 f"layer {i}'s mlp is a {type(layer.mlp).__name__}, layer 0's a {type(layers[0].mlp).__name__}"
             )

@@ -182,12 +182,17 @@ def _out_features(m: nn.Module) -> int | None:
     return w.shape[0] if isinstance(w, torch.Tensor) and w.dim() == 2 else None
 
 
+def _own_rope(owner: type):
+    """The attention module's own apply_rotary_pos_emb: the one its forward's module calls."""
+    return innermost(owner.forward).__globals__.get(ROPE_NAME)
+
+
 def _rope_parameters(owner: type) -> str | None:
     """The parameters of the attention module's own apply_rotary_pos_emb where they show it rotates
     one tensor, not q and k: GPT-J's and CodeGen's (tensor, sin, cos), interleaved pairs, Gemma
     3n's (x, cos, sin); None where it may take (q, k, cos, sin, ...) (a hub-kernel wrapper's
     (*args, **kwargs) included: the probe decides), or the module has none (the rebuild says so)."""
-    fn = innermost(owner.forward).__globals__.get(ROPE_NAME)
+    fn = _own_rope(owner)
     try:
         params = list(inspect.signature(inspect.unwrap(fn)).parameters.values()) if callable(fn) else None
     except (TypeError, ValueError):
@@ -462,7 +467,7 @@ def _casts_back(owner: type, form: str | None = None) -> bool | str:
     """Whether the attention module's own apply_rotary_pos_emb returns q in q's dtype where cos
     is wider (OLMo 2's, whose cos and sin stay fp32 under bf16 weights), where Llama's promotes:
     False, or the keep_dtype whose roundings are its own (_cast_back_order)."""
-    fn = innermost(owner.forward).__globals__.get(ROPE_NAME)
+    fn = _own_rope(owner)
     q = torch.ones(1, 1, 2, 4, dtype=torch.bfloat16)
     cos = torch.ones(1, 2, 4)
     try:
@@ -534,7 +539,7 @@ def _rope_form(owner: type) -> str | None:
     stand-ins whose cos and sin differ in every lane: _HALVES (Llama's rotate_half), a lane pairs'
     form of profuse.rotary.INTERLEAVED (cos by lane, Cohere's; its first half repeated, GLM's), or
     None where it is none of them or not (q, k, cos, sin) (the probe then says what it does)."""
-    fn = innermost(owner.forward).__globals__.get(ROPE_NAME)
+    fn = _own_rope(owner)
     gen = torch.Generator().manual_seed(9)
     q = torch.randn(1, 2, 3, 8, generator=gen, dtype=torch.float64)
     k = torch.randn(1, 1, 3, 8, generator=gen, dtype=torch.float64)
