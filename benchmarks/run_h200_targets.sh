@@ -1,19 +1,17 @@
 #!/usr/bin/env bash
-# Every target of the whole fused step on a card, in two parts that each fit one 10-minute call
-# (an H100's run times, 2026-12-07, warm Triton and Inductor caches except where said):
-#   part 1 (~9 min cold):
-#     research/memory_peak.py: where the fused and Liger steps peak (Llama-3.2-1B)            ~30 s
-#     profuse step Llama-3.2-1B bf16: eager, fused, liger, compile, compile+fused, no profiles
-#       (the two cold compiles are 41 s and 55 s)                                              ~300 s
-#     profuse step Qwen3-0.6B bf16 and amp; Llama-3.2-1B amp: eager, fused, liger              ~300 s
+# Every target of the whole fused step on a card, in two parts that each fit one 10-minute call:
+#   part 1, the first call on a fresh machine (cold Triton and Inductor caches, as the target is
+#   set):
+#     profuse step --model hf:llama --preset Llama-3.2-1B --precision both: every default variant
+#       (eager, fused, liger-ops, liger, compile, compile+fused, cudagraphs) with its profiles,
+#       amp then bf16, trials fitted to the step (--trials left out). Its wall time is the
+#       target (8 minutes); its tables are the Llama targets: fused vs eager and Liger, memory,
+#       amp, compile+fused vs compile with their profiles                                     ~8 min
 #   part 2:
+#     research/memory_peak.py: where the fused and Liger steps peak (Llama-3.2-1B)            ~30 s
+#     profuse step Qwen3-0.6B bf16 and amp: eager, fused, liger                              ~4.5 min
 #     profuse --out ...   (the default job: Parts A, B and C at the small preset)              ~105 s
-#     profuse step --model hf:llama --preset Llama-3.2-1B --precision both: every default
-#       variant with its profiles, for the run's wall time from a cold machine. By its parts on
-#       the H100 (7 variants x 42 trial rounds at ~0.9 s a variant and round, 3 cold compiles of
-#       ~45 s and 7 profiles of ~12 s a precision) it takes ~19 minutes: run it in the background
-#       (setsid) and collect it over two calls.
-#     benchmarks/check_fuse.py: profuse.fuse with the real kernels, every op against float64
+#     benchmarks/check_fuse.py: profuse.fuse with the real kernels, every op against float64  ~90 s
 #
 #   bash benchmarks/run_h200_targets.sh [PREFIX] [1|2]
 #
@@ -50,20 +48,16 @@ nvidia-smi --query-gpu=name,uuid,clocks.sm,clocks.max.sm,clocks.mem,power.limit,
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 python3 -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))"
 if [ "$part" = 1 ]; then
+  step llama-both 570 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B --precision both \
+    --out "$out/llama-both"
+else
   step memory-llama 90 python3 research/memory_peak.py --out "$out/memory-llama" --only eager,fused,liger
-  step llama-bf16 330 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B --precision bf16 \
-    --variants eager,fused,liger,compile,compile+fused --trials 10 --profile-steps 0 --out "$out/llama-bf16"
   step qwen3-bf16 120 python3 -m profuse step --model hf:qwen3 --preset Qwen3-0.6B --precision bf16 \
     --variants eager,fused,liger --trials 12 --profile-steps 0 --out "$out/qwen3-bf16"
   step qwen3-amp 150 python3 -m profuse step --model hf:qwen3 --preset Qwen3-0.6B --precision amp \
     --variants eager,fused,liger --trials 12 --profile-steps 0 --out "$out/qwen3-amp"
-  step llama-amp 110 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B --precision amp \
-    --variants eager,fused,liger --trials 6 --profile-steps 0 --out "$out/llama-amp"
-else
-  step main 300 python3 -m profuse --out "$out/main"
-  step llama-both 1500 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B --precision both \
-    --out "$out/llama-both"
-  step check-fuse 240 python3 "$here/check_fuse.py" --out "$out/check-fuse"
+  step main 150 python3 -m profuse --out "$out/main"
+  step check-fuse 100 python3 "$here/check_fuse.py" --out "$out/check-fuse"
 fi
 echo "### done $(date -u +%FT%TZ)"
 date -u +%FT%TZ > "$out/done-$part"

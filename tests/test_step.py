@@ -1096,6 +1096,33 @@ def test_the_trial_design_fits_the_step_and_bounds_the_run():
     assert cpu.calls == 1 and cpu.max_trials == 0 and cpu.balanced
 
 
+def test_trials_left_unnamed_fit_a_long_step_in_whole_designs():
+    """--trials left out: a long step's trial rounds fit TRIALS_BUDGET_S in whole balanced designs,
+    one design at the least; a short step, a CPU or an unknown step keep DEFAULT_TRIALS (rounded
+    up to whole designs, as asking for them gives)."""
+    from profuse.bench import DEFAULT_TRIALS
+    from profuse.bench.timing import balanced_trials, design_rows
+
+    cuda = torch.device("cuda")
+    for n, step_s in ((7, 0.15), (7, 0.19), (5, 0.166), (4, 0.3), (6, 0.11)):
+        design = S.trial_design(cuda, step_s, n)
+        round_s = n * (design.calls + design.discard) * step_s
+        got = S.fitted_trials(cuda, step_s, n)
+        assert got % design_rows(n) == 0 and got >= design_rows(n)
+        assert got * round_s <= S.TRIALS_BUDGET_S or got == design_rows(n)
+        assert (got + design_rows(n)) * round_s > S.TRIALS_BUDGET_S or got == balanced_trials(n, DEFAULT_TRIALS)
+    assert S.fitted_trials(cuda, 0.15, 7) == 14 < DEFAULT_TRIALS  # Llama-3.2-1B, every default variant
+    assert S.fitted_trials(cuda, 30.0, 3) == 6  # one whole design however long the step
+    assert S.fitted_trials(cuda, 0.01, 4) == balanced_trials(4, DEFAULT_TRIALS) == 32
+    assert S.fitted_trials(cuda, None, 5) == S.fitted_trials(torch.device("cpu"), 0.5, 5) == 30
+    cfg = S.StepConfig(device=torch.device("cpu"), variants=["eager"])
+    assert cfg.trials is None and cfg.to_dict()["trials"] is None
+    counted = S.budget(cfg, ["eager"])
+    assert counted["trials_fitted"] == 1 and counted["trial_rounds"] == balanced_trials(1, DEFAULT_TRIALS)
+    asked = S.budget(S.StepConfig(device=torch.device("cpu"), variants=["eager"], trials=4), ["eager"])
+    assert asked["trials_fitted"] == 0 and asked["trial_rounds"] == 4
+
+
 def test_graph_variants_that_would_not_fit_are_skipped_with_the_reason_and_the_rest_run(monkeypatch):
     """Llama-3.2-1B's 7 default variants on an 80 GB card: the graphs' pool is what does not fit."""
     from profuse.models import model_spec

@@ -244,6 +244,28 @@ def test_step_runs_and_records_each_precision(flags, precisions, tmp_path, capsy
     assert "first step: eager" not in out  # progress stays on stderr
 
 
+def test_both_stopped_in_bf16_keeps_amp_whole_and_says_so(tmp_path, capsys, monkeypatch):
+    """An interrupt (Ctrl-C, timeout -s INT) in --precision both's second run: the first run's
+    step.json is written whole, as a run of amp alone, and the one line says what was kept."""
+    real = S.run_step
+
+    def stopped_in_bf16(cfg, progress=None):
+        if cfg.precision == "bf16":
+            raise KeyboardInterrupt
+        return real(cfg, progress=progress)
+
+    monkeypatch.setattr(S, "run_step", stopped_in_bf16)
+    argv = ["step", *GPT_FLAGS, "--precision", "both", "--profile-steps", "0", "--out", str(tmp_path)]
+    code, out, err = run(argv, capsys)
+    assert code == 130
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("profuse: interrupted; amp had finished") and str(tmp_path / "step.json") in line
+    assert "bf16 did not finish" in line
+    data = json.loads((tmp_path / "step.json").read_text())
+    assert "runs" not in data and data["config"]["precision"] == "amp" and data["results"]["eager"]
+    assert "=== Part C: the whole training step" in out
+
+
 @pytest.mark.parametrize(
     "command, flags",
     [("step", GPT_FLAGS), ("profile", ["--device", "cpu", "--profile-steps", "1"])],

@@ -98,7 +98,7 @@ from profuse import env as _env
 from profuse.amdahl import Amdahl, OpTiming
 from profuse.bench import DEFAULT_TRIALS
 from profuse.bench.stats import Speedup, speedup_ci
-from profuse.bench.timing import REFEREE, Comparison, TrialDesign, balanced_trials, compare
+from profuse.bench.timing import REFEREE, Comparison, TrialDesign, balanced_trials, compare, design_rows
 from profuse.compiletime import CompileSplit, split_compile
 from profuse.env import FIT_SHARE, check_fits, dtype_name, environment, interpreting
 from profuse.errors import UsageError
@@ -177,7 +177,9 @@ class StepConfig:
     preset: str | None = None  # recorded with the results; with a spec, the spec's
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     variants: Sequence[str] | None = None  # eager, the baseline, is always in; None: the model's default
-    trials: int = DEFAULT_TRIALS  # interleaved trials of whole steps (and of each op, for Amdahl)
+    # interleaved trials of whole steps; None: fitted to the step (fitted_trials), DEFAULT_TRIALS
+    # where its length is not known before the trials (a CPU)
+    trials: int | None = None
     warmup: int | None = None  # untimed steps after the first: 3 on CUDA, 1 on CPU (steps take ~1 s)
     seed: int = 0  # weights, the batch of random tokens, the trial order
     profile_steps: int = 3  # profiled steps per variant; 0: no profiles and no Amdahl prediction
@@ -212,7 +214,7 @@ class StepConfig:
         if BASELINE not in names:
             names.insert(0, BASELINE)
         self.variants = tuple(v for v in ALL_VARIANTS if v in names)  # table order
-        if self.trials < 2:
+        if self.trials is not None and self.trials < 2:
             raise UsageError(f"--trials must be at least 2 for a confidence interval, got {self.trials}")
         if self.profile_steps < 0:
             raise UsageError(f"--profile-steps cannot be negative ({self.profile_steps})")
@@ -772,6 +774,23 @@ def trial_design(device: torch.device, step_s: float | None = None, variants: in
     )
 
 
+def fitted_trials(device: torch.device, step_s: float | None, variants: int) -> int:
+    """How many trials a run that names none gets: DEFAULT_TRIALS (rounded up to whole balanced
+    designs, as asking for them would be), except on CUDA where a round of every variant's
+    steps is long: as many whole designs as TRIALS_BUDGET_S of steps holds, one at the least.
+    Seven variants of Llama-3.2-1B (a 150-190 ms step, 5 steps a trial) fit 14 trials, not 42,
+    which at about 5 s a round took 3.5 minutes a precision (H100, 2026-12-07); under 30
+    trials each CI is the order statistics' interval with its exact coverage."""
+    n = max(variants, 1)
+    most = balanced_trials(n, DEFAULT_TRIALS)
+    if device.type != "cuda" or not step_s or step_s <= 0:
+        return most
+    design = trial_design(device, step_s, n)
+    round_s = n * (design.calls + design.discard) * step_s
+    size = design_rows(n)
+    return max(size, min(most, int(TRIALS_BUDGET_S // round_s) // size * size))
+
+
 def _step_seconds(step: Callable[[], object], device: torch.device) -> float:
     """One step's wall time after a synchronisation, the second of two (the first refills caches):
     what fits the trial design to the model (trial_design), not a measurement that is reported."""
@@ -796,14 +815,13 @@ def _timed_steps(cfg, steps, first_steps, tell, phase) -> tuple[Comparison, dict
         else None
     )
     design = trial_design(cfg.device, step_s, len(steps))
-    tell(
-        f"steps: warm-up, then {cfg.trials} trials of {', '.join(steps)} ({design.calls} steps a trial)", 0, 1
-    )
+    trials = cfg.trials if cfg.trials is not None else fitted_trials(cfg.device, step_s, len(steps))
+    tell(f"steps: warm-up, then {trials} trials of {', '.join(steps)} ({design.calls} steps a trial)", 0, 1)
     with _compile.no_recompiles(), phase("trials"):
         comparison = compare(
             {name: last.wrap(name, step) for name, step in steps.items()},
             BASELINE,
-            trials=cfg.trials,
+            trials=trials,
             device=cfg.device,
             warmup=cfg.warmup,
             flush_l2=False,  # a step's own traffic (hundreds of MB) evicts the L2
@@ -924,7 +942,10 @@ def budget(cfg: StepConfig, names: Sequence[str]) -> dict[str, int]:
     runs at least `warmup` steps a variant (on until steady: bench.timing)."""
     n, cuda = len(names), cfg.device.type == "cuda"
     design = trial_design(cfg.device)
-    rounds = balanced_trials(n, cfg.trials) if design.balanced and n else cfg.trials  # whole Williams designs
+    # whole Williams designs; trials left to fit (fitted_trials) count at their most, the step's
+    # length being unknown before it runs
+    asked = cfg.trials if cfg.trials is not None else fitted_trials(cfg.device, None, n)
+    rounds = balanced_trials(n, asked) if design.balanced and n else asked
     checked = [c for c in CHECKED_VARIANTS if c in names or (c == "fused" and "compile+fused" in names)]
     profiled = cfg.profile_steps > 0
     compiled = sum(name in COMPILED_VARIANTS for name in names)
@@ -938,9 +959,10 @@ def budget(cfg: StepConfig, names: Sequence[str]) -> dict[str, int]:
         "first_steps": n * (stepstate.MEMORY_STEPS + stepstate.STEADY_STEPS if cuda else 1),
         "warmup_steps_at_least": n * cfg.warmup * (design.warmup_block or design.calls),
         "trial_rounds": rounds,
+        "trials_fitted": int(cfg.trials is None),  # 1: fewer where a round of steps is long
         "trial_rounds_at_most": max(rounds, design.max_trials),  # more where the top two are close
         "steps_per_trial": design.calls + design.discard,
-        "host_rounds": (design.host_rounds or cfg.trials) if cuda else 0,  # each variant once a round
+        "host_rounds": (design.host_rounds or asked) if cuda else 0,  # each variant once a round
         "profiled_steps": n * cfg.profile_steps if profiled else 0,
         "profile_warmup_steps": (n + compiled) if profiled else 0,
         # CUDA: each variant's unsynchronised steps for the bound, one more first (stepprofile)

@@ -122,11 +122,13 @@ def build_step_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--trials",
         type=trial_count,
-        default=DEFAULT_TRIALS,
+        default=None,
         help="interleaved timed trials, rounded up to whole carry-over-balanced designs (n trials for n "
-        f"variants, 2n where n is odd) (default: {DEFAULT_TRIALS}; on CUDA up "
-        "to 30 where the two fastest are within 2%%, within 120 s of steps; under 30 trials each CI is a "
-        "distribution-free interval from order statistics, its exact coverage printed)",
+        f"variants, 2n where n is odd) (default: {DEFAULT_TRIALS}, except on CUDA where a round of "
+        "every variant's steps is long: as many whole designs as 120 s of steps holds, one at the least; "
+        "on CUDA more, up to 30, where the two fastest are within 2%%, within the same 120 s; under 30 "
+        "trials each CI is a distribution-free interval from order statistics, its exact coverage "
+        "printed)",
     )
     p.add_argument(
         "--profile-steps", type=nonnegative_int, default=3,
@@ -194,6 +196,18 @@ def run_part_c(cfgs) -> None:
         for cfg in cfgs:
             progress.prefix = f"{cfg.precision}: " if len(cfgs) > 1 else ""
             runs.append(run_step(cfg, progress=progress).to_dict())
+    except KeyboardInterrupt:
+        if not runs:
+            raise
+        # --precision both stopped in its second run: the first one's results are whole; kept
+        progress.close()
+        print(format_step(runs[0]))
+        path = write_result(Path(cfgs[0].out_dir) / "step.json", runs[0])
+        done, stopped = cfgs[0].precision, cfgs[len(runs)].precision
+        raise KeyboardInterrupt(
+            f"{done} had finished: its results are kept in {path} (a run of {done} alone); {stopped} "
+            "did not finish and is not saved"
+        ) from None
     finally:
         progress.close()
     data = runs[0] if len(runs) == 1 else both_precisions(runs)

@@ -308,7 +308,7 @@ def again_command(data: dict) -> str:
                 argv += [flag, str(cfg["model"][field])]
     if cfg.get("variants"):
         argv += ["--variants", ",".join(cfg["variants"])]
-    argv += ["--trials", str(max(int(cfg.get("trials", FEW_TRIALS)), FEW_TRIALS))]
+    argv += ["--trials", str(max(int(cfg.get("trials") or FEW_TRIALS), FEW_TRIALS))]
     argv += ["--seed", str(cfg["seed"])] if cfg.get("seed") else []
     argv += threads_flag(data.get("env") or {})
     return shlex.join([*argv, "--out", "again"])
