@@ -48,7 +48,7 @@ nvidia-smi --query-gpu=name,uuid,clocks.sm,clocks.max.sm,clocks.mem,power.limit,
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 python3 -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))"
 if [ "$part" = 1 ]; then
-  step llama-both 570 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B --precision both \
+  step llama-both 555 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B --precision both \
     --out "$out/llama-both"
 else
   step memory-llama 90 python3 research/memory_peak.py --out "$out/memory-llama" --only eager,fused,liger
