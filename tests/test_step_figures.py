@@ -147,6 +147,13 @@ class FakeAllocator:
             "memory_allocated": lambda device=None: self.allocated,
             "max_memory_allocated": lambda device=None: self.peak_allocated,
             "max_memory_reserved": lambda device=None: self.peak_reserved,
+            "memory_stats": lambda device=None: {
+                "segment.all.peak": 3,
+                "inactive_split_bytes.all.peak": self.peak_reserved - self.peak_allocated,
+                "requested_bytes.all.peak": self.peak_allocated,
+                "num_alloc_retries": 0,
+                "active.all.peak": 9,
+            },
         }.items():
             monkeypatch.setattr(torch.cuda, name, fn)
 
@@ -174,6 +181,10 @@ def test_the_steady_state_peak_leaves_out_the_first_steps_transients(monkeypatch
     assert (m.reserved_bytes, m.allocated_bytes) == (resident + max(first), resident + max(first))
     assert m.steady_reserved_bytes == m.steady_allocated_bytes == resident + max(steady)
     assert m.steady_steps == stepstate.STEADY_STEPS and next(transients, None) is None  # every step ran
+    assert m.steady_allocator == {  # the allocator's account of the steady steps, ALLOCATOR_STATS only
+        "segment.all.peak": 3, "inactive_split_bytes.all.peak": 0,
+        "requested_bytes.all.peak": resident + max(steady), "num_alloc_retries": 0,
+    }  # fmt: skip
     saved = m.to_dict()
     assert saved["steady_reserved_bytes"] < saved["peak_bytes"] and saved["accounting"] == "reserved"
 

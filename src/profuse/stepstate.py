@@ -95,6 +95,9 @@ class StepMemory:
     steady_reserved_bytes: int | None = None
     steady_allocated_bytes: int | None = None
     steady_steps: int = 0
+    # the allocator's own account of those steady steps (ALLOCATOR_STATS, peaks unless said): where
+    # reserved exceeds allocated, the split blocks left inactive and the segments say why
+    steady_allocator: dict | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -112,6 +115,27 @@ class OwnSteps:
     first_s: float  # the first step, synchronised, compilation included
     memory: StepMemory | None  # CUDA only
     loss: torch.Tensor | None
+
+
+# torch.cuda.memory_stats keys read after the steady steps: segments held from the driver, bytes in
+# split blocks not in use (fragmentation), what tensors asked for before the allocator's rounding,
+# and the times it freed its cache to retry a cudaMalloc.
+ALLOCATOR_STATS = (
+    "segment.all.peak",
+    "inactive_split_bytes.all.peak",
+    "requested_bytes.all.peak",
+    "num_alloc_retries",
+)
+
+
+def allocator_stats(device: torch.device) -> dict | None:
+    """ALLOCATOR_STATS from torch.cuda.memory_stats (None where the allocator gives none: a
+    backend without them, an allocator other than the caching one)."""
+    try:
+        stats = torch.cuda.memory_stats(device)
+    except (RuntimeError, AssertionError, AttributeError):
+        return None
+    return {k: int(stats[k]) for k in ALLOCATOR_STATS if k in stats} or None
 
 
 def _sync(device: torch.device) -> None:
@@ -168,6 +192,7 @@ def own_steps(
             memory.steady_reserved_bytes = torch.cuda.max_memory_reserved(device)
             memory.steady_allocated_bytes = torch.cuda.max_memory_allocated(device)
             memory.steady_steps = steady
+            memory.steady_allocator = allocator_stats(device)
     return OwnSteps(first_s, memory, loss)
 
 
