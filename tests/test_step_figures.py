@@ -125,8 +125,10 @@ class FakeAllocator:
 
     def __init__(self, resident: int):
         self.allocated = self.reserved = self.peak_allocated = self.peak_reserved = resident
+        self.steps_run = 0  # each step retries one cudaMalloc, in memory_stats' count
 
     def step(self, transient: int) -> None:
+        self.steps_run += 1
         self.peak_allocated = max(self.peak_allocated, self.allocated + transient)
         self.reserved = max(self.reserved, self.allocated + transient)
         self.peak_reserved = max(self.peak_reserved, self.reserved)
@@ -151,7 +153,7 @@ class FakeAllocator:
                 "segment.all.peak": 3,
                 "inactive_split_bytes.all.peak": self.peak_reserved - self.peak_allocated,
                 "requested_bytes.all.peak": self.peak_allocated,
-                "num_alloc_retries": 0,
+                "num_alloc_retries": 3 + self.steps_run,  # counted since the process began
                 "active.all.peak": 9,
             },
         }.items():
@@ -183,7 +185,7 @@ def test_the_steady_state_peak_leaves_out_the_first_steps_transients(monkeypatch
     assert m.steady_steps == stepstate.STEADY_STEPS and next(transients, None) is None  # every step ran
     assert m.steady_allocator == {  # the allocator's account of the steady steps, ALLOCATOR_STATS only
         "segment.all.peak": 3, "inactive_split_bytes.all.peak": 0,
-        "requested_bytes.all.peak": resident + max(steady), "num_alloc_retries": 0,
+        "requested_bytes.all.peak": resident + max(steady), "num_alloc_retries": stepstate.STEADY_STEPS,
     }  # fmt: skip
     saved = m.to_dict()
     assert saved["steady_reserved_bytes"] < saved["peak_bytes"] and saved["accounting"] == "reserved"

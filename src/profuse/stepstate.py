@@ -118,24 +118,31 @@ class OwnSteps:
 
 
 # torch.cuda.memory_stats keys read after the steady steps: segments held from the driver, bytes in
-# split blocks not in use (fragmentation), what tensors asked for before the allocator's rounding,
-# and the times it freed its cache to retry a cudaMalloc.
+# split blocks not in use (fragmentation), what tensors asked for before the allocator's rounding
+# (peaks, which reset_peak_memory_stats restarts), and the times it freed its cache to retry a
+# cudaMalloc (a count since the process began, so read before and after: the steps' own).
 ALLOCATOR_STATS = (
     "segment.all.peak",
     "inactive_split_bytes.all.peak",
     "requested_bytes.all.peak",
     "num_alloc_retries",
 )
+COUNTED_STATS = ("num_alloc_retries",)
 
 
-def allocator_stats(device: torch.device) -> dict | None:
+def allocator_stats(device: torch.device, before: dict | None = None) -> dict | None:
     """ALLOCATOR_STATS from torch.cuda.memory_stats (None where the allocator gives none: a
-    backend without them, an allocator other than the caching one)."""
+    backend without them, an allocator other than the caching one); with `before` (this
+    function's earlier reading) the COUNTED_STATS as the difference since then."""
     try:
         stats = torch.cuda.memory_stats(device)
     except (RuntimeError, AssertionError, AttributeError):
         return None
-    return {k: int(stats[k]) for k in ALLOCATOR_STATS if k in stats} or None
+    out = {k: int(stats[k]) for k in ALLOCATOR_STATS if k in stats}
+    for k in COUNTED_STATS:
+        if before and k in out and k in before:
+            out[k] -= before[k]
+    return out or None
 
 
 def _sync(device: torch.device) -> None:
@@ -186,13 +193,14 @@ def own_steps(
         if steady > 0:  # the cache emptied of the first steps' transients, the peaks reset
             loss = None
             empty_allocator(device)
+            before = allocator_stats(device)
             for _ in range(steady):
                 loss = step()
             _sync(device)
             memory.steady_reserved_bytes = torch.cuda.max_memory_reserved(device)
             memory.steady_allocated_bytes = torch.cuda.max_memory_allocated(device)
             memory.steady_steps = steady
-            memory.steady_allocator = allocator_stats(device)
+            memory.steady_allocator = allocator_stats(device, before)
     return OwnSteps(first_s, memory, loss)
 
 
