@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Every target of the whole fused step on a card, in two parts that each fit one 10-minute call:
 #   part 1, the first call on a fresh machine (cold Triton and Inductor caches, as the target is
-#   set):
+#   set), run in the background and waited on over as many calls of part 1 as it takes:
 #     profuse step --model hf:llama --preset Llama-3.2-1B --precision both: every default variant
 #       (eager, fused, liger-ops, liger, compile, compile+fused, cudagraphs) with its profiles,
 #       amp then bf16, trials fitted to the step (--trials left out). Its wall time is the
 #       target (8 minutes); its tables are the Llama targets: fused vs eager and Liger, memory,
-#       amp, compile+fused vs compile with their profiles                                     ~8 min
+#       amp, compile+fused vs compile with their profiles                 ~12 min on an H100
 #   part 2:
 #     research/memory_peak.py: where the fused and Liger steps peak (Llama-3.2-1B)            ~30 s
 #     profuse step Qwen3-0.6B bf16 and amp: eager, fused, liger                              ~4.5 min
@@ -48,8 +48,28 @@ nvidia-smi --query-gpu=name,uuid,clocks.sm,clocks.max.sm,clocks.mem,power.limit,
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 python3 -c "import liger_kernel, importlib.metadata as m; print('liger-kernel', m.version('liger-kernel'))"
 if [ "$part" = 1 ]; then
-  step llama-both 555 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B --precision both \
-    --out "$out/llama-both"
+  # Longer than one call (about 12 minutes on an H100, 2026-12-07): the first call of part 1 starts
+  # it in its own session, in the background, and every call of part 1 waits for it up to WAIT_S
+  # seconds (default 540), so two calls chained within the machine's idle release see it through.
+  both="$out/llama-both"
+  if [ ! -e "$both/pid" ]; then
+    mkdir -p "$both"
+    echo "### llama-both: started $(date -u +%FT%TZ) in the background, limit 1500 s"
+    setsid bash -c "timeout -s INT -k 10 1500 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B \
+      --precision both --out '$both' 2>&1 | python3 '$here/stamp.py' '$both/console.log' > /dev/null; \
+      echo \${PIPESTATUS[0]} > '$both/rc'" < /dev/null > /dev/null 2>&1 &
+    echo $! > "$both/pid"
+  fi
+  waited=0
+  while [ ! -e "$both/rc" ] && [ "$waited" -lt "${WAIT_S:-540}" ]; do
+    sleep 10; waited=$((waited + 10))
+    [ $((waited % 60)) = 0 ] && echo "### llama-both: running; last line: $(tail -c 300 "$both/console.log" | tr '\r' '\n' | tail -1)"
+  done
+  if [ ! -e "$both/rc" ]; then
+    echo "### llama-both: still running after this call's ${WAIT_S:-540} s: call part 1 again to wait on"
+    exit 0
+  fi
+  echo "### llama-both: rc=$(cat "$both/rc")"
 else
   step memory-llama 90 python3 research/memory_peak.py --out "$out/memory-llama" --only eager,fused,liger
   step qwen3-bf16 120 python3 -m profuse step --model hf:qwen3 --preset Qwen3-0.6B --precision bf16 \
