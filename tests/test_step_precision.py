@@ -244,6 +244,44 @@ def test_step_runs_and_records_each_precision(flags, precisions, tmp_path, capsy
     assert "first step: eager" not in out  # progress stays on stderr
 
 
+@pytest.mark.parametrize("precision", ["amp", "bf16"])
+def test_fused_adamw_steps_every_variant_and_the_file_says_so(precision, tmp_path, capsys, monkeypatch):
+    """--optimizer fused: the run's one AdamW is torch's fused kernel (seen by what the step
+    builds), the weights stay bitwise the same at lr 0 through every variant's steps, and the
+    config, the report's model line and the command that times it again say so."""
+    built = []
+    real = S.make_optimizer
+
+    def spy(params, lr, kind="default"):
+        opt = real(params, lr, kind)
+        built.append(opt.defaults.get("fused"))
+        return opt
+
+    monkeypatch.setattr(S, "make_optimizer", spy)
+    argv = ["step", *GPT_FLAGS, "--precision", precision, "--optimizer", "fused", "--profile-steps", "0",
+            "--trials", "2", "--out", str(tmp_path)]  # fmt: skip
+    code, out, err = run(argv, capsys)
+    assert code == 0, err
+    assert built == [True]
+    data = json.loads((tmp_path / "step.json").read_text())
+    assert data["config"]["optimizer"] == "fused"
+    assert data["weights"]["unchanged"] and data["weights"]["finite"]
+    assert "AdamW fused (fused=True), every variant" in out
+    from profuse.report.step import again_command
+
+    assert "--optimizer fused" in again_command(data)
+    data["config"]["optimizer"] = "default"
+    assert "--optimizer" not in again_command(data)
+
+
+def test_an_unknown_optimizer_is_refused_before_any_work(tmp_path, capsys):
+    with pytest.raises(UsageError, match="unknown optimizer 'sgd'"):
+        S.StepConfig(device=torch.device("cpu"), optimizer="sgd")
+    code, out, err = run(["step", *GPT_FLAGS, "--optimizer", "sgd", "--out", str(tmp_path)], capsys)
+    assert_one_clear_line(code, err)
+    assert "--optimizer" in err and out == ""
+
+
 def test_both_stopped_in_bf16_keeps_amp_whole_and_says_so(tmp_path, capsys, monkeypatch):
     """An interrupt (Ctrl-C, timeout -s INT) in --precision both's second run: the first run's
     step.json is written whole, as a run of amp alone, and the one line says what was kept."""

@@ -150,6 +150,8 @@ HF_VARIANTS = tuple(v for v in ALL_VARIANTS if v not in ("compile-stock", *EXPER
 MOE_VARIANTS = tuple(v for v in ALL_VARIANTS if v != "compile-stock")
 FUSED_VARIANTS = ("fused", "moe-best+fused", "compile+fused")
 LIGER_VARIANTS = ("liger-ops", "liger")
+# StepConfig.optimizer's choices: AdamW as torch builds it with no flags, or its fused kernel.
+OPTIMIZERS = ("default", "fused")
 COMPILED_VARIANTS = ("compile", "compile-stock", "compile+fused", "cudagraphs")
 # The compiled variants of the unfused model that take the causal-mask fix (ModelSpec.fix_causal_mask).
 MASK_FIXED_VARIANTS = ("compile", "cudagraphs")
@@ -188,12 +190,18 @@ class StepConfig:
     # amp: fp32 parameters and AdamW state, bf16 autocast on CUDA; bf16: bf16 parameters and AdamW
     # state, no autocast (profuse.models.spec.PRECISIONS)
     precision: str = DEFAULT_PRECISION
+    # AdamW's implementation, the same for every variant: "default" (torch.optim.AdamW with no
+    # flags: foreach on CUDA, a loop on a CPU) or "fused" (AdamW(fused=True): one kernel over all
+    # parameters; Hugging Face's Trainer default, adamw_torch_fused, from torch 2.8 on)
+    optimizer: str = "default"
     trace_tag: str = ""  # appended to the traces' names: the precision, where one folder holds two runs
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
         self.out_dir = Path(self.out_dir)
         check_precision(self.precision)
+        if self.optimizer not in OPTIMIZERS:
+            raise UsageError(f"unknown optimizer {self.optimizer!r}: choose from {', '.join(OPTIMIZERS)}")
         if isinstance(self.model, GPTConfig):
             preset = self.preset or "lab"
             if preset not in PRESETS:
@@ -274,6 +282,7 @@ class StepConfig:
             "lr": self.lr,
             "precision": self.precision,
             "precision_text": precision_text(self.device, self.precision),
+            "optimizer": self.optimizer,
             "timing": "loop",
             **({"experts": self.experts.to_dict()} if self.experts is not None else {}),
         }
@@ -603,7 +612,14 @@ def _build_variants(
             )
             continue
         out.append(v)
-    return out, torch.optim.AdamW(base.parameters(), lr=cfg.lr)
+    return out, make_optimizer(base.parameters(), cfg.lr, cfg.optimizer)
+
+
+def make_optimizer(params, lr: float, kind: str = "default") -> torch.optim.Optimizer:
+    """The run's one AdamW (StepConfig.optimizer): torch's default implementation, or fused=True."""
+    if kind == "fused":
+        return torch.optim.AdamW(params, lr=lr, fused=True)
+    return torch.optim.AdamW(params, lr=lr)
 
 
 def _loss_and_grads(v: _Variant, loss_fn: LossFn, params: list, batch: Batch, device) -> tuple[float, list]:

@@ -120,6 +120,12 @@ def build_step_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add_precision_arg(p, "the whole run (every variant, its check, trials and profiles)")
     p.add_argument(
+        "--optimizer", default="default", choices=("default", "fused"),
+        help="AdamW's implementation, the same for every variant: default = torch.optim.AdamW as torch "
+        "builds it (foreach on CUDA); fused = AdamW(fused=True), one kernel over every parameter, what "
+        "Hugging Face's Trainer uses by default from torch 2.8 (adamw_torch_fused) (default: default)",
+    )  # fmt: skip
+    p.add_argument(
         "--trials",
         type=trial_count,
         default=None,
@@ -165,7 +171,9 @@ def step_config(args, device, preset: str | None, precision: str | None = None):
         vocab_size=getattr(args, "vocab_size", None),
     )
     kw = {
-        name: getattr(args, name) for name in ("variants", "trials", "profile_steps") if hasattr(args, name)
+        name: getattr(args, name)
+        for name in ("variants", "trials", "profile_steps", "optimizer")
+        if hasattr(args, name)
     }
     both = getattr(args, "precision", "amp") == "both"
     precision = precision or precisions(args)[0]

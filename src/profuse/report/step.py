@@ -188,6 +188,12 @@ def precision_words(cfg: dict) -> str:
     return cfg.get("precision_text") or cfg.get("precision", "")
 
 
+def optimizer_words(cfg: dict) -> str:
+    """'; AdamW fused (fused=True), every variant' where the run asked for it; '' for torch's
+    default AdamW (and files written before --optimizer, which all used it)."""
+    return "; AdamW fused (fused=True), every variant" if cfg.get("optimizer") == "fused" else ""
+
+
 def _model_line(data: dict) -> str:
     cfg = data["config"]
     m = cfg["model"]
@@ -199,12 +205,12 @@ def _model_line(data: dict) -> str:
             f"{m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads ({m['n_kv_head']} KV, "
             f"head dim {m['head_dim']}), ffn {m['ffn_hidden']}, vocab {m['vocab_size']}{tied}; "
             f"{m['batch_size']} x {m['seq_len']} = {tokens} tokens a step; "
-            f"{data['n_params'] / 1e6:.1f}M parameters; {precision_words(cfg)}"
+            f"{data['n_params'] / 1e6:.1f}M parameters; {precision_words(cfg)}{optimizer_words(cfg)}"
         )
     return (
         f"model: {m['n_layer']} layers, d_model {m['d_model']}, {m['n_head']} heads, ffn {m['ffn_hidden']}, "
         f"vocab {m['vocab_size']}; {m['batch_size']} x {m['seq_len']} = {tokens} tokens a step; "
-        f"{data['n_params'] / 1e6:.1f}M parameters; {precision_words(cfg)}"
+        f"{data['n_params'] / 1e6:.1f}M parameters; {precision_words(cfg)}{optimizer_words(cfg)}"
     )
 
 
@@ -308,6 +314,8 @@ def again_command(data: dict) -> str:
                 argv += [flag, str(cfg["model"][field])]
     if cfg.get("variants"):
         argv += ["--variants", ",".join(cfg["variants"])]
+    if cfg.get("optimizer", "default") != "default":
+        argv += ["--optimizer", str(cfg["optimizer"])]
     argv += ["--trials", str(max(int(cfg.get("trials") or FEW_TRIALS), FEW_TRIALS))]
     argv += ["--seed", str(cfg["seed"])] if cfg.get("seed") else []
     argv += threads_flag(data.get("env") or {})
