@@ -91,6 +91,27 @@ def test_a_heartbeat_while_a_stage_runs_long_so_no_ten_seconds_pass_silent():
     assert len(lines_of(out)) == len(lines)
 
 
+def test_a_quiet_start_says_nothing_unless_it_lasts_past_the_heartbeat():
+    """The start of `profuse step` (importing torch, the memory check): no line if it ends within
+    the heartbeat (a bad input's error stays the one line), a heartbeat naming it if it lasts."""
+    clock, out = FakeClock(), io.StringIO()
+    say = ProgressLines(out, clock=clock, thread=False, heartbeat_s=8.0)
+    say.quietly("starting: torch, the model's sizes and the memory check")
+    for _ in range(7):
+        clock.advance(1.0)
+        say.beat()
+    assert lines_of(out) == []
+    for _ in range(9):
+        clock.advance(1.0)
+        say.beat()
+    assert lines_of(out) == [
+        "[ 0:08] starting: torch, the model's sizes and the memory check, 8 s so far",
+        "[ 0:16] starting: torch, the model's sizes and the memory check, 16 s so far",
+    ]
+    say("plan (bf16): eager, fused", 0, 1)  # the run's first stage: a line, from the same start
+    assert lines_of(out)[-1] == "[ 0:16] plan (bf16): eager, fused"
+
+
 def test_the_prefix_names_the_precision_and_the_thread_stops_on_close():
     out = io.StringIO()
     say = ProgressLines(out, heartbeat_s=60.0)  # a real thread, which says nothing in this test

@@ -481,6 +481,13 @@ class ProgressLines:
             if done >= total or now - self.last_line >= self.every_s:
                 self._say(now, self._text(now))
 
+    def quietly(self, stage: str) -> None:
+        """Enter `stage` without a line: it is named only if it lasts past the heartbeat (a start
+        that fails at once on bad input leaves its one error line alone)."""
+        with self._lock:
+            self.stage, self.stage_start, self._paced = self.prefix + stage, self.clock(), None
+            self.done = self.total = 0
+
     def _text(self, now: float) -> str:
         text = self.stage or ""
         if self.total > 1 and self.done > 0:

@@ -190,15 +190,16 @@ def check_step(cfg) -> None:
     check_step_fits(cfg, plan(cfg, None)[0])
 
 
-def run_part_c(cfgs) -> None:
+def run_part_c(cfgs, progress: ProgressLines | None = None) -> None:
     """Part C in each config (one per precision, one after the other), its progress as lines on
-    stderr; one table each, then (two precisions) the ranks that moved; step.json holds it all."""
+    stderr (`progress`, or lines of its own); one table each, then (two precisions) the ranks that
+    moved; step.json holds it all."""
     from profuse.files import write_result
     from profuse.report.step import both_precisions, format_step
     from profuse.step import run_step
 
     cfgs = cfgs if isinstance(cfgs, (list, tuple)) else [cfgs]
-    progress = ProgressLines()
+    progress = progress or ProgressLines()
     runs = []
     try:
         for cfg in cfgs:
@@ -226,13 +227,20 @@ def run_part_c(cfgs) -> None:
 
 def cmd_step(argv: list[str]) -> int:
     args = build_step_parser().parse_args(argv)  # before torch is imported: --help stays quick
-    from profuse.env import resolve_device
+    # Heartbeats from the start: importing torch, transformers and triton and checking the size
+    # took 12-16 s on a card's host before the run's first stage (H100, 2026-12-07).
+    progress = ProgressLines()
+    try:
+        progress.quietly("starting: torch, the model's sizes and the memory check")
+        from profuse.env import resolve_device
 
-    check_out(args, ())  # a folder that cannot be written fails now, not after the measuring
-    set_threads(args)
-    device = resolve_device(args.device)
-    cfgs = [step_config(args, device, args.preset, p) for p in precisions(args)]
-    for cfg in cfgs:
-        check_step(cfg)
-    run_part_c(cfgs)
+        check_out(args, ())  # a folder that cannot be written fails now, not after the measuring
+        set_threads(args)
+        device = resolve_device(args.device)
+        cfgs = [step_config(args, device, args.preset, p) for p in precisions(args)]
+        for cfg in cfgs:
+            check_step(cfg)
+        run_part_c(cfgs, progress)
+    finally:
+        progress.close()
     return 0
