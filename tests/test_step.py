@@ -1122,6 +1122,13 @@ def test_trials_left_unnamed_fit_a_long_step_in_whole_designs():
     assert counted["trials_fitted"] == 1 and counted["trial_rounds"] == balanced_trials(1, DEFAULT_TRIALS)
     asked = S.budget(S.StepConfig(device=torch.device("cpu"), variants=["eager"], trials=4), ["eager"])
     assert asked["trials_fitted"] == 0 and asked["trial_rounds"] == 4
+    # the plan line counts fitted trials at their most on CUDA, and says so; asked ones as asked
+    on_cuda = S.StepConfig(device=torch.device("cuda"), variants=["eager", "fused"])
+    line = S.plan_line(on_cuda, ["eager", "fused"], S.budget(on_cuda, ["eager", "fused"]))
+    assert "up to 30 trial rounds (fewer where a round of steps is long)" in line
+    named = S.StepConfig(device=torch.device("cuda"), variants=["eager", "fused"], trials=6)
+    line = S.plan_line(named, ["eager", "fused"], S.budget(named, ["eager", "fused"]))
+    assert ", 6 trial rounds," in line and "up to" not in line
 
 
 def test_graph_variants_that_would_not_fit_are_skipped_with_the_reason_and_the_rest_run(monkeypatch):

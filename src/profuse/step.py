@@ -987,6 +987,18 @@ def budget(cfg: StepConfig, names: Sequence[str]) -> dict[str, int]:
     }
 
 
+def plan_line(cfg: StepConfig, names: Sequence[str], counts: dict[str, int]) -> str:
+    """The run's first progress line: its variants and what it will do (`budget`'s counts); trials
+    left to fit the step on CUDA are counted at their most."""
+    rounds = f"{counts['trial_rounds']} trial rounds"
+    if counts.get("trials_fitted") and cfg.device.type == "cuda":
+        rounds = f"up to {rounds} (fewer where a round of steps is long)"
+    return (
+        f"plan ({cfg.precision}): {', '.join(names)}; {counts['compiles']} compile(s), {counts['checks']} "
+        f"check(s), {rounds}, {counts['profiled_steps']} profiled steps"
+    )
+
+
 @dataclass
 class StepResult:
     config: StepConfig
@@ -1148,12 +1160,7 @@ def run_step(
     block_ops = ops or fusion.FUSED
     check_step_fits(cfg, names)
     counts = budget(cfg, names)
-    tell(
-        f"plan ({cfg.precision}): {', '.join(names)}; {counts['compiles']} compile(s), {counts['checks']} "
-        f"check(s), {counts['trial_rounds']} trial rounds, {counts['profiled_steps']} profiled steps",
-        0,
-        1,
-    )
+    tell(plan_line(cfg, names, counts), 0, 1)
     failed: dict[str, str] = {}
     with phase("check"):
         checks, names = _math_stage(cfg, names, block_ops, failed, tell)
