@@ -780,7 +780,7 @@ def trial_design(device: torch.device, step_s: float | None = None, variants: in
     if not step_s or step_s <= 0:
         return REFEREE
     calls = min(REFEREE.calls, max(MIN_CALLS, math.ceil(TRIAL_SPAN_S / step_s)))
-    round_s = max(variants, 1) * (calls + REFEREE.discard) * step_s
+    round_s = _round_seconds(replace(REFEREE, calls=calls), step_s, variants)
     host = int(HOST_BUDGET_S // (max(variants, 1) * HOST_ROUND_STEPS * step_s))
     return replace(
         REFEREE,
@@ -788,6 +788,11 @@ def trial_design(device: torch.device, step_s: float | None = None, variants: in
         max_trials=min(REFEREE.max_trials, int(TRIALS_BUDGET_S // round_s)),
         host_rounds=None if host >= REFEREE.max_trials else max(HOST_MIN_ROUNDS, host),
     )
+
+
+def _round_seconds(design: TrialDesign, step_s: float, variants: int) -> float:
+    """One trial round's steps in seconds: every variant's timed and discarded steps."""
+    return max(variants, 1) * (design.calls + design.discard) * step_s
 
 
 def fitted_trials(device: torch.device, step_s: float | None, variants: int) -> int:
@@ -801,8 +806,7 @@ def fitted_trials(device: torch.device, step_s: float | None, variants: int) -> 
     most = balanced_trials(n, DEFAULT_TRIALS)
     if device.type != "cuda" or not step_s or step_s <= 0:
         return most
-    design = trial_design(device, step_s, n)
-    round_s = n * (design.calls + design.discard) * step_s
+    round_s = _round_seconds(trial_design(device, step_s, n), step_s, n)
     size = design_rows(n)
     return max(size, min(most, int(TRIALS_BUDGET_S // round_s) // size * size))
 

@@ -200,7 +200,7 @@ def run_part_c(cfgs, progress: ProgressLines | None = None) -> None:
 
     cfgs = cfgs if isinstance(cfgs, (list, tuple)) else [cfgs]
     progress = progress or ProgressLines()
-    runs = []
+    runs, stopped = [], None
     try:
         for cfg in cfgs:
             progress.prefix = f"{cfg.precision}: " if len(cfgs) > 1 else ""
@@ -208,20 +208,18 @@ def run_part_c(cfgs, progress: ProgressLines | None = None) -> None:
     except KeyboardInterrupt:
         if not runs:
             raise
-        # --precision both stopped in its second run: the first one's results are whole; kept
-        progress.close()
-        print(format_step(runs[0]))
-        path = write_result(Path(cfgs[0].out_dir) / "step.json", runs[0])
-        done, stopped = cfgs[0].precision, cfgs[len(runs)].precision
-        raise KeyboardInterrupt(
-            f"{done} had finished: its results are kept in {path} (a run of {done} alone); {stopped} "
-            "did not finish and is not saved"
-        ) from None
+        stopped = cfgs[len(runs)].precision  # --precision both, in its second run: the first is whole
     finally:
         progress.close()
     data = runs[0] if len(runs) == 1 else both_precisions(runs)
     print(format_step(data))
     path = write_result(Path(cfgs[0].out_dir) / "step.json", data)
+    if stopped is not None:
+        done = cfgs[0].precision
+        raise KeyboardInterrupt(
+            f"{done} had finished: its results are kept in {path} (a run of {done} alone); {stopped} "
+            "did not finish and is not saved"
+        )
     print(f"results: {path}")
 
 
