@@ -536,9 +536,22 @@ def _rank_log(log_dir: Path, run_id: str, local_rank: int) -> Path | None:
     return Path(hits[-1]) if hits else None
 
 
+def _raised(failure) -> bool:
+    """Whether the rank wrote an error file: its @record saw it raise, whatever ended its process."""
+    try:
+        return os.path.isfile(failure.error_file)
+    except TypeError:
+        return False
+
+
 def _failure_text(failure) -> str:
-    """The rank's exception as its @record wrote it, or how it died."""
-    if failure.exitcode < 0:
+    """The rank's exception as its @record wrote it, or how it died.
+
+    A rank that raised can still end by a signal: while its interpreter shuts down, a peer that
+    lost its connection to it may exit first, and the agent then stops every rank left with a
+    SIGTERM. Its exception is the cause, so it is what is named.
+    """
+    if failure.exitcode < 0 and not _raised(failure):
         return f"killed by {failure.signal_name()}"
     message = failure.message
     if isinstance(message, dict):
@@ -589,6 +602,7 @@ class RankFailure:
     error: str  # its exception's first line as its @record wrote it, or how it died
     log: str  # its stderr.log (the launcher's log where it has none)
     log_empty: bool = False
+    raised: bool = False  # it wrote an error file: `error` is its exception even if a signal ended it
 
 
 class LaunchFailed(Exception):
@@ -618,7 +632,13 @@ def _run_agent(config, argv: list[str], launcher_log: Path) -> None:
         except OSError:
             log_empty = False
         failed = RankFailure(
-            rank, config.nproc_per_node, failure.exitcode, _failure_text(failure), str(log), log_empty
+            rank,
+            config.nproc_per_node,
+            failure.exitcode,
+            _failure_text(failure),
+            str(log),
+            log_empty,
+            _raised(failure),
         )
         raise LaunchFailed(failure=failed) from None
     except RendezvousError as err:

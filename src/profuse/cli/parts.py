@@ -286,7 +286,7 @@ def run_part_a_ddp(args) -> int:
         why = (
             str(err)
             if f is None
-            else format_rank_failure(f.rank, f.world_size, f.exitcode, f.error, f.log, f.log_empty)
+            else format_rank_failure(f.rank, f.world_size, f.exitcode, f.error, f.log, f.log_empty, f.raised)
         )
         print(f"profuse: error: {why}", file=sys.stderr)
         return 1

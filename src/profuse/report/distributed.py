@@ -111,11 +111,29 @@ def format_saved_ddp_profile(data: dict, source: str) -> str:
         raise UsageError(f"{source} is a malformed Part A summary ({type(err).__name__}: {err})") from None
 
 
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
 def format_rank_failure(
-    rank: int, world_size: int, exitcode: int, error: str, log: str, log_empty: bool = False
+    rank: int,
+    world_size: int,
+    exitcode: int,
+    error: str,
+    log: str,
+    log_empty: bool = False,
+    raised: bool = False,
 ) -> str:
-    """One line: which rank failed, how, what to try where the cause is plain, and where its log is."""
-    if exitcode < 0:
+    """One line: which rank failed, how, what to try where the cause is plain, and where its log is.
+
+    `raised`: the rank raised `error` and a signal ended it only afterwards, while it exited.
+    """
+    if exitcode < 0 and raised:
+        how = f"failed ({error}; a {_signal_name(-exitcode)} then ended it while it exited)"
+    elif exitcode < 0:
         how = f"was {error}" if error else f"died of signal {-exitcode}"
         if -exitcode == signal.SIGKILL:
             # Nothing in profuse or torch sends SIGKILL: on a machine short of memory it is the
