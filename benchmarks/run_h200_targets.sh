@@ -12,8 +12,11 @@
 #     profuse step Qwen3-0.6B bf16 and amp: eager, fused, liger                              ~4.5 min
 #     profuse --out ...   (the default job: Parts A, B and C at the small preset)              ~105 s
 #     benchmarks/check_fuse.py: profuse.fuse with the real kernels, every op against float64  ~90 s
+#   part 3: where fusion goes under torch.compile, Llama-3.2-1B bf16: compile, compile+fused
+#     (every op) and compile+loss (the fused loss alone, the rest left to Inductor), one profile
+#     step each for the kernel time by category                                    ~5 min (est.)
 #
-#   bash benchmarks/run_h200_targets.sh [PREFIX] [1|2]
+#   bash benchmarks/run_h200_targets.sh [PREFIX] [1|2|3]
 #
 # PREFIX defaults to benchmarks/results/CARD-DATE, CARD the GPU found (h100, h200); writes
 # PREFIX-targets/: one folder a step (its step.json or other files, its console output as
@@ -70,6 +73,9 @@ if [ "$part" = 1 ]; then
     exit 0
   fi
   echo "### llama-both: rc=$(cat "$both/rc")"
+elif [ "$part" = 3 ]; then
+  step llama-compile 420 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B --precision bf16 \
+    --variants eager,compile,compile+fused,compile+loss --trials 12 --profile-steps 1 --out "$out/llama-compile"
 else
   step memory-llama 90 python3 research/memory_peak.py --out "$out/memory-llama" --only eager,fused,liger
   step qwen3-bf16 120 python3 -m profuse step --model hf:qwen3 --preset Qwen3-0.6B --precision bf16 \

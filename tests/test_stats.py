@@ -481,7 +481,8 @@ def test_refit_recomputes_a_saved_step_by_the_method_that_fits_its_count():
     rng = np.random.default_rng()
     n = 12
     times = {"eager": 2.0 + 0.02 * rng.random(n), "compile": 1.6 + 0.02 * rng.random(n),
-             "compile+fused": 1.5 + 0.02 * rng.random(n)}  # fmt: skip
+             "compile+fused": 1.5 + 0.02 * rng.random(n),
+             "compile+loss": 1.55 + 0.02 * rng.random(n)}  # fmt: skip
     old = speedup_ci(times["eager"], times["compile"], n_resamples=200, method="BCa").to_dict()
     data = {
         "kind": "step",
@@ -496,8 +497,10 @@ def test_refit_recomputes_a_saved_step_by_the_method_that_fits_its_count():
             "eager": {"speedup": None},
             "compile": {"speedup": old},
             "compile+fused": {"speedup": old},
+            "compile+loss": {"speedup": old},
         },  # fmt: skip
         "fusion_over_compile": old,
+        "loss_over_compile": old,
         "verdict": {"text": "saved"},
     }
     new, methods = stats.refit(data)
@@ -509,8 +512,10 @@ def test_refit_recomputes_a_saved_step_by_the_method_that_fits_its_count():
         )
         ratios = np.sort(times["eager"] / times[name])
         assert (sp["per_trial"]["low"], sp["per_trial"]["high"]) == (ratios[2], ratios[9])
-    over = new["fusion_over_compile"]
-    assert over["median"] == pytest.approx(np.median(times["compile"]) / np.median(times["compile+fused"]))
+    for key, name in (("fusion_over_compile", "compile+fused"), ("loss_over_compile", "compile+loss")):
+        over = new[key]
+        assert over["median"] == pytest.approx(np.median(times["compile"]) / np.median(times[name]))
+        assert over["method"].startswith(stats.ORDER_STATISTICS)
     assert new["verdict"] is None  # decided again from the trials by the report
 
 

@@ -60,7 +60,7 @@ def older_torch(monkeypatch):
 
 def test_compile_takes_the_mask_fix_and_compile_stock_keeps_transformers_own(older_torch):
     spec = hf_tiny()
-    names = ["eager", "compile", "compile-stock", "compile+fused"]
+    names = ["eager", "compile", "compile-stock", "compile+fused", "compile+loss"]
     cfg = S.StepConfig(model=spec, variants=names, trials=2)
     failed: dict[str, str] = {}
     variants, _ = S._build_variants(cfg, names, fusion.HF_EAGER, failed)
@@ -70,11 +70,17 @@ def test_compile_takes_the_mask_fix_and_compile_stock_keeps_transformers_own(old
     layers = spec.n_layer
     assert attention_calls(by_name["eager"].model, ids) == [(True, False)] * layers  # the premise
     assert attention_calls(by_name["compile-stock"].model, ids) == [(True, False)] * layers
-    for name in ("compile", "compile+fused"):  # the same route: the ratio is the fusion alone
+    for name in ("compile", "compile+fused", "compile+loss"):  # one route: the ratio is the fusion alone
         assert attention_calls(by_name[name].model, ids) == [(False, True)] * layers, name
     routes = {v.name: v.mask for v in variants}
     assert routes["eager"] is None
     assert routes["compile"].fixed and routes["compile+fused"].fixed and not routes["compile-stock"].fixed
+    assert routes["compile+loss"].fixed
+    # compile+loss places the loss alone: every norm, SwiGLU and RoPE stays the model's for Inductor
+    assert by_name["compile+loss"].fused["counts"] == {"linear_cross_entropy": 1}
+    assert set(by_name["compile+fused"].fused["counts"]) > {"linear_cross_entropy", "silu_mul"}
+    norms = lambda m: sorted({type(x).__name__ for x in m.modules() if "Norm" in type(x).__name__})
+    assert norms(by_name["compile+loss"].model) == norms(by_name["eager"].model) == ["LlamaRMSNorm"]
     assert "transformers' own" in routes["compile-stock"].note
     # the fix leaves the unfused math alone: eager and the fixed model agree bitwise in eager
     with torch.no_grad():
@@ -95,19 +101,31 @@ def test_the_report_says_which_compile_has_the_fix_and_what_the_ratio_measures()
     text = "\n".join(mask_lines(data))
     assert "compile, compile+fused with profuse's fix" in text
     assert "compile-stock as the model builds it (transformers' own)" in text
-    assert "the ratio is the fusion alone" in text
+    assert "compile+fused vs compile: both build their mask alike, so the ratio is the fusion alone" in text
+    assert "compile+loss vs" not in text  # not run: nothing said of it
+    data["loss_over_compile"] = {"ratio": 1.02}
+    data["masks"]["compile+loss"] = {
+        "fixed": False,
+        "note": "profuse.fuse left the mask as the model builds it",
+    }
+    text = "\n".join(mask_lines(data))
+    assert "compile+loss vs compile: NOT the fusion alone" in text
     data["masks"]["compile"] = {"fixed": False, "note": "attention runs as 'eager', not 'sdpa'"}
-    assert "NOT the fusion alone" in "\n".join(mask_lines(data))
+    assert "compile+fused vs compile: NOT the fusion alone" in "\n".join(mask_lines(data))
     assert mask_lines({"masks": {}}) == []
 
 
-def test_compile_stock_is_asked_for_by_name_and_skipped_for_the_built_in_gpt():
+def test_compile_stock_and_compile_loss_are_asked_for_by_name_and_skipped_for_the_built_in_gpt():
     hf = S.StepConfig(model=hf_tiny())
     assert "compile" in hf.variants and "compile-stock" not in hf.variants
+    assert "compile+fused" in hf.variants and "compile+loss" not in hf.variants
     assert S.StepConfig(model=hf_tiny(), variants=("compile-stock",)).variants == ("eager", "compile-stock")
-    gpt = S.StepConfig(model=TINY, variants=("compile", "compile-stock"))
+    gpt = S.StepConfig(model=TINY, variants=("compile", "compile-stock", "compile+loss"))
     runs, skipped = S.plan(gpt, fusion.EAGER)
     assert runs == ["eager", "compile"] and "builds no mask" in skipped["compile-stock"]
+    assert "has no loss op" in skipped["compile+loss"]
+    with pytest.raises(S.UsageError, match="no subset"):  # the spec itself refuses, not only the plan
+        gpt.spec.fuse(gpt.spec.build_for("cpu", 0, "amp"), fusion.EAGER, only=("linear_cross_entropy",))
     from profuse.cli.step import build_step_parser
 
     text = " ".join(build_step_parser().format_help().split())
@@ -209,3 +227,20 @@ def test_the_verdict_names_the_variants_no_check_covered():
     assert decide(data).unchecked == [] and "NOT checked" not in decide(data).text
     del data["math"]  # a file from before the rows: nothing to say
     assert decide(data).unchecked == []
+
+
+def test_compile_loss_is_checked_timed_and_reported_against_compile(monkeypatch):
+    monkeypatch.setattr(S._compile, "compile_model", lambda model, cudagraphs=False: model)  # the seam
+    names = ("eager", "compile", "compile+loss")
+    cfg = S.StepConfig(model=hf_tiny(), variants=names, trials=2, profile_steps=0)
+    res = S.run_step(cfg, ops=fusion.EAGER)
+    assert not res.failed and list(res.comparison.timings) == list(names)
+    assert res.check is not None and res.check.passed  # fused's small check is compile+loss's gate
+    assert res.math["compile+loss"].checked and res.math["compile+loss"].passed
+    assert res.fusion_over_compile is None and res.loss_over_compile is not None
+    data = json.loads(json.dumps(res.to_dict()))
+    assert data["fused_ops"] == {"compile+loss": {"counts": {"linear_cross_entropy": 1}, "left_unfused": []}}
+    text = format_step(data)
+    assert "the fused loss alone on top of torch.compile (compile+loss vs compile): " in text
+    assert "fusion on top of torch.compile" not in text
+    assert "compile+loss vs compile: both build their mask alike" in text

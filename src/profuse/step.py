@@ -23,6 +23,10 @@ on the same batch, all from the same initial parameters:
                      compiling (Hugging Face models; not a default: the baseline earlier runs had)
     compile+fused    the fused model under torch.compile (the block ops are compiled ops: no break;
                      profuse.fuse's own mask fix)
+    compile+loss     torch.compile of the model with profuse's fused linear cross-entropy alone
+                     and profuse.fuse's mask fix: the norms, SwiGLU and RoPE left to Inductor,
+                     which fuses them with their neighbours inside the graph (Hugging Face models;
+                     not a default: asked for by name)
     cudagraphs       torch.compile mode "reduce-overhead": the compiled step replayed as CUDA
                      graphs, for launch-bound steps (CUDA), with compile's mask fix
 
@@ -137,22 +141,31 @@ BASELINE = "eager"
 # Every variant, in the table's order.
 ALL_VARIANTS = (
     "eager", "fused", "moe-best", "moe-best+fused", "liger-ops", "liger", "compile", "compile-stock",
-    "compile+fused", "cudagraphs",
+    "compile+fused", "compile+loss", "cudagraphs",
 )  # fmt: skip
 # The built-in GPT's default (Liger patches HF models only): the four the lab's Part C compares.
 VARIANTS = ("eager", "fused", "compile", "compile+fused")
 # The variants that set the experts' implementation to the card's best (profuse.models.experts):
 # a mixture-of-experts model's, in its default.
 EXPERTS_VARIANTS = ("moe-best", "moe-best+fused")
-# A Hugging Face model's default: every variant but compile-stock (asked for by name) and, for a
-# dense model, the experts' ones; a mixture of experts' (MOE_VARIANTS) has them.
-HF_VARIANTS = tuple(v for v in ALL_VARIANTS if v not in ("compile-stock", *EXPERTS_VARIANTS))
-MOE_VARIANTS = tuple(v for v in ALL_VARIANTS if v != "compile-stock")
-FUSED_VARIANTS = ("fused", "moe-best+fused", "compile+fused")
+# The variants asked for by name only.
+BY_NAME_VARIANTS = ("compile-stock", "compile+loss")
+# A Hugging Face model's default: every variant but those asked for by name and, for a dense
+# model, the experts' ones; a mixture of experts' (MOE_VARIANTS) has them.
+HF_VARIANTS = tuple(v for v in ALL_VARIANTS if v not in (*BY_NAME_VARIANTS, *EXPERTS_VARIANTS))
+MOE_VARIANTS = tuple(v for v in ALL_VARIANTS if v not in BY_NAME_VARIANTS)
+FUSED_VARIANTS = ("fused", "moe-best+fused", "compile+fused", "compile+loss")
+# The fused variants that place a subset of profuse.fuse's ops (ModelSpec.fuse's `only`).
+SUBSET_VARIANTS = {"compile+loss": ("linear_cross_entropy",)}
+# The compiled fused variants: fused's same-math check on the small copy is theirs too (the same
+# Triton ops; each still meets the reference at full size on its own).
+RIDES_ON_FUSED = ("compile+fused", "compile+loss")
+# Each compiled fused variant over compile, from the same paired trials: StepResult's key for it.
+OVER_COMPILE = {"compile+fused": "fusion_over_compile", "compile+loss": "loss_over_compile"}
 LIGER_VARIANTS = ("liger-ops", "liger")
 # StepConfig.optimizer's choices: AdamW as torch builds it with no flags, or its fused kernel.
 OPTIMIZERS = ("default", "fused")
-COMPILED_VARIANTS = ("compile", "compile-stock", "compile+fused", "cudagraphs")
+COMPILED_VARIANTS = ("compile", "compile-stock", "compile+fused", "compile+loss", "cudagraphs")
 # The compiled variants of the unfused model that take the causal-mask fix (ModelSpec.fix_causal_mask).
 MASK_FIXED_VARIANTS = ("compile", "cudagraphs")
 STOCK_VARIANTS = ("compile-stock",)
@@ -373,6 +386,8 @@ def plan(cfg: StepConfig, ops: fusion.BlockOps | None) -> tuple[list[str], dict[
             why = "needs CUDA: CUDA graphs are a GPU feature"
         elif name in STOCK_VARIANTS and spec.family == "gpt":
             why = "the built-in GPT builds no mask: compile is its stock torch.compile"
+        if name in SUBSET_VARIANTS and spec.family == "gpt" and not why:
+            why = "the built-in GPT's fusion has no loss op: silu_mul and add_rms_norm, swapped together"
         if name in EXPERTS_VARIANTS and not why:
             why = _experts_unavailable(cfg, name)
         if why:
@@ -476,7 +491,8 @@ def _prepare(
             raise UsageError(f"{name}: {spec.model_arg} has no experts implementation to set")
         _experts.set_implementation(model, experts)
     if name in FUSED_VARIANTS:
-        fused = spec.fuse(model, ops)
+        only = SUBSET_VARIANTS.get(name)  # a subset variant's ops; the others call fuse as it was
+        fused = spec.fuse(model, ops) if only is None else spec.fuse(model, ops, only=only)
     elif name in LIGER_VARIANTS:
         module_globals = L.patch(model, spec.family, ops_only=name == "liger-ops")
     net, mask = model, None
@@ -547,14 +563,20 @@ def check_same_math(cfg: StepConfig, ops: fusion.BlockOps) -> MathCheck:
     return check_variant_math(cfg, "fused", ops)
 
 
+def _checked(names: Sequence[str]) -> list[str]:
+    """The variants among `names` whose same-math check runs: fused's for the ones riding on it."""
+    rides = any(n in names for n in RIDES_ON_FUSED)
+    return [c for c in CHECKED_VARIANTS if c in names or (c == "fused" and rides)]
+
+
 def _math_stage(
     cfg, names, block_ops, failed, tell, todo: Sequence[str] | None = None
 ) -> tuple[dict[str, MathCheck], list[str]]:
-    """Step 2: the same-math check of each checked variant that is to run (compile+fused rides
-    on fused's), or of `todo`; the variants that fail it go to `failed` and leave `names`."""
+    """Step 2: the same-math check of each checked variant that is to run (the compiled fused
+    ones ride on fused's), or of `todo`; the variants that fail it go to `failed` and leave `names`."""
     checks: dict[str, MathCheck] = {}
     if todo is None:
-        todo = [n for n in CHECKED_VARIANTS if n in names or (n == "fused" and "compile+fused" in names)]
+        todo = _checked(names)
     for i, name in enumerate(todo):
         tell(f"checking the {name} step against float64", i, len(todo))
         check = (
@@ -563,7 +585,7 @@ def _math_stage(
         checks[name] = check
         if not check.passed:
             why = check.error or f"its {check.worst} is outside the bound against float64"
-            for n in ("fused", "compile+fused") if name == "fused" else (name,):  # compile+fused rides on it
+            for n in ("fused", *RIDES_ON_FUSED) if name == "fused" else (name,):  # they ride on it
                 if n in names:
                     failed[n] = f"failed the same-math check: {why}"
     return checks, [n for n in names if n not in failed]
@@ -966,7 +988,7 @@ def budget(cfg: StepConfig, names: Sequence[str]) -> dict[str, int]:
     # length being unknown before it runs
     asked = cfg.trials if cfg.trials is not None else fitted_trials(cfg.device, None, n)
     rounds = balanced_trials(n, asked) if design.balanced and n else asked
-    checked = [c for c in CHECKED_VARIANTS if c in names or (c == "fused" and "compile+fused" in names)]
+    checked = _checked(names)
     profiled = cfg.profile_steps > 0
     compiled = sum(name in COMPILED_VARIANTS for name in names)
     return {
@@ -1035,6 +1057,8 @@ class StepResult:
     fused_ops: dict[str, dict] = field(default_factory=dict)
     # each variant's row: its math checked or not, at which size, against what (samemath.status)
     math: dict[str, samemath.MathStatus] = field(default_factory=dict)
+    # "compile+loss vs compile": the fused loss alone on top of torch.compile, like fusion_over_compile
+    loss_over_compile: Speedup | None = None
 
     def to_dict(self) -> dict:
         cmp = self.comparison
@@ -1062,6 +1086,7 @@ class StepResult:
             "first_steps": {k: v.to_dict() for k, v in self.first_steps.items()},
             "results": results,
             "fusion_over_compile": self.fusion_over_compile.to_dict() if self.fusion_over_compile else None,
+            "loss_over_compile": self.loss_over_compile.to_dict() if self.loss_over_compile else None,
             "memory": {k: v.to_dict() for k, v in self.memory.items()},
             "profiles": {k: v.to_dict() for k, v in self.profiles.items()},
             "ops": {k: v.to_dict() for k, v in self.ops.items()},
@@ -1201,10 +1226,12 @@ def run_step(
             weights = stepstate.after_trials(params, before, last)
             comparison = _drop_failed(comparison, failed, stepstate.failures(weights, list(steps)))
     timed = list(comparison.timings) if comparison else []
-    fusion_over_compile = None
-    if "compile" in timed and "compile+fused" in timed:
-        t = comparison.timings
-        fusion_over_compile = speedup_ci(t["compile"].times_s, t["compile+fused"].times_s, seed=cfg.seed)
+    t = comparison.timings if comparison else {}
+    over_compile = {
+        key: speedup_ci(t["compile"].times_s, t[name].times_s, seed=cfg.seed)
+        for name, key in OVER_COMPILE.items()
+        if "compile" in timed and name in timed
+    }
 
     profiles: dict[str, VariantProfile] = {}
     if cfg.profile_steps > 0 and timed:  # step 4
@@ -1231,7 +1258,8 @@ def run_step(
         failed=failed,
         first_steps=first_steps,
         comparison=comparison,
-        fusion_over_compile=fusion_over_compile,
+        fusion_over_compile=over_compile.get("fusion_over_compile"),
+        loss_over_compile=over_compile.get("loss_over_compile"),
         memory=memory,
         profiles=profiles,
         ops=ops_timed,

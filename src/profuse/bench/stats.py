@@ -761,7 +761,7 @@ def refit(data: dict) -> tuple[dict, list[str]]:
     the method that fits their count (ci_method), the methods the file had used). For files
     saved when every count got a bootstrap: a Part B or sweep results.json (each size over its
     own baseline, as rebase does) or a Part C step.json (each variant over eager, compile+fused
-    over compile, and the verdict decided again from the same trials)."""
+    and compile+loss over compile, and the verdict decided again from the same trials)."""
     methods = sorted({m for m in _saved_methods(data)})
     if data.get("kind") == "step":
         return _refit_step(data), methods
@@ -790,8 +790,9 @@ def _refit_step(data: dict) -> dict:
         if res.get("speedup") and name in times and name != base:
             res["speedup"] = speedup_ci(times[base], times[name]).to_dict()
             cmp["speedups"][name] = res["speedup"]
-    if out.get("fusion_over_compile") and {"compile", "compile+fused"} <= set(times):
-        out["fusion_over_compile"] = speedup_ci(times["compile"], times["compile+fused"]).to_dict()
+    for name, key in (("compile+fused", "fusion_over_compile"), ("compile+loss", "loss_over_compile")):
+        if out.get(key) and {"compile", name} <= set(times):
+            out[key] = speedup_ci(times["compile"], times[name]).to_dict()
     out["verdict"] = None  # decided again from the same trials (profuse.verdict.decide)
     cmp["verdict"] = None
     return out

@@ -28,7 +28,7 @@ from profuse.cli.common import (
 
 STEP_VARIANTS = (
     "eager", "fused", "moe-best", "moe-best+fused", "liger-ops", "liger", "compile", "compile-stock",
-    "compile+fused", "cudagraphs",
+    "compile+fused", "compile+loss", "cudagraphs",
 )  # fmt: skip
 # The sizes --preset names: the built-in GPT's, then the Hugging Face models' (profuse.models).
 GPT_STEP_PRESETS = ("lab", "small", "medium")
@@ -111,9 +111,11 @@ def build_step_parser() -> argparse.ArgumentParser:
         "the unfused model with the causal-mask fix profuse.fuse makes for itself (a plain causal call "
         "reaches SDPA as is_causal, no mask built while compiling), so compile+fused vs compile is the "
         "fusion alone; compile-stock: torch.compile of the model as transformers ships it (hf:ARCH); "
-        "compile+fused: the fused model compiled; cudagraphs: compile replayed as CUDA graphs. "
-        "Default: for gpt eager, fused, compile, compile+fused; for hf:ARCH all but compile-stock (and "
-        "the moe-best ones for a dense model). "
+        "compile+fused: the fused model compiled; compile+loss (hf:ARCH, by name only): the model compiled "
+        "with profuse's fused linear cross-entropy alone and its mask fix, the norms, SwiGLU and RoPE left "
+        "to Inductor; cudagraphs: compile replayed as CUDA graphs. "
+        "Default: for gpt eager, fused, compile, compile+fused; for hf:ARCH all but compile-stock and "
+        "compile+loss (and the moe-best ones for a dense model). "
         "eager, the baseline, is always in; a variant that cannot run here is skipped with the reason: "
         "fused where no Triton kernels run, liger and liger-ops without CUDA and liger-kernel, "
         "cudagraphs without CUDA, compile-stock for gpt (no mask to fix), moe-best for a dense model",

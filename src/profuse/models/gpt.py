@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -79,8 +80,11 @@ class GPTSpec(ModelSpec):
         m = self.config
         return OpShapes(tokens=m.tokens, d_model=m.d_model, ffn_hidden=m.hidden, eps=m.norm_eps)
 
-    def fuse(self, model: nn.Module, ops=None, *, label: bool = False):
+    def fuse(self, model: nn.Module, ops=None, *, label: bool = False, only: Sequence[str] | None = None):
         from profuse import fusion
+
+        if only is not None:
+            raise UsageError("the built-in GPT's fusion swaps silu_mul and add_rms_norm together, no subset")
 
         fusion.apply_block_ops(model, ops or fusion.FUSED)
         if label:

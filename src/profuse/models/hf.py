@@ -16,6 +16,7 @@ pip install 'profuse[hf]'.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -403,10 +404,12 @@ class HFSpec(ModelSpec):
         eps = float(self.config.rms_norm_eps)
         return OpShapes(tokens=self.tokens, d_model=self.d_model, ffn_hidden=self.ffn_hidden, eps=eps)
 
-    def fuse(self, model: nn.Module, ops=None, *, label: bool = False):
+    def fuse(self, model: nn.Module, ops=None, *, label: bool = False, only: Sequence[str] | None = None):
         from profuse.fusion import fuse
 
-        return fuse(model, ops, label=label)
+        if only is None:
+            return fuse(model, ops, label=label)
+        return fuse(model, list(only), impl=ops, label=label, causal_mask=True)
 
     def experts_choice(self, device: torch.device | str, precision: str = DEFAULT_PRECISION):
         """An MoE family's best experts implementation on `device` (profuse.models.experts), for

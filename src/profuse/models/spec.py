@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -174,10 +174,12 @@ class ModelSpec(ABC):
     def op_shapes(self) -> OpShapes: ...
 
     @abstractmethod
-    def fuse(self, model: nn.Module, ops=None, *, label: bool = False):
+    def fuse(self, model: nn.Module, ops=None, *, label: bool = False, only: Sequence[str] | None = None):
         """Swap the fused block ops into a built `model` in place (profuse.fusion); `ops` a
         profuse.fusion.BlockOps (default the Triton kernels). `label` wraps each in the profiler
-        ranges fusion.BLOCK_OP_RANGES. Returns what fusion says it did."""
+        ranges fusion.BLOCK_OP_RANGES. `only`: these op names alone (profuse.fusion.OP_NAMES),
+        with the causal-mask fix all of them get; UsageError in one line where the model's fusion
+        cannot place a subset. Returns what fusion says it did."""
 
     def fix_causal_mask(self, model: nn.Module) -> str:
         """Let the unfused `model`'s plain causal call reach attention as SDPA's is_causal under

@@ -52,7 +52,12 @@ from profuse.verdict import decide
 
 W = 14  # variant column: fits "compile+fused"
 KIND = "step"
-FUSED_VARIANTS = ("fused", "compile+fused")  # the variants that swap in the fused block ops
+FUSED_VARIANTS = ("fused", "compile+fused", "compile+loss")  # the variants that swap in fused block ops
+# Each compiled fused variant over compile in a step.json, and what the ratio measures.
+OVER_COMPILE = (
+    ("compile+fused", "fusion_over_compile", "fusion on top of torch.compile"),
+    ("compile+loss", "loss_over_compile", "the fused loss alone on top of torch.compile"),
+)
 # The model flags of `profuse step`, by the field of the saved model config they set.
 MODEL_FLAGS = {
     "n_layer": "--layers", "d_model": "--d-model", "n_head": "--heads", "vocab_size": "--vocab-size",
@@ -160,17 +165,23 @@ def mask_lines(data: dict) -> list[str]:
         )
     for name, note in own.items():
         lines.append(f"causal mask under torch.compile: {name} as the model builds it ({note})")
-    pair = [masks.get(n) for n in ("compile", "compile+fused")]
-    if data.get("fusion_over_compile") and all(pair):
+    for name, key, _ in OVER_COMPILE:
+        pair = [masks.get(n) for n in ("compile", name)]
+        if not (data.get(key) and all(pair)):
+            continue
         if pair[0]["fixed"] == pair[1]["fixed"]:
-            lines.append(
-                "compile+fused vs compile: both build their mask alike, so the ratio is the fusion alone"
-            )
+            lines.append(f"{name} vs compile: both build their mask alike, so the ratio is the fusion alone")
         else:
-            lines.append(
-                "compile+fused vs compile: NOT the fusion alone: one has the mask fix and the other not"
-            )
+            lines.append(f"{name} vs compile: NOT the fusion alone: one has the mask fix and the other not")
     return lines
+
+
+def _placed_words(placed: dict) -> str:
+    """'silu_mul x16, ...; 2 op(s) left unfused, ...': one variant's profuse.fuse summary."""
+    ops = ", ".join(f"{op} x{n}" for op, n in placed["counts"].items())
+    left = len(placed["left_unfused"])
+    why = f"; {left} op(s) left unfused, each with its reason in step.json's fused_ops"
+    return ops + (why if left else "")
 
 
 def _speedup(sp: dict | None) -> str:
@@ -426,14 +437,14 @@ def format_step(data: dict) -> str:
             else "every op profuse.fuse places: silu_mul, add_rms_norm, rms_norm, "
             "rope (Qwen3: qk_norm_rope), linear_cross_entropy"
         )
-        placed = next(iter((data.get("fused_ops") or {}).values()), None)
+        placements = data.get("fused_ops") or {}
+        placed = next(iter(placements.values()), None)
         if placed is not None:  # what profuse.fuse placed in this model, from its summary
-            ops = ", ".join(f"{op} x{n}" for op, n in placed["counts"].items())
-            left = len(placed["left_unfused"])
-            ops += (
-                f"; {left} op(s) left unfused, each with its reason in step.json's fused_ops" if left else ""
-            )
+            ops = _placed_words(placed)
         lines.append(f"fused ops: {data['block_ops']} ({ops})")
+        for name, other in list(placements.items())[1:]:  # a subset variant's own placement
+            if other["counts"] != placed["counts"]:
+                lines.append(f"fused ops in {name}: {_placed_words(other)}; the rest left to Inductor")
     lines += small_check_lines(data)
     for name, c in data.get("checks", {}).items():
         lines += small_check_lines(data, c, name)
@@ -451,11 +462,9 @@ def format_step(data: dict) -> str:
     how = trial_words(cmp)
     lines.append(f"step time: {cmp['trials']} interleaved trials, {how} ({cmp['timer']})")
     lines += _table(data)
-    over = data.get("fusion_over_compile")
-    if over:
-        lines.append(
-            f"{'':>{W}}  fusion on top of torch.compile (compile+fused vs compile): {_speedup(over)}"
-        )
+    for name, key, what in OVER_COMPILE:
+        if data.get(key):
+            lines.append(f"{'':>{W}}  {what} ({name} vs compile): {_speedup(data[key])}")
     lines += mask_lines(data)
     lines += experts_lines(data)
     notes = [f"statistic: {STATISTIC}"]
@@ -468,7 +477,7 @@ def format_step(data: dict) -> str:
         notes.append(f"per step and memory-bound share: from a short profile of each variant ({basis})")
     notes += steady_lines(data)
     triton_ops = "Triton" in data["block_ops"]  # not the eager stand-ins (fusion.EAGER)
-    fused_timed = [n for n in ("fused", "compile+fused") if triton_ops and n in data["results"]]
+    fused_timed = [n for n in FUSED_VARIANTS if triton_ops and n in data["results"]]
     warmed = {name: t["warmup_calls"] for name, t in cmp["timings"].items() if "warmup_calls" in t}
     if warmed:
         rule = steady_rule(TrialDesign.from_dict(cmp.get("design")), "agree")
