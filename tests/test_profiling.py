@@ -403,6 +403,24 @@ def test_a_result_reads_back_from_its_json(profiled):
     assert again == result
 
 
+def test_the_host_rows_rank_self_cpu_time_ranges_included(profiled):
+    result, _, _ = profiled
+    rows = result.host_rows
+    assert 0 < len(rows) <= 15  # row_limit
+    times = [r.self_cpu_us for r in rows]
+    assert times == sorted(times, reverse=True) and all(t > 0 for t in times)
+    names = {r.name for r in rows}
+    assert any(n.startswith("aten::") for n in names)
+    # a range's self time is the Python between its ops: the step's own ranges have some
+    assert any(n in ("forward", "backward") or n.startswith("ProfilerStep") for n in names)
+    total_self = sum(r.self_cpu_us for r in rows)
+    steps_us = sum(result.step_times_ms) * 1e3
+    assert total_self <= 1.05 * steps_us  # self times partition the steps' CPU time (+ the warm-up's edge)
+    data = json.loads(json.dumps(result.to_dict()))
+    del data["host_rows"]  # a file from before they were kept
+    assert ProfileResult.from_dict(data).host_rows == []
+
+
 def test_an_older_summary_without_later_fields_reads_back(profiled):
     """A summary written before region_pct existed (benchmarks/results/h200-2026-12-02) reads
     with that field's default; one missing a field with no default is still malformed."""

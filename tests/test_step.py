@@ -317,6 +317,7 @@ def test_run_times_checks_and_profiles_every_variant(eager_vs_fused, capsys):
         assert p.launch_unit == "operators" and p.launches_per_step > 0 and 0 < p.memory_bound_pct < 100
         assert p.gpu_idle_pct is None and not p.launch_bound
         assert (out / f"trace-step-{name}.json").exists()
+        assert p.host_ops and all(v["ms"] > 0 and v["calls"] > 0 for v in p.host_ops.values())
     assert {"checking the fused step against float64", "first step: eager", "steps: trials"} <= set(stages)
     assert any(s.startswith("profile: ") for s in stages)
     assert not any(s.startswith("silu_mul: ") for s in stages)  # no op timed alone: Amdahl reads the steps

@@ -244,3 +244,18 @@ def test_compile_loss_is_checked_timed_and_reported_against_compile(monkeypatch)
     assert "the fused loss alone on top of torch.compile (compile+loss vs compile): " in text
     assert "fusion on top of torch.compile" not in text
     assert "compile+loss vs compile: both build their mask alike" in text
+
+
+def test_a_host_bound_variant_says_where_its_cpu_time_goes():
+    from profuse.report.step import HOST_OPS_SHOWN, host_lines
+
+    ops = {f"op{i}": {"ms": 0.1 * i, "calls": 2.0 * i} for i in range(1, 9)}
+    data = {
+        "results": {"eager": {"host_bound": False}, "fused": {"host_bound": True}},
+        "profiles": {"eager": {"host_ops": ops}, "fused": {"host_ops": ops}},
+    }
+    (line,) = host_lines(data)  # eager is not host-bound: nothing said of it
+    assert line.startswith("fused is host-bound; its most self CPU time a profiled step: op8 0.80 ms (16 calls)")
+    assert line.count(" ms (") == HOST_OPS_SHOWN and "op3 " not in line  # the top ones, largest first
+    data["profiles"]["fused"] = {}  # a file from before host_ops: nothing to say
+    assert host_lines(data) == []

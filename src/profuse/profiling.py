@@ -163,6 +163,9 @@ class ProfileResult:
     trace_path: str
     trace_bytes: int
     about: dict = field(default_factory=dict)  # what was profiled: the model's spec, or the user's step
+    # the events that took the most self CPU time, ranges included (a range's self time is the
+    # Python between its ops): where the host's time goes, on CUDA as on a CPU
+    host_rows: list[OperatorRow] = field(default_factory=list)
 
     @property
     def candidates(self) -> list[Candidate]:
@@ -190,6 +193,7 @@ class ProfileResult:
             "trace_path": self.trace_path,
             "trace_bytes": self.trace_bytes,
             "about": self.about,
+            "host_rows": [asdict(r) for r in self.host_rows],
         }
 
     @classmethod
@@ -217,6 +221,7 @@ class ProfileResult:
             trace_path=d["trace_path"],
             trace_bytes=int(d["trace_bytes"]),
             about=dict(d.get("about") or {}),
+            host_rows=[OperatorRow(**r) for r in d.get("host_rows", [])],  # absent before they were kept
         )
 
 
@@ -359,6 +364,7 @@ def _profile_step(
         prof, step_times = _profiled_steps(cfg, train_step, profiler_warmup, say)
     device = cfg.device
     table, sort_by, rows = _operator_table(prof, device.type == "cuda", cfg.row_limit)
+    host_rows = _host_rows(prof, cfg.row_limit)
     trace_path = cfg.out_dir / cfg.trace_name
     trace = _write_trace(prof, trace_path, say)
     summary = analyze_trace(trace, device=device.type, extra_rules=extra_rules, regions=regions)
@@ -379,6 +385,7 @@ def _profile_step(
         trace_path=str(trace_path),
         trace_bytes=trace_path.stat().st_size,
         about=dict(about or {}),
+        host_rows=host_rows,
     )
     return result, trace
 
@@ -470,6 +477,17 @@ def _operator_table(
         for a in ranked[:row_limit]
     ]
     return table, sort_by, rows
+
+
+def _host_rows(prof: torch_profiler.profile, row_limit: int) -> list[OperatorRow]:
+    """The events with the most self CPU time, ranges kept: self times partition the host's time
+    among the events without counting any twice, and a range's is the Python between its ops."""
+    ranked = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)
+    return [
+        OperatorRow(a.key, float(a.self_cpu_time_total), int(a.count), float(a.self_cpu_time_total))
+        for a in ranked[:row_limit]
+        if a.self_cpu_time_total > 0
+    ]
 
 
 def _write_trace(prof: torch_profiler.profile, path: Path, say: Progress) -> dict:

@@ -146,6 +146,9 @@ class VariantProfile:
     label_error: str = ""  # eager: why the ops fusion replaces could not be labelled
     category_ms: dict[str, float] = field(default_factory=dict)  # category -> ms of the basis a step
     top_ops: dict[str, float] = field(default_factory=dict)  # the table's top rows -> ms (self) a step
+    # the events with the most self CPU time (profiling.ProfileResult.host_rows): name ->
+    # {"ms": a step, "calls": a step}, under the profiler (its own cost included)
+    host_ops: dict[str, dict[str, float]] = field(default_factory=dict)
     steps: int = 0  # profiled steps
     step_times_ms: list[float] = field(default_factory=list)  # each profiled step, synchronised
     steady: SteadySteps | None = None  # CUDA: consecutive unsynchronised steps (steady_steps)
@@ -233,6 +236,7 @@ def profile_variant(
         label_error=label_error,
         category_ms={cat: per_step_ms * pct / 100.0 for cat, pct in s.shares.items()},
         top_ops={row.name: row.self_us / n / 1e3 for row in result.rows[:TOP_OPS]},
+        host_ops={r.name: {"ms": r.self_cpu_us / n / 1e3, "calls": r.calls / n} for r in result.host_rows},
         steps=s.steps,
         step_times_ms=list(result.step_times_ms),
         steady=steady,

@@ -95,6 +95,23 @@ def _idle(profile: dict) -> float | None:
     return profile["gpu_idle_pct"]
 
 
+HOST_OPS_SHOWN = 5
+
+
+def host_lines(data: dict) -> list[str]:
+    """Where a host-bound variant's CPU time goes: the events of its profiled steps with the most
+    self CPU time (profiles.*.host_ops; under the profiler, so each figure is above the timed one)."""
+    lines = []
+    for name, res in (data.get("results") or {}).items():
+        ops = ((data.get("profiles") or {}).get(name) or {}).get("host_ops")
+        if not (res.get("host_bound") and ops):
+            continue
+        top = sorted(ops.items(), key=lambda kv: kv[1]["ms"], reverse=True)[:HOST_OPS_SHOWN]
+        words = ", ".join(f"{op} {v['ms']:.2f} ms ({v['calls']:g} calls)" for op, v in top)
+        lines.append(f"{name} is host-bound; its most self CPU time a profiled step: {words}")
+    return lines
+
+
 def steady_lines(data: dict) -> list[str]:
     """Where the GPU idle column and the bound come from, and the agreement they rest on: each
     variant's unsynchronised profiled step beside its timed median and the trials' range."""
@@ -476,6 +493,7 @@ def format_step(data: dict) -> str:
         basis = next(iter(data["profiles"].values()))["basis"]
         notes.append(f"per step and memory-bound share: from a short profile of each variant ({basis})")
     notes += steady_lines(data)
+    notes += host_lines(data)
     triton_ops = "Triton" in data["block_ops"]  # not the eager stand-ins (fusion.EAGER)
     fused_timed = [n for n in FUSED_VARIANTS if triton_ops and n in data["results"]]
     warmed = {name: t["warmup_calls"] for name, t in cmp["timings"].items() if "warmup_calls" in t}
