@@ -77,7 +77,7 @@ elif [ "$part" = 3 ]; then
   step llama-compile 420 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B --precision bf16 \
     --variants eager,compile,compile+fused,compile+loss --trials 12 --profile-steps 1 --out "$out/llama-compile"
 else
-  step memory-llama 90 python3 research/memory_peak.py --out "$out/memory-llama" --only eager,fused,liger
+  step memory-llama 120 python3 research/memory_peak.py --out "$out/memory-llama" --only eager,fused,liger
   step qwen3-bf16 120 python3 -m profuse step --model hf:qwen3 --preset Qwen3-0.6B --precision bf16 \
     --variants eager,fused,liger --trials 12 --profile-steps 0 --out "$out/qwen3-bf16"
   step qwen3-amp 150 python3 -m profuse step --model hf:qwen3 --preset Qwen3-0.6B --precision amp \

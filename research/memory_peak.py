@@ -12,6 +12,9 @@ overridden, Liger-Kernel's full patch), on CUDA, with bf16 parameters and AdamW:
   the bytes live then, grouped by the innermost Python frame in profuse, Liger-Kernel,
   transformers or torch.optim that allocated them ("native" where no Python frame did: the
   autograd engine's own backward).
+- at that step's end of forward (the steady peak of a training step), the allocator's segments
+  as they stand: the bytes in split blocks not in use (what reserved holds above allocated), and
+  which allocations, by frame, hold the segments those blocks are cut from;
 - the median of 5 steps' device time (CUDA events), to see what a setting costs.
 
 Writes DIR/memory_peak.json; prints one block a variant.
@@ -46,8 +49,11 @@ def variants() -> list[tuple[str, dict[str, str], str]]:
         ("fused accum=weight", {"PROFUSE_CE_ACCUM": "weight"}, "fused"),
         ("fused chunk=1024", {"PROFUSE_CE_CHUNK": "1024"}, "fused"),
         ("fused chunk=512", {"PROFUSE_CE_CHUNK": "512"}, "fused"),
-        ("fused chunk=1024 accum=weight", {"PROFUSE_CE_CHUNK": "1024", "PROFUSE_CE_ACCUM": "weight"},
-         "fused"),  # fmt: skip
+        (
+            "fused chunk=1024 accum=weight",
+            {"PROFUSE_CE_CHUNK": "1024", "PROFUSE_CE_ACCUM": "weight"},
+            "fused",
+        ),  # fmt: skip
         ("fused chunk=512 accum=weight", {"PROFUSE_CE_CHUNK": "512", "PROFUSE_CE_ACCUM": "weight"}, "fused"),
         ("liger", {}, "liger"),
     ]
@@ -101,6 +107,53 @@ def peak_breakdown(snapshot: dict, device_index: int = 0) -> dict:
     return {"peak_above_start_bytes": peak, "phase": peak_phase, "live_by_frame": top}
 
 
+def split_blocks(snapshot: dict, device_index: int = 0, top: int = 12) -> dict:
+    """The allocator's segments at one moment (torch.cuda.memory._snapshot()): reserved,
+    allocated, the bytes of inactive blocks in segments that also hold a live block (split blocks,
+    what the caching allocator cannot hand back or give whole to a larger request), and, for the
+    largest of those, the frames of the live blocks in the same segment, each credited with the
+    segment's inactive bytes in proportion to its own size."""
+    segments = [s for s in snapshot["segments"] if s.get("device", device_index) == device_index]
+    reserved = sum(s["total_size"] for s in segments)
+    allocated = inactive_split = inactive_free = 0
+    pinned: dict[str, float] = {}
+    worst = []
+    for seg in segments:
+        blocks = seg["blocks"]
+        live = [b for b in blocks if b["state"] != "inactive"]
+        idle = sum(b["size"] for b in blocks if b["state"] == "inactive")
+        allocated += sum(b["size"] for b in live)
+        if not live:
+            inactive_free += idle  # a whole free segment: empty_cache could release it
+            continue
+        inactive_split += idle
+        if not idle:
+            continue
+        held = sum(b["size"] for b in live)
+        for b in live:
+            where = frame_of(b.get("frames", []))
+            pinned[where] = pinned.get(where, 0.0) + idle * b["size"] / held
+        worst.append(
+            {
+                "segment_bytes": seg["total_size"],
+                "inactive_bytes": idle,
+                "live": sorted(
+                    ((b["size"], frame_of(b.get("frames", []))) for b in live), key=lambda t: -t[0]
+                )[:4],
+            }
+        )
+    worst.sort(key=lambda w: -w["inactive_bytes"])
+    return {
+        "segments": len(segments),
+        "reserved_bytes": reserved,
+        "allocated_bytes": allocated,
+        "inactive_split_bytes": inactive_split,
+        "inactive_whole_segment_bytes": inactive_free,
+        "split_bytes_by_live_frame": sorted(pinned.items(), key=lambda kv: -kv[1])[:top],
+        "worst_segments": worst[:top],
+    }
+
+
 def build(spec, how: str, device):
     model = spec.build_for(device, 0, "bf16")
     ctx = None
@@ -119,6 +172,8 @@ def run_variant(spec, name: str, env: dict, how: str, device) -> dict:
         opt = torch.optim.AdamW(model.parameters(), lr=0.0)
         batch = spec.batch(device)
 
+        at_peak: dict = {}
+
         def step(marks: bool = False) -> None:
             import contextlib
 
@@ -128,6 +183,7 @@ def run_variant(spec, name: str, env: dict, how: str, device) -> dict:
                 loss = spec.loss(model, batch)
                 if marks:
                     mark(1, device)
+                    at_peak.update(split_blocks(torch.cuda.memory._snapshot(), device.index or 0))
                 loss.backward()
             if marks:
                 mark(2, device)
@@ -156,6 +212,7 @@ def run_variant(spec, name: str, env: dict, how: str, device) -> dict:
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         out["recorded_step"] = peak_breakdown(snap, device.index or 0)
+        out["end_of_forward_segments"] = at_peak
         times = []
         for _ in range(5):
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -214,6 +271,17 @@ def main() -> int:
                 flush=True,
             )
             for where, size in rec["live_by_frame"][:12]:
+                print(f"    {size / 1e6:9.1f} MB  {where}", flush=True)
+            seg = r["end_of_forward_segments"]
+            print(
+                f"  end of forward: reserved {seg['reserved_bytes'] / gb:.2f} GB in {seg['segments']} "
+                f"segments, allocated {seg['allocated_bytes'] / gb:.2f}, in split blocks not in use "
+                f"{seg['inactive_split_bytes'] / gb:.2f}, whole free segments "
+                f"{seg['inactive_whole_segment_bytes'] / gb:.2f}; the split bytes by the live blocks "
+                "that hold their segments:",
+                flush=True,
+            )
+            for where, size in seg["split_bytes_by_live_frame"][:8]:
                 print(f"    {size / 1e6:9.1f} MB  {where}", flush=True)
         tmp = out_path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"preset": args.preset, "arch": args.arch, "results": results}, indent=1))
