@@ -243,6 +243,8 @@ def test_compile_loss_is_checked_timed_and_reported_against_compile(monkeypatch)
     text = format_step(data)
     assert "the fused loss alone on top of torch.compile (compile+loss vs compile): " in text
     assert "fusion on top of torch.compile" not in text
+    assert "(linear_cross_entropy x1); the rest left to Inductor" in text
+    assert not any(line.startswith("fused ops: ") for line in text.splitlines())  # no fused variant ran
     assert "compile+loss vs compile: both build their mask alike" in text
 
 

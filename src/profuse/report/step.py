@@ -53,6 +53,7 @@ from profuse.verdict import decide
 W = 14  # variant column: fits "compile+fused"
 KIND = "step"
 FUSED_VARIANTS = ("fused", "compile+fused", "compile+loss")  # the variants that swap in fused block ops
+SUBSET_VARIANTS = ("compile+loss",)  # those that place some of profuse.fuse's ops, not all
 # Each compiled fused variant over compile in a step.json, and what the ratio measures.
 OVER_COMPILE = (
     ("compile+fused", "fusion_over_compile", "fusion on top of torch.compile"),
@@ -455,13 +456,15 @@ def format_step(data: dict) -> str:
             "rope (Qwen3: qk_norm_rope), linear_cross_entropy"
         )
         placements = data.get("fused_ops") or {}
-        placed = next(iter(placements.values()), None)
+        placed = next((p for n, p in placements.items() if n not in SUBSET_VARIANTS), None)
         if placed is not None:  # what profuse.fuse placed in this model, from its summary
             ops = _placed_words(placed)
-        lines.append(f"fused ops: {data['block_ops']} ({ops})")
-        for name, other in list(placements.items())[1:]:  # a subset variant's own placement
-            if other["counts"] != placed["counts"]:
-                lines.append(f"fused ops in {name}: {_placed_words(other)}; the rest left to Inductor")
+        if any(name in FUSED_VARIANTS and name not in SUBSET_VARIANTS for name in asked):
+            lines.append(f"fused ops: {data['block_ops']} ({ops})")
+        for name in SUBSET_VARIANTS:  # a subset variant's own placement
+            if name in placements:
+                words = _placed_words(placements[name])
+                lines.append(f"fused ops in {name}: {data['block_ops']} ({words}); the rest left to Inductor")
     lines += small_check_lines(data)
     for name, c in data.get("checks", {}).items():
         lines += small_check_lines(data, c, name)
