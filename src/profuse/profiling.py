@@ -363,8 +363,9 @@ def _profile_step(
             config = {**config, "device": str(cfg.device)}
         prof, step_times = _profiled_steps(cfg, train_step, profiler_warmup, say)
     device = cfg.device
-    table, sort_by, rows = _operator_table(prof, device.type == "cuda", cfg.row_limit)
-    host_rows = _host_rows(prof, cfg.row_limit)
+    averages = prof.key_averages()  # once: each call groups every event again
+    table, sort_by, rows = _operator_table(averages, device.type == "cuda", cfg.row_limit)
+    host_rows = _host_rows(averages, cfg.row_limit)
     trace_path = cfg.out_dir / cfg.trace_name
     trace = _write_trace(prof, trace_path, say)
     summary = analyze_trace(trace, device=device.type, extra_rules=extra_rules, regions=regions)
@@ -454,11 +455,8 @@ def _profiled_steps(
     return prof, step_times
 
 
-def _operator_table(
-    prof: torch_profiler.profile, on_cuda: bool, row_limit: int
-) -> tuple[str, str, list[OperatorRow]]:
+def _operator_table(averages: EventList, on_cuda: bool, row_limit: int) -> tuple[str, str, list[OperatorRow]]:
     """The lab's operator table (key_averages().table), its sort key, and its top rows as data."""
-    averages = prof.key_averages()
     if on_cuda:
         # On CUDA a range's kernels count twice: for the op that launched them and for the range
         # (its gpu_user_annotation); `forward` showed 291% of the device time on an H200. The
@@ -479,10 +477,10 @@ def _operator_table(
     return table, sort_by, rows
 
 
-def _host_rows(prof: torch_profiler.profile, row_limit: int) -> list[OperatorRow]:
+def _host_rows(averages: EventList, row_limit: int) -> list[OperatorRow]:
     """The events with the most self CPU time, ranges kept: self times partition the host's time
     among the events without counting any twice, and a range's is the Python between its ops."""
-    ranked = sorted(prof.key_averages(), key=lambda a: a.self_cpu_time_total, reverse=True)
+    ranked = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)
     return [
         OperatorRow(a.key, float(a.self_cpu_time_total), int(a.count), float(a.self_cpu_time_total))
         for a in ranked[:row_limit]
