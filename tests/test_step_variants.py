@@ -257,7 +257,11 @@ def test_a_host_bound_variant_says_where_its_cpu_time_goes():
         "profiles": {"eager": {"host_ops": ops}, "fused": {"host_ops": ops}},
     }
     (line,) = host_lines(data)  # eager is not host-bound: nothing said of it
-    assert line.startswith("fused is host-bound; its most self CPU time a profiled step: op8 0.80 ms (16 calls)")
+    head = "fused is host-bound; its most self CPU time a profiled step: op8 0.80 ms (16 calls), op7 "
+    assert line.startswith(head)
     assert line.count(" ms (") == HOST_OPS_SHOWN and "op3 " not in line  # the top ones, largest first
-    data["profiles"]["fused"] = {}  # a file from before host_ops: nothing to say
+    data["verdict"] = {"bounds": {"eager": "launch-bound", "fused": "device-bound"}}  # the table's word
+    (line,) = host_lines(data)
+    assert line.startswith("eager is launch-bound; its most self CPU time a profiled step: op8 0.80 ms")
+    data["profiles"]["eager"] = {}  # a file from before host_ops: nothing to say
     assert host_lines(data) == []

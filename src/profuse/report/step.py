@@ -103,13 +103,15 @@ def host_lines(data: dict) -> list[str]:
     """Where a host-bound variant's CPU time goes: the events of its profiled steps with the most
     self CPU time (profiles.*.host_ops; under the profiler, so each figure is above the timed one)."""
     lines = []
+    bounds = (data.get("verdict") or {}).get("bounds") or {}  # the table's word, where it was decided
     for name, res in (data.get("results") or {}).items():
         ops = ((data.get("profiles") or {}).get(name) or {}).get("host_ops")
-        if not (res.get("host_bound") and ops):
+        bound = bounds.get(name) or ("host-bound" if res.get("host_bound") else "")
+        if not (bound in ("host-bound", "launch-bound") and ops):
             continue
         top = sorted(ops.items(), key=lambda kv: kv[1]["ms"], reverse=True)[:HOST_OPS_SHOWN]
         words = ", ".join(f"{op} {v['ms']:.2f} ms ({v['calls']:g} calls)" for op, v in top)
-        lines.append(f"{name} is host-bound; its most self CPU time a profiled step: {words}")
+        lines.append(f"{name} is {bound}; its most self CPU time a profiled step: {words}")
     return lines
 
 
