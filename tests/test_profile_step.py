@@ -293,3 +293,50 @@ def test_profile_refuses_a_bad_out_before_running_the_step(tmp_path):
     with pytest.raises(profuse.errors.UsageError, match="plain file name"):
         profuse.profile(lambda: calls.append(1), out=tmp_path, summary_name="a/b.json")
     assert calls == []
+
+
+def test_without_the_operator_table_the_rows_come_from_the_trace(tmp_path):
+    """profile(operator_table=False), as Part C calls it: no table, the rows read off the trace
+    (work and host alike on a CPU), largest first."""
+    result = profuse.profile(_user_step(), steps=2, warmup=1, out=tmp_path, operator_table=False)
+    assert result.table == "" and result.sort_by == "self_cpu_time_total"
+    for rows in (result.rows, result.host_rows):
+        times = [r.self_us for r in rows]
+        assert rows and times == sorted(times, reverse=True) and all(t > 0 for t in times)
+    assert [r.name for r in result.rows] == [r.name for r in result.host_rows]
+    assert any(r.name == "ProfilerStep*" for r in result.host_rows)  # the steps' ranges, grouped
+
+
+def test_the_traces_rows_are_the_profilers_own_self_times(tmp_path):
+    """attribution.event_rows over the exported trace against key_averages of the same profile:
+    each host row's self CPU time agrees (same events, nested the same way); on CUDA the work rows
+    are the kernels' own device time, by name."""
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    step = _user_step()
+    step()
+    with profile(
+        activities=[ProfilerActivity.CPU], schedule=schedule(wait=0, warmup=1, active=2, repeat=1)
+    ) as p:
+        for _ in range(3):
+            step()
+            p.step()
+    path = tmp_path / "trace.json"
+    p.export_chrome_trace(str(path))
+    work, host = A.event_rows(A.read_spans(json.loads(path.read_text())), "cpu", 12)
+    assert work == host and len(host) == 12
+    theirs = {a.key: a.self_cpu_time_total for a in p.key_averages()}
+    for name, us, _calls in host:
+        assert us == pytest.approx(theirs[name], rel=1e-3, abs=0.5), name
+    # CUDA: kernels by name, device time summed; host rows still the host's
+    spans = [
+        A.Span("k1", "kernel", 0.0, 5.0, {}),
+        A.Span("k1", "kernel", 10.0, 13.0, {}),
+        A.Span("k2", "kernel", 20.0, 21.0, {}),
+        A.Span("Memcpy HtoD", "gpu_memcpy", 30.0, 36.0, {}),
+        A.Span("aten::mm", "cpu_op", 0.0, 4.0, {}, child_us=1.0),
+        A.Span("cudaLaunchKernel", "cuda_runtime", 1.0, 2.0, {}),
+    ]
+    work, host = A.event_rows(spans, "cuda", 3)
+    assert work == [("k1", 8.0, 2), ("Memcpy HtoD", 6.0, 1), ("k2", 1.0, 1)]
+    assert host == [("aten::mm", 3.0, 1), ("cudaLaunchKernel", 1.0, 1)]

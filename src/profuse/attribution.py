@@ -374,6 +374,36 @@ def read_spans(trace: dict | list) -> list[Span]:
     return spans
 
 
+def event_rows(
+    spans: list[Span], device: str, limit: int
+) -> tuple[list[tuple[str, float, int]], list[tuple[str, float, int]]]:
+    """(work rows, host rows), each (name, self us, calls) over every profiled step, most first,
+    read from the trace's spans without the profiler's own grouping (key_averages, the costliest
+    part of reading a profile). Work: on "cuda" each kernel, copy and fill by name and its device
+    time; on "cpu" the host rows. Host: each host range, op and runtime call by name and its self
+    CPU time (its own less what nests inside it: the Python between a range's ops lands on it);
+    the steps' ranges are grouped as one, "ProfilerStep*", as key_averages groups them."""
+    host: dict[str, list[float]] = {}
+    work: dict[str, list[float]] = {}
+    for s in spans:
+        if s.cat in HOST_CATS or s.cat in _LAUNCH_CATS:
+            name = "ProfilerStep*" if s.name.startswith(STEP_PREFIX) else s.name
+            row = host.setdefault(name, [0.0, 0])
+            row[0] += s.self_us
+            row[1] += 1
+        elif s.cat in _DEVICE_BUSY_CATS:
+            row = work.setdefault(s.name, [0.0, 0])
+            row[0] += s.end - s.ts
+            row[1] += 1
+
+    def top(rows: dict[str, list[float]]) -> list[tuple[str, float, int]]:
+        ranked = sorted(rows.items(), key=lambda kv: -kv[1][0])
+        return [(name, us, int(n)) for name, (us, n) in ranked[:limit] if us > 0]
+
+    host_rows = top(host)
+    return (top(work) if device == "cuda" else host_rows), host_rows
+
+
 @dataclass
 class _Place:
     """Where a piece of work ran: the module roles around it (innermost first), its phase, and

@@ -60,6 +60,7 @@ from profuse.attribution import (  # noqa: F401 - the trace's reading, under the
     TraceSummary,
     analyze_trace,
     categorize,
+    event_rows,
     extend_categories,
     intersect,
     read_spans,
@@ -284,6 +285,7 @@ def profile(
     about: dict | None = None,
     structure: bool = True,
     precision: str | None = None,
+    operator_table: bool = True,
 ) -> ProfileResult:
     """Profile any training step: `step` is a zero-argument callable that runs one whole step.
 
@@ -301,6 +303,9 @@ def profile(
     `about`: what was profiled, saved with the result; `structure`: open the module ranges that
     name the candidates (off for a compiled step, where Inductor's kernels mix modules);
     `precision`: how the step computes, for the report (default: "as the step runs it").
+    `operator_table=False` leaves the lab's table out (ProfileResult.table empty) and reads the
+    rows from the trace instead of the profiler's key_averages, which on a 16-layer step costs
+    more than the rest of reading the profile (Part C keeps the rows, never prints the table).
     """
     if summary_name is not None and (not summary_name or Path(summary_name).name != summary_name):
         raise UsageError(f"summary name {summary_name!r} must be a plain file name")
@@ -314,6 +319,7 @@ def profile(
     result, _trace = _profile_step(
         step, cfg, config, progress, regions=tuple(regions), find_device=device is None,
         structure=structure and not compiled, about=about, precision=precision or USERS_PRECISION,
+        operator_table=operator_table,
     )  # fmt: skip
     if summary_name is not None:
         write_result(cfg.out_dir / summary_name, {"kind": SUMMARY_KIND, "eager": result.to_dict()})
@@ -351,9 +357,10 @@ def _profile_step(
     structure: bool = True,
     about: dict | None = None,
     precision: str | None = None,
+    operator_table: bool = True,
 ) -> tuple[ProfileResult, dict]:
     """Warm-up, the profiled steps, the table, the trace and its reading, for any step
-    (`precision` None: profuse's own step's, spec_step's)."""
+    (`precision` None: profuse's own step's, spec_step's; `operator_table`: see profile)."""
     say = progress or (lambda _msg: None)
     structure = structure and not cfg.compile  # module hooks would break Dynamo's graphs
     with module_ranges(enabled=structure) as ranges:
@@ -363,11 +370,19 @@ def _profile_step(
             config = {**config, "device": str(cfg.device)}
         prof, step_times = _profiled_steps(cfg, train_step, profiler_warmup, say)
     device = cfg.device
-    averages = prof.key_averages()  # once: each call groups every event again
-    table, sort_by, rows = _operator_table(averages, device.type == "cuda", cfg.row_limit)
-    host_rows = _host_rows(averages, cfg.row_limit)
+    on_cuda = device.type == "cuda"
+    if operator_table:
+        averages = prof.key_averages()  # once: each call groups every event again
+        table, sort_by, rows = _operator_table(averages, on_cuda, cfg.row_limit)
+        host_rows = _host_rows(averages, cfg.row_limit)
     trace_path = cfg.out_dir / cfg.trace_name
     trace = _write_trace(prof, trace_path, say)
+    if not operator_table:
+        table, sort_by = "", "self_device_time_total" if on_cuda else "self_cpu_time_total"
+        work, host = event_rows(read_spans(trace), device.type, cfg.row_limit)
+        self_cpu = {name: us for name, us, _ in host}
+        rows = [OperatorRow(name, us, n, self_cpu.get(name, 0.0)) for name, us, n in work]
+        host_rows = [OperatorRow(name, us, n, us) for name, us, n in host]
     summary = analyze_trace(trace, device=device.type, extra_rules=extra_rules, regions=regions)
     result = ProfileResult(
         device=str(device),

@@ -145,7 +145,10 @@ class VariantProfile:
     trace_path: str
     label_error: str = ""  # eager: why the ops fusion replaces could not be labelled
     category_ms: dict[str, float] = field(default_factory=dict)  # category -> ms of the basis a step
-    top_ops: dict[str, float] = field(default_factory=dict)  # the table's top rows -> ms (self) a step
+    # the most time a step by name, read off the trace (attribution.event_rows): on CUDA each
+    # kernel's device time, on a CPU each host event's self time (files before 2026-12-07 hold the
+    # profiler's operator table rows, ops and kernels mixed)
+    top_ops: dict[str, float] = field(default_factory=dict)
     # the events with the most self CPU time (profiling.ProfileResult.host_rows): name ->
     # {"ms": a step, "calls": a step}, under the profiler (its own cost included)
     host_ops: dict[str, dict[str, float]] = field(default_factory=dict)
@@ -210,6 +213,7 @@ def profile_variant(
         compiled=compiled,
         progress=say,
         summary_name=None,  # Part C writes step.json; a variant's profile.json would be clutter
+        operator_table=False,  # its rows from the trace: key_averages is the slowest reading
     )
     s = result.summary
     n = max(s.steps, 1)
