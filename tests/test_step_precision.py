@@ -159,6 +159,9 @@ def test_the_ranks_that_moved_say_what_their_profiles_moved(one_run):
     assert "a step, amp -> bf16: loss 40.00 -> 10.00 ms, matmul 100.00 -> 96.00 ms" in fused
     assert "(eager's: matmul 100.00 -> 95.00 ms, loss 30.00 -> 28.00 ms)" in fused
     assert fused.endswith("top operators: aten::copy_ 12.00 -> 2.00 ms, aten::mm 50.00 -> 49.50 ms")
+    amp["profiles"]["fused"]["launch_unit"] = "kernels"  # a CUDA profile's rows are its kernels
+    [fused] = [line for line in rank_changes(amp, bf16) if line.startswith("fused: ")]
+    assert fused.endswith("top kernels: aten::copy_ 12.00 -> 2.00 ms, aten::mm 50.00 -> 49.50 ms")
     [eager] = [line for line in lines if line.startswith("eager: ")]
     assert eager.startswith("eager: 1st in amp -> 2nd in bf16; its ")
     same = _as(one_run, "bf16", {"eager": 0.18, "fused": 0.19}, {"eager": {}, "fused": {}})

@@ -758,8 +758,8 @@ def _ordinal(n: int) -> str:
 
 def rank_changes(a: dict, b: dict) -> list[str]:
     """A line per variant whose place differs between run `a` and run `b` (two precisions), with
-    what its profiles say moved: the categories and the operator table's top rows that grew or
-    shrank most, in ms a step, eager's same categories beside them."""
+    what its profiles say moved: the categories and the kernels (on a CPU the operators) that grew
+    or shrank most, in ms a step, eager's same categories beside them."""
     from profuse.profiling import CATEGORY_LABELS
 
     pa, pb = precision_words(a["config"]).split(":")[0], precision_words(b["config"]).split(":")[0]
@@ -783,7 +783,8 @@ def rank_changes(a: dict, b: dict) -> list[str]:
             eager = _moves(ea["category_ms"], eb["category_ms"], CATEGORY_LABELS)
             why += f" (eager's: {', '.join(eager) or 'none moved'})"
         if ops:
-            why += f"; top operators: {', '.join(ops)}"
+            what = "kernels" if fa.get("launch_unit") == "kernels" else "operators"
+            why += f"; top {what}: {', '.join(ops)}"
         lines.append(f"{head}; {why}")
     return lines
 
