@@ -517,10 +517,19 @@ def analyze_trace(
     range, and the backward nodes made by the operators inside it (matched by sequence number).
     The user's own ranges are found without asking (label_pct).
     """
+    return analyze_spans(read_spans(trace), device, extra_rules, regions)
+
+
+def analyze_spans(
+    spans: list[Span],
+    device: str = "cpu",
+    extra_rules: tuple[tuple[str, str], ...] = (),
+    regions: Iterable[str] = (),
+) -> TraceSummary:
+    """analyze_trace over a trace's spans as read_spans gives them (read once, read for more)."""
     extra = tuple((cat, re.compile(pat)) for cat, pat in extra_rules)
     rules = extra + _RULES
     categories = extend_categories(extra_rules)
-    spans = read_spans(trace)
 
     host = [s for s in spans if s.cat in HOST_CATS]
     steps = _Windows(s for s in host if s.name.startswith(STEP_PREFIX))

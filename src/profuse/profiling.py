@@ -58,6 +58,7 @@ from profuse.attribution import (  # noqa: F401 - the trace's reading, under the
     Intervals,
     Span,
     TraceSummary,
+    analyze_spans,
     analyze_trace,
     categorize,
     event_rows,
@@ -372,18 +373,16 @@ def _profile_step(
     device = cfg.device
     on_cuda = device.type == "cuda"
     if operator_table:
-        averages = prof.key_averages()  # once: each call groups every event again
-        table, sort_by, rows = _operator_table(averages, on_cuda, cfg.row_limit)
-        host_rows = _host_rows(averages, cfg.row_limit)
+        table, sort_by, rows = _operator_table(prof.key_averages(), on_cuda, cfg.row_limit)
     trace_path = cfg.out_dir / cfg.trace_name
     trace = _write_trace(prof, trace_path, say)
+    spans = read_spans(trace)  # once: the rows and the reading both come from it
+    work, host = event_rows(spans, device.type, cfg.row_limit)
+    host_rows = [OperatorRow(name, us, n, us) for name, us, n in host]
     if not operator_table:
         table, sort_by = "", "self_device_time_total" if on_cuda else "self_cpu_time_total"
-        work, host = event_rows(read_spans(trace), device.type, cfg.row_limit)
-        self_cpu = {name: us for name, us, _ in host}
-        rows = [OperatorRow(name, us, n, self_cpu.get(name, 0.0)) for name, us, n in work]
-        host_rows = [OperatorRow(name, us, n, us) for name, us, n in host]
-    summary = analyze_trace(trace, device=device.type, extra_rules=extra_rules, regions=regions)
+        rows = [OperatorRow(name, us, n, 0.0 if on_cuda else us) for name, us, n in work]  # kernels: no CPU
+    summary = analyze_spans(spans, device=device.type, extra_rules=extra_rules, regions=regions)
     result = ProfileResult(
         device=str(device),
         compiled=cfg.compile,
@@ -490,17 +489,6 @@ def _operator_table(averages: EventList, on_cuda: bool, row_limit: int) -> tuple
         for a in ranked[:row_limit]
     ]
     return table, sort_by, rows
-
-
-def _host_rows(averages: EventList, row_limit: int) -> list[OperatorRow]:
-    """The events with the most self CPU time, ranges kept: self times partition the host's time
-    among the events without counting any twice, and a range's is the Python between its ops."""
-    ranked = sorted(averages, key=lambda a: a.self_cpu_time_total, reverse=True)
-    return [
-        OperatorRow(a.key, float(a.self_cpu_time_total), int(a.count), float(a.self_cpu_time_total))
-        for a in ranked[:row_limit]
-        if a.self_cpu_time_total > 0
-    ]
 
 
 def _write_trace(prof: torch_profiler.profile, path: Path, say: Progress) -> dict:

@@ -101,7 +101,7 @@ from profuse import compile as _compile
 from profuse import env as _env
 from profuse.amdahl import Amdahl, OpTiming
 from profuse.bench import DEFAULT_TRIALS
-from profuse.bench.stats import Speedup, speedup_ci
+from profuse.bench.stats import OVER_COMPILE, Speedup, speedup_ci
 from profuse.bench.timing import REFEREE, Comparison, TrialDesign, balanced_trials, compare, design_rows
 from profuse.compiletime import CompileSplit, split_compile
 from profuse.env import FIT_SHARE, check_fits, dtype_name, environment, interpreting
@@ -160,8 +160,6 @@ SUBSET_VARIANTS = {"compile+loss": ("linear_cross_entropy",)}
 # The compiled fused variants: fused's same-math check on the small copy is theirs too (the same
 # Triton ops; each still meets the reference at full size on its own).
 RIDES_ON_FUSED = ("compile+fused", "compile+loss")
-# Each compiled fused variant over compile, from the same paired trials: StepResult's key for it.
-OVER_COMPILE = {"compile+fused": "fusion_over_compile", "compile+loss": "loss_over_compile"}
 LIGER_VARIANTS = ("liger-ops", "liger")
 # StepConfig.optimizer's choices: AdamW as torch builds it with no flags, or its fused kernel.
 OPTIMIZERS = ("default", "fused")

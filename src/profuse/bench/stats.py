@@ -751,6 +751,11 @@ def rebase(data: dict, baseline: str, only: list[str] | None = None) -> dict:
     return out
 
 
+# Each compiled fused variant of a Part C step over compile, from the same paired trials, and its
+# key in step.json: the fusion (compile+fused) and the fused loss alone (compile+loss).
+OVER_COMPILE = {"compile+fused": "fusion_over_compile", "compile+loss": "loss_over_compile"}
+
+
 # --------------------------------------------------------------------------------------------
 # A saved run's CIs made again by the method that fits their count (profuse report --refit)
 # --------------------------------------------------------------------------------------------
@@ -790,7 +795,7 @@ def _refit_step(data: dict) -> dict:
         if res.get("speedup") and name in times and name != base:
             res["speedup"] = speedup_ci(times[base], times[name]).to_dict()
             cmp["speedups"][name] = res["speedup"]
-    for name, key in (("compile+fused", "fusion_over_compile"), ("compile+loss", "loss_over_compile")):
+    for name, key in OVER_COMPILE.items():
         if out.get(key) and {"compile", name} <= set(times):
             out[key] = speedup_ci(times["compile"], times[name]).to_dict()
     out["verdict"] = None  # decided again from the same trials (profuse.verdict.decide)

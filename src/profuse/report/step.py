@@ -15,6 +15,7 @@ from pathlib import Path
 from profuse.bench.clocks import THROTTLE_BITS, ClockSample, throttle_warning
 from profuse.bench.stats import (
     FEW_TRIALS,
+    OVER_COMPILE,
     STATISTIC,
     Trend,
     steadiness,
@@ -54,11 +55,11 @@ W = 14  # variant column: fits "compile+fused"
 KIND = "step"
 FUSED_VARIANTS = ("fused", "compile+fused", "compile+loss")  # the variants that swap in fused block ops
 SUBSET_VARIANTS = ("compile+loss",)  # those that place some of profuse.fuse's ops, not all
-# Each compiled fused variant over compile in a step.json, and what the ratio measures.
-OVER_COMPILE = (
-    ("compile+fused", "fusion_over_compile", "fusion on top of torch.compile"),
-    ("compile+loss", "loss_over_compile", "the fused loss alone on top of torch.compile"),
-)
+# What each compiled fused variant's ratio over compile (bench.stats.OVER_COMPILE) measures.
+OVER_COMPILE_WORDS = {
+    "compile+fused": "fusion on top of torch.compile",
+    "compile+loss": "the fused loss alone on top of torch.compile",
+}
 # The model flags of `profuse step`, by the field of the saved model config they set.
 MODEL_FLAGS = {
     "n_layer": "--layers", "d_model": "--d-model", "n_head": "--heads", "vocab_size": "--vocab-size",
@@ -185,7 +186,7 @@ def mask_lines(data: dict) -> list[str]:
         )
     for name, note in own.items():
         lines.append(f"causal mask under torch.compile: {name} as the model builds it ({note})")
-    for name, key, _ in OVER_COMPILE:
+    for name, key in OVER_COMPILE.items():
         pair = [masks.get(n) for n in ("compile", name)]
         if not (data.get(key) and all(pair)):
             continue
@@ -484,9 +485,9 @@ def format_step(data: dict) -> str:
     how = trial_words(cmp)
     lines.append(f"step time: {cmp['trials']} interleaved trials, {how} ({cmp['timer']})")
     lines += _table(data)
-    for name, key, what in OVER_COMPILE:
+    for name, key in OVER_COMPILE.items():
         if data.get(key):
-            lines.append(f"{'':>{W}}  {what} ({name} vs compile): {_speedup(data[key])}")
+            lines.append(f"{'':>{W}}  {OVER_COMPILE_WORDS[name]} ({name} vs compile): {_speedup(data[key])}")
     lines += mask_lines(data)
     lines += experts_lines(data)
     notes = [f"statistic: {STATISTIC}"]
