@@ -122,7 +122,9 @@ class CommTimeline:
     comm_us: float  # union of the communication intervals inside them
     overlap_us: float  # the part of comm_us during which compute ran too
     timed: str  # what comm_us covers: "kernels" (CUDA) or "host ranges" (CPU)
-    ops: dict[str, int] = field(default_factory=dict)  # collective op, range or kernel -> count
+    # collective op, range or kernel -> count, most first and ties by name (not the trace's order,
+    # which differs between runs where two are counted alike)
+    ops: dict[str, int] = field(default_factory=dict)
 
     @property
     def comm_pct(self) -> float:
@@ -302,7 +304,7 @@ def comm_timeline(trace: dict | list, device: str = "cpu") -> CommTimeline:
         comm_us=total_length(comm_in_steps),
         overlap_us=total_length(intersect(comm_in_steps, compute)),
         timed=timed,
-        ops=dict(ops.most_common()),
+        ops=dict(sorted(ops.items(), key=lambda kv: (-kv[1], kv[0]))),  # most first, ties by name
     )
 
 
