@@ -47,7 +47,7 @@ def variants() -> list[tuple[str, dict[str, str], str]]:
         ("eager", {}, "eager"),
         ("fused", {}, "fused"),
         ("fused accum=weight", {"PROFUSE_CE_ACCUM": "weight"}, "fused"),
-        ("fused chunk=1024", {"PROFUSE_CE_CHUNK": "1024"}, "fused"),
+        ("fused chunk=2048", {"PROFUSE_CE_CHUNK": "2048"}, "fused"),
         ("fused chunk=512", {"PROFUSE_CE_CHUNK": "512"}, "fused"),
         (
             "fused chunk=1024 accum=weight",

@@ -289,10 +289,11 @@ def test_launch_candidates(device):
 
 
 def test_chunk_rule():
-    """The chunk rule: the hidden size in tokens (the logits take the weight's bytes), within the
-    floor and the cap, then free memory and the token count; multiples of 128 above 128."""
-    assert K.chunk_rows(8192, 2048, 128256, 2, None) == 2048  # Llama-3.2-1B
-    assert K.chunk_rows(8192, 1024, 151936, 2, None) == 1024  # Qwen3-0.6B
+    """The chunk rule: half the hidden size in tokens (the logits take half the weight's bytes),
+    within the floor and the cap, then free memory and the token count; multiples of 128 above 128."""
+    assert K.chunk_rows(8192, 2048, 128256, 2, None) == 1024  # Llama-3.2-1B
+    assert K.chunk_rows(8192, 3072, 128256, 2, None) == 1536  # Llama-3.2-3B
+    assert K.chunk_rows(8192, 1024, 151936, 2, None) == K.CHUNK_FLOOR  # Qwen3-0.6B
     assert K.chunk_rows(8192, 256, 32000, 2, None) == K.CHUNK_FLOOR
     assert K.chunk_rows(8192, 8192, 32000, 2, None) == K.CHUNK_CAP
     assert K.chunk_rows(100, 2048, 128256, 2, None) == 100
@@ -315,6 +316,50 @@ def test_chunk_from_environment(monkeypatch, device):
 # --------------------------------------------------------------------------------------------
 # Memory: never the whole logits; every allocation written before it is read
 # --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [BF16, FP16])
+@pytest.mark.parametrize("vocab, hidden", [(1, 3), (2, 1), (7, 33), (203, 5), (1000, 17), (4099, 2)])
+def test_cast_in_place(vocab, hidden, dtype, device):
+    """The accumulator's two blocks cast to a 16-bit dtype in the first block's memory: every
+    element as `.to` rounds it (values spread over magnitudes so rounding shows, ties included),
+    whatever the rows, odd ones too, and the pieces' count."""
+    gen = torch.Generator().manual_seed(vocab * 31 + hidden)
+    full = torch.randn((vocab, hidden), generator=gen, dtype=torch.float64)
+    full = (full * torch.exp2(torch.randint(-8, 9, (vocab, hidden), generator=gen))).float()
+    full.view(-1)[::5] = 1 + U[dtype]  # halfway between two values of dtype: rounds to even
+    full = full.to(device)
+    lo_rows = vocab - vocab // 2
+    lo, hi = full[:lo_rows].clone(), full[lo_rows:].clone()
+    address = lo.data_ptr()
+    out = K.cast_in_place(lo, hi, dtype)
+    assert out.shape == (vocab, hidden) and out.dtype == dtype
+    assert out.data_ptr() == address  # in the first block's memory
+    assert torch.equal(out.cpu(), full.cpu().to(dtype))
+
+
+def test_cast_in_place_refusals(device):
+    lo, hi = torch.zeros((3, 4), device=device), torch.zeros((4, 4), device=device)
+    with pytest.raises(ValueError, match="larger block first"):
+        K.cast_in_place(lo, hi, BF16)
+    with pytest.raises(ValueError, match="half its element size"):
+        K.cast_in_place(hi, lo, FP32)
+
+
+@pytest.mark.parametrize("weight_dtype", [BF16, FP32])
+def test_head_gradient_in_the_accumulator(weight_dtype, device):
+    """The weight's gradient is the accumulator's memory: with 16-bit weights and fp32 sums it
+    is cast in place (storage of ceil(V / 2) fp32 rows, no V x H tensor of its own); with fp32
+    weights it is the accumulator itself."""
+    vocab, hidden = 203, 33
+    h, w, labels = inputs((2, 9, hidden, vocab), weight_dtype, device, seed=21)
+    _, _, gw = K.linear_cross_entropy_forward(
+        h.view(-1, hidden), w, labels.view(-1), None, -1.0, CE.IGNORE_INDEX, weight_dtype, 4, "fp32",
+        True, True, SMALL_BLOCKS,
+    )  # fmt: skip
+    assert gw.shape == (vocab, hidden) and gw.dtype == weight_dtype
+    fp32_rows = vocab - vocab // 2 if weight_dtype == BF16 else vocab
+    assert gw.untyped_storage().nbytes() == fp32_rows * hidden * 4
 
 
 class Allocations(TorchDispatchMode):

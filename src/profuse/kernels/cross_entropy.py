@@ -26,15 +26,18 @@ step 4 is compute-bound when its flops per byte of accumulator, 2C / 8, pass the
 accumulator). Below that each chunk pays a memory-bound pass over V x H, which is where a chunk
 of 256 tokens (Liger-Kernel's rule at this shape: 32 passes) loses its time.
 
-The chunk rule (`chunk_rows`): C = H tokens, so the chunk's logits (C x V in the matmul dtype)
-take the bytes of the weight in that dtype: the op's transient memory is one more weight (under
-amp, about what Liger-Kernel holds then: besides its bf16 cast of the weight that autocast caches,
-it casts the weight again for every chunk's logits, `weight.t()` being a view autocast does not
-cache). Clamped to [CHUNK_FLOOR, CHUNK_CAP] tokens, then cut to what a quarter of the device's
-free memory holds, to the token count, and down to a multiple of 128. At 8192 tokens:
-Llama-3.2-1B 2048 (4 chunks, 525 MB of bf16 logits), Qwen3-0.6B 1024 (8 chunks, 311 MB). An
-argument of `linear_cross_entropy_fused` or the environment variable PROFUSE_CE_CHUNK overrides
-it; the bounds await the H200 sweep (docs/kernels.md).
+The chunk rule (`chunk_rows`): C = H / 2 tokens, so the chunk's logits (C x V in the matmul
+dtype) take half the bytes of the weight in that dtype. With 16-bit weights the op's transient
+memory at its peak is then the fp32 accumulator (two weights' bytes), cast in place at the end
+(`cast_in_place`: no third weight's bytes for the cast), and half a weight of logits; under amp,
+the fp32 gradient, the weight's 16-bit cast and half a weight of logits (Liger-Kernel then holds
+its bf16 cast of the weight that autocast caches and casts the weight again for every chunk's
+logits, `weight.t()` being a view autocast does not cache). Clamped to [CHUNK_FLOOR, CHUNK_CAP]
+tokens, then cut to what a quarter of the device's free memory holds, to the token count, and
+down to a multiple of 128. At 8192 tokens: Llama-3.2-1B 1024 (8 chunks, 263 MB of bf16 logits),
+Qwen3-0.6B 1024 (8 chunks, 311 MB). An argument of `linear_cross_entropy_fused` or the
+environment variable PROFUSE_CE_CHUNK overrides it; the bounds await the H200 sweep
+(docs/kernels.md).
 
 The weight's gradient is accumulated in fp32 (`accumulate="fp32"`, the default): where the
 weight is fp32 (amp, or fp32 training) the accumulator is the gradient itself; with 16-bit
@@ -213,9 +216,9 @@ CE_CANDIDATES = (
 )
 
 # Chunk rule bounds, in tokens. The floor keeps step 4's accumulator pass under its GEMM's
-# compute (see the module docstring); the cap is a first guess until the H200 sweep
-# (benchmarks/bench_linear_cross_entropy.py --sweep) measures it.
-CHUNK_FLOOR = 512
+# compute in fp32 (~820 tokens on the H200, see the module docstring); the cap is a first guess
+# until the H200 sweep (benchmarks/bench_linear_cross_entropy.py --sweep) measures it.
+CHUNK_FLOOR = 1024
 CHUNK_CAP = 2048
 CHUNK_ENV = "PROFUSE_CE_CHUNK"
 ACCUM_ENV = "PROFUSE_CE_ACCUM"
@@ -238,10 +241,10 @@ def ce_candidates(n_cols: int, n_sms: int) -> list[KernelConfig]:
 
 
 def chunk_rows(n_tokens: int, hidden: int, vocab: int, mm_bytes: int, free_bytes: int | None) -> int:
-    """Tokens per chunk (module docstring): `hidden`, within [CHUNK_FLOOR, CHUNK_CAP], at most
+    """Tokens per chunk (module docstring): `hidden` / 2, within [CHUNK_FLOOR, CHUNK_CAP], at most
     CHUNK_MEMORY_SHARE of `free_bytes` in logits of `mm_bytes` an element, at most `n_tokens`, a
     multiple of 128 where above it."""
-    c = max(CHUNK_FLOOR, min(CHUNK_CAP, hidden))
+    c = max(CHUNK_FLOOR, min(CHUNK_CAP, hidden // 2))
     if free_bytes is not None:
         c = min(c, int(CHUNK_MEMORY_SHARE * free_bytes) // (vocab * mm_bytes))
     c = max(1, min(c, n_tokens))
@@ -391,6 +394,63 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_dtype_m
         acc.add_(torch.mm(a, b))
 
 
+def _accumulator(
+    vocab: int, hidden: int, acc_dtype: torch.dtype | None, weight_dtype: torch.dtype, device
+) -> list[torch.Tensor]:
+    """The weight gradient's accumulator, as a list of row blocks: none where that gradient is not
+    wanted; one (V, H) tensor where it is the gradient or its cast needs room of its own; two,
+    rows [0, ceil(V / 2)) and the rest, where the cast is to half the element size (fp32 into a
+    16-bit weight's dtype), so that cast_in_place lands the gradient in the first block's memory:
+    the op never holds the accumulator and its cast at once (1.05 GB less at Llama-3.2-1B's head)."""
+    if acc_dtype is None:
+        return []
+    halves = acc_dtype.itemsize == 2 * weight_dtype.itemsize
+    if not halves:
+        return [torch.empty((vocab, hidden), dtype=acc_dtype, device=device)]
+    lo = vocab - vocab // 2
+    return [
+        torch.empty((lo, hidden), dtype=acc_dtype, device=device),
+        torch.empty((vocab - lo, hidden), dtype=acc_dtype, device=device),
+    ]
+
+
+def _columns(parts: list[torch.Tensor]) -> list[slice]:
+    """The logits' columns (vocabulary rows of the weight) each accumulator block sums."""
+    if len(parts) < 2:
+        return [slice(None)] * len(parts)
+    lo = parts[0].shape[0]
+    return [slice(0, lo), slice(lo, None)]
+
+
+def cast_in_place(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Rows [0, L) and [L, V) of a (V, H) matrix, `lo` and `hi` (L >= V - L, an element twice
+    the size of `dtype`'s), as one (V, H) tensor of `dtype` in `lo`'s memory, each element
+    rounded as `.to(dtype)` rounds it. `lo` is cast from its first row in pieces that double:
+    rows [s, e) with e <= 2s land in bytes [2sH, 2eH) (in units of `dtype`'s size, halved),
+    below their own fp32 bytes [4sH, 4eH) and over rows already cast; the first piece overlaps
+    its own source and goes through a copy of ceil(L / 64) rows. `hi` then lands in the back
+    half, whose rows of `lo` are cast by then."""
+    rows, hidden = lo.shape
+    vocab = rows + hi.shape[0]
+    if lo.element_size() != 2 * dtype.itemsize or not lo.is_contiguous():
+        raise ValueError(
+            f"cast_in_place casts a contiguous tensor to half its element size, not {lo.dtype} to {dtype}"
+        )
+    if hi.shape[0] > rows or hi.shape[1:] != lo.shape[1:]:
+        raise ValueError(
+            f"cast_in_place needs the larger block first: {tuple(lo.shape)} then {tuple(hi.shape)}"
+        )
+    out = lo.view(-1).view(dtype)[: vocab * hidden].view(vocab, hidden)
+    s = min(rows, -(-rows // 64))
+    out[:s].copy_(lo[:s].to(dtype))
+    while s < rows:
+        e = min(2 * s, rows)
+        out[s:e].copy_(lo[s:e])
+        s = e
+    out[rows:].copy_(hi)
+    return out
+
+
 def _divisor(target, ignore_index, num_items, num_items_value, device) -> torch.Tensor:
     """n as a 0-d device tensor, made without a host synchronisation: the count of counted
     targets, num_items_in_batch's tensor (a CPU one read on the host, which waits for nothing),
@@ -461,9 +521,7 @@ def linear_cross_entropy_forward(
             if need_grad_hidden
             else None
         )
-        acc = None
-        if plan.acc_dtype is not None:
-            acc = torch.empty((vocab, hidden_size), dtype=plan.acc_dtype, device=device)
+        parts = _accumulator(vocab, hidden_size, plan.acc_dtype, weight.dtype, device)
         for start in range(0, n_tokens, chunk):
             end = min(start + chunk, n_tokens)
             x = hidden[start:end].to(mm_dtype)  # (C, H)
@@ -483,20 +541,24 @@ def linear_cross_entropy_forward(
             )
             if grad_hidden is not None:
                 _product_into(grad_hidden[start:end], z, w, plan.out_dtype_mm)
-            if acc is not None:
+            for part, cols in zip(parts, _columns(parts)):
                 if start == 0:
-                    _product_into(acc, z.t(), x, plan.out_dtype_mm)
+                    _product_into(part, z[:, cols].t(), x, plan.out_dtype_mm)
                 else:
-                    _accumulate(acc, z.t(), x, plan.out_dtype_mm)
-        # The chunk's logits go before the accumulator's cast (the peak is the larger of the two,
-        # not their sum); z, a view of them, would keep them alive.
+                    _accumulate(part, z[:, cols].t(), x, plan.out_dtype_mm)
+        # The chunk's logits go before the accumulator's cast; z, a view of them, would keep them
+        # alive.
         z = x = logits_buf = w = None
         grad_weight = None
-        if acc is not None:
+        if parts:
             if n_tokens == 0:
-                acc.zero_()
-            grad_weight = acc if acc.dtype == weight.dtype else acc.to(weight.dtype)
-            del acc
+                for part in parts:
+                    part.zero_()
+            if len(parts) == 2:
+                grad_weight = cast_in_place(*parts, weight.dtype)
+            else:
+                grad_weight = parts[0] if parts[0].dtype == weight.dtype else parts[0].to(weight.dtype)
+            del parts
         loss = loss_rows.sum() / count
     return loss, grad_hidden, grad_weight
 
