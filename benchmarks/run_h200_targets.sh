@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every target of the whole fused step on a card, in three parts that each fit one 10-minute call:
+# Every target of the whole fused step on a card, in four parts that each fit one 10-minute call:
 #   part 1, the first call on a fresh machine (cold Triton and Inductor caches, as the target is
 #   set), run in the background and waited on over as many calls of part 1 as it takes:
 #     profuse step --model hf:llama --preset Llama-3.2-1B --precision both: every default variant
@@ -7,18 +7,20 @@
 #       amp then bf16, trials fitted to the step (--trials left out). Its wall time is the
 #       target (8 minutes); its tables are the Llama targets: fused vs eager and Liger, memory,
 #       amp, compile+fused vs compile with their profiles                 ~12 min on an H100
-#   part 2 (limits 120 + 180 + 200 s):
-#     research/memory_peak.py: where the fused and Liger steps peak (Llama-3.2-1B), and the
-#       allocator's split blocks at the end of the forward                                   ~30 s
-#     profuse step Qwen3-0.6B bf16 and amp: eager, fused, liger        bf16 118 s on an H100
-#   part 3 (limits 150 + 100 + 300 s):
+#   part 2 (limits 150 + 420 s):
+#     research/memory_peak.py: where each variant's step peaks (Llama-3.2-1B): eager, fused with
+#       the loss's chunk and accumulator as set and overridden, Liger; the allocator's split
+#       blocks at the end of the forward                                                  ~90 s
+#     Llama-3.2-1B bf16, 12 trials, one profile step each: eager, fused, liger (the speed and
+#       memory targets), compile, compile+fused (every op) and compile+loss (the fused loss
+#       alone, the rest left to Inductor), the mask fix in all three          ~6 min (est.)
+#   part 3 (limits 150 + 180 + 200 s):
 #     profuse --out ...   (the default job: Parts A, B and C at the small preset)              ~105 s
+#     profuse step Qwen3-0.6B bf16 and amp: eager, fused, liger        bf16 118 s on an H100
+#   part 4 (limit 100 s):
 #     benchmarks/check_fuse.py: profuse.fuse with the real kernels, every op against float64  ~90 s
-#     where fusion goes under torch.compile, Llama-3.2-1B bf16: compile, compile+fused (every
-#       op) and compile+loss (the fused loss alone, the rest left to Inductor), one profile
-#       step each for the kernel time by category                                ~4 min (est.)
 #
-#   bash benchmarks/run_h200_targets.sh [PREFIX] [1|2|3]
+#   bash benchmarks/run_h200_targets.sh [PREFIX] [1|2|3|4]
 #
 # PREFIX defaults to benchmarks/results/CARD-DATE, CARD the GPU found (h100, h200); writes
 # PREFIX-targets/: one folder a step (its step.json or other files, its console output as
@@ -75,17 +77,19 @@ if [ "$part" = 1 ]; then
     exit 0
   fi
   echo "### llama-both: rc=$(cat "$both/rc")"
+elif [ "$part" = 2 ]; then
+  step memory-llama 150 python3 research/memory_peak.py --out "$out/memory-llama"
+  step llama-bf16 420 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B --precision bf16 \
+    --variants eager,fused,liger,compile,compile+fused,compile+loss --trials 12 --profile-steps 1 \
+    --out "$out/llama-bf16"
 elif [ "$part" = 3 ]; then
   step main 150 python3 -m profuse --out "$out/main"
-  step check-fuse 100 python3 "$here/check_fuse.py" --out "$out/check-fuse"
-  step llama-compile 300 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B --precision bf16 \
-    --variants eager,compile,compile+fused,compile+loss --trials 12 --profile-steps 1 --out "$out/llama-compile"
-else
-  step memory-llama 120 python3 research/memory_peak.py --out "$out/memory-llama" --only eager,fused,liger
   step qwen3-bf16 180 python3 -m profuse step --model hf:qwen3 --preset Qwen3-0.6B --precision bf16 \
     --variants eager,fused,liger --trials 12 --profile-steps 0 --out "$out/qwen3-bf16"
   step qwen3-amp 200 python3 -m profuse step --model hf:qwen3 --preset Qwen3-0.6B --precision amp \
     --variants eager,fused,liger --trials 12 --profile-steps 0 --out "$out/qwen3-amp"
+else
+  step check-fuse 100 python3 "$here/check_fuse.py" --out "$out/check-fuse"
 fi
 echo "### done $(date -u +%FT%TZ)"
 date -u +%FT%TZ > "$out/done-$part"
