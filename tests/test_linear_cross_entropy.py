@@ -426,9 +426,12 @@ class TinyLM(torch.nn.Module):
         return CE.linear_cross_entropy(hidden, self.emb.weight, labels, num_items_in_batch=num_items)
 
 
-def test_compile_fullgraph_matches_eager(device):
+@pytest.mark.parametrize("dtype", [FP32, BF16])
+def test_compile_fullgraph_matches_eager(dtype, device):
     """torch.compile(fullgraph=True) of a model using the op: no graph break (fullgraph raises on
-    one), the custom ops in AOTAutograd's graphs, the same loss and gradients as the eager call."""
+    one), the custom ops in AOTAutograd's graphs, the same loss and gradients as the eager call;
+    in bf16 with an odd vocabulary, the head's gradient cast in place into the larger of the
+    accumulator's two blocks (storage one row longer than the gradient)."""
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
@@ -447,7 +450,7 @@ def test_compile_fullgraph_matches_eager(device):
         return compiler
 
     torch.manual_seed(17)
-    model = TinyLM(151, 48).to(device)
+    model = TinyLM(151, 48).to(device=device, dtype=dtype)
     ids = torch.randint(0, 151, (2, 11), device=device)
     labels = ids.clone()
     labels[1, :3] = CE.IGNORE_INDEX
@@ -466,7 +469,8 @@ def test_compile_fullgraph_matches_eager(device):
         results.append([loss.detach()] + [p.grad.clone() for p in model.parameters()])
     for compiled in results[:2]:
         for c, e in zip(compiled, results[2]):
-            assert T.relative_error(c, e) <= 1e-6
+            # bf16: Inductor may fuse the silu and round where eager does not
+            assert T.relative_error(c, e) <= (1e-6 if dtype == FP32 else 4 * U[BF16])
     assert any("profuse.linear_cross_entropy" in t for t in seen["forward"]), seen["forward"]
     assert any("profuse.linear_cross_entropy_scale_" in t for t in seen["backward"]), seen["backward"]
 
