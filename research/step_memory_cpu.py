@@ -25,6 +25,10 @@ On a CPU (torch 2.13, transformers 5.25, liger-kernel 0.8.5, 2026-12-07), bf16: 
 (in the backward); fused 31.6 MB (at the end of the forward; backward 27.4); fused out-of-place
 31.6 (backward 29.0); fused accum=weight chunk=256 25.8 (backward; forward 25.8); liger not run
 (its kernels fail under the interpreter: AttributeError, 'float' object has no attribute 'to').
+Since the head's gradient is cast in place (same day, later; the chunk rule's 1024-token floor
+now takes all 1024 tokens here): fused 32.64 MB (forward; backward 28.97), fused out-of-place
+32.64, chunk=256 (C = H) 26.35, chunk=128 (C = H / 2) 25.30, accum=weight chunk=256 23.73
+(backward).
 """
 
 from __future__ import annotations
@@ -164,8 +168,12 @@ def variants(layers: int, dtype: torch.dtype):
     out_of_place(plain)
     yield "fused", fused, None
     yield "fused out-of-place", plain, None
+    # The chunk in the card's proportions (the rule's floor of 1024 tokens takes every token here):
+    # C = H, the rule until 2026-12-07, and C = H / 2, the rule since.
+    yield "fused chunk=256 (C = H)", fused, environ(PROFUSE_CE_CHUNK="256")
+    yield "fused chunk=128 (C = H / 2)", fused, environ(PROFUSE_CE_CHUNK="128")
     # The loss's chunk and accumulator, as research/memory_peak.py overrides them on the card:
-    # a quarter of the tokens a chunk (the rule takes half here), the weight's gradient in bf16.
+    # a quarter of the tokens a chunk, the weight's gradient in bf16.
     yield "fused accum=weight chunk=256", fused, environ(PROFUSE_CE_ACCUM="weight", PROFUSE_CE_CHUNK="256")
     try:
         from profuse.models import liger as L
