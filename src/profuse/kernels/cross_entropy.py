@@ -399,15 +399,20 @@ def _accumulator(
 ) -> list[torch.Tensor]:
     """The weight gradient's accumulator, as a list of row blocks: none where that gradient is not
     wanted; one (V, H) tensor where it is the gradient or its cast needs room of its own; two,
-    rows [0, ceil(V / 2)) and the rest, where the cast is to half the element size (fp32 into a
-    16-bit weight's dtype), so that cast_in_place lands the gradient in the first block's memory:
-    the op never holds the accumulator and its cast at once (1.05 GB less at Llama-3.2-1B's head)."""
+    rows [0, L) and the rest (L at least V / 2, a multiple of 8 where below V), where the cast is
+    to half the element size (fp32 into a 16-bit weight's dtype), so that cast_in_place lands the
+    gradient in the first block's memory: the op never holds the accumulator and its cast at once
+    (the cast's 0.53 GB at Llama-3.2-1B's head)."""
     if acc_dtype is None:
         return []
     halves = acc_dtype.itemsize == 2 * weight_dtype.itemsize
     if not halves:
         return [torch.empty((vocab, hidden), dtype=acc_dtype, device=device)]
-    lo = vocab - vocab // 2
+    # at least half the rows, a multiple of 8 so the second block's columns of the logits start
+    # 16-byte aligned for cuBLAS
+    lo = -(-(vocab - vocab // 2) // 8) * 8
+    if lo >= vocab:  # a vocabulary of 8 rows or fewer: one block, cast out of place
+        return [torch.empty((vocab, hidden), dtype=acc_dtype, device=device)]
     return [
         torch.empty((lo, hidden), dtype=acc_dtype, device=device),
         torch.empty((vocab - lo, hidden), dtype=acc_dtype, device=device),
@@ -440,7 +445,7 @@ def cast_in_place(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> tor
         raise ValueError(
             f"cast_in_place needs the larger block first: {tuple(lo.shape)} then {tuple(hi.shape)}"
         )
-    out = lo.view(-1).view(dtype)[: vocab * hidden].view(vocab, hidden)
+    out = torch.empty(0, dtype=dtype, device=lo.device).set_(lo.untyped_storage(), 0, (vocab, hidden))
     s = min(rows, -(-rows // 64))
     out[:s].copy_(lo[:s].to(dtype))
     while s < rows:
