@@ -396,35 +396,23 @@ def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out_dtype_m
 
 def _accumulator(
     vocab: int, hidden: int, acc_dtype: torch.dtype | None, weight_dtype: torch.dtype, device
-) -> list[torch.Tensor]:
-    """The weight gradient's accumulator, as a list of row blocks: none where that gradient is not
-    wanted; one (V, H) tensor where it is the gradient or its cast needs room of its own; two,
-    rows [0, L) and the rest (L at least V / 2, a multiple of 8 where below V), where the cast is
-    to half the element size (fp32 into a 16-bit weight's dtype), so that cast_in_place lands the
+) -> list[tuple[torch.Tensor, slice]]:
+    """The weight gradient's accumulator, as row blocks, each with the logits' columns it sums:
+    none where that gradient is not wanted; one (V, H) block where it is the gradient or its cast
+    needs room of its own; two, rows [0, L) and the rest (L at least V / 2, a multiple of 8 so the
+    second block's columns of the logits start 16-byte aligned for cuBLAS), where the cast is to
+    half the element size (fp32 into a 16-bit weight's dtype), so that cast_in_place lands the
     gradient in the first block's memory: the op never holds the accumulator and its cast at once
-    (the cast's 0.53 GB at Llama-3.2-1B's head)."""
+    (the cast's 0.53 GB at Llama-3.2-1B's head). A vocabulary of 8 rows or fewer keeps one block."""
     if acc_dtype is None:
         return []
-    halves = acc_dtype.itemsize == 2 * weight_dtype.itemsize
-    if not halves:
-        return [torch.empty((vocab, hidden), dtype=acc_dtype, device=device)]
-    # at least half the rows, a multiple of 8 so the second block's columns of the logits start
-    # 16-byte aligned for cuBLAS
     lo = -(-(vocab - vocab // 2) // 8) * 8
-    if lo >= vocab:  # a vocabulary of 8 rows or fewer: one block, cast out of place
-        return [torch.empty((vocab, hidden), dtype=acc_dtype, device=device)]
+    if acc_dtype.itemsize != 2 * weight_dtype.itemsize or lo >= vocab:
+        return [(torch.empty((vocab, hidden), dtype=acc_dtype, device=device), slice(None))]
     return [
-        torch.empty((lo, hidden), dtype=acc_dtype, device=device),
-        torch.empty((vocab - lo, hidden), dtype=acc_dtype, device=device),
+        (torch.empty((lo, hidden), dtype=acc_dtype, device=device), slice(0, lo)),
+        (torch.empty((vocab - lo, hidden), dtype=acc_dtype, device=device), slice(lo, None)),
     ]
-
-
-def _columns(parts: list[torch.Tensor]) -> list[slice]:
-    """The logits' columns (vocabulary rows of the weight) each accumulator block sums."""
-    if len(parts) < 2:
-        return [slice(None)] * len(parts)
-    lo = parts[0].shape[0]
-    return [slice(0, lo), slice(lo, None)]
 
 
 def cast_in_place(lo: torch.Tensor, hi: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -546,7 +534,7 @@ def linear_cross_entropy_forward(
             )
             if grad_hidden is not None:
                 _product_into(grad_hidden[start:end], z, w, plan.out_dtype_mm)
-            for part, cols in zip(parts, _columns(parts)):
+            for part, cols in parts:
                 if start == 0:
                     _product_into(part, z[:, cols].t(), x, plan.out_dtype_mm)
                 else:
@@ -555,15 +543,17 @@ def linear_cross_entropy_forward(
         # alive.
         z = x = logits_buf = w = None
         grad_weight = None
-        if parts:
+        blocks = [part for part, _ in parts]
+        del parts
+        if blocks:
             if n_tokens == 0:
-                for part in parts:
+                for part in blocks:
                     part.zero_()
-            if len(parts) == 2:
-                grad_weight = cast_in_place(*parts, weight.dtype)
+            if len(blocks) == 2:
+                grad_weight = cast_in_place(*blocks, weight.dtype)
             else:
-                grad_weight = parts[0] if parts[0].dtype == weight.dtype else parts[0].to(weight.dtype)
-            del parts
+                grad_weight = blocks[0] if blocks[0].dtype == weight.dtype else blocks[0].to(weight.dtype)
+            del blocks
         loss = loss_rows.sum() / count
     return loss, grad_hidden, grad_weight
 
