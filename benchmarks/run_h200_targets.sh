@@ -16,9 +16,12 @@
 #       alone, the rest left to Inductor), the mask fix in all three          ~6 min (est.)
 #   part 3 (limits 150 + 180 + 200 s):
 #     profuse --out ...   (the default job: Parts A, B and C at the small preset)              ~105 s
+#       its Part C traces also packed in main/traces.tgz (a few MB), kept where the large
+#       Llama traces are left behind: they hold each fused op's host time on the card
 #     profuse step Qwen3-0.6B bf16 and amp: eager, fused, liger        bf16 118 s on an H100
-#   part 4 (limit 100 s):
-#     benchmarks/check_fuse.py: profuse.fuse with the real kernels, every op against float64  ~90 s
+#   part 4 (limit 240 s):
+#     benchmarks/check_fuse.py: profuse.fuse with the real kernels, every op against float64: 68 s
+#       with warm caches, over 100 s on a fresh machine (H100, 2026-12-07)
 #
 #   bash benchmarks/run_h200_targets.sh [PREFIX] [1|2|3|4]
 #
@@ -84,12 +87,13 @@ elif [ "$part" = 2 ]; then
     --out "$out/llama-bf16"
 elif [ "$part" = 3 ]; then
   step main 150 python3 -m profuse --out "$out/main"
+  (cd "$out/main" && ls trace-step-*.json > /dev/null 2>&1 && tar czf traces.tgz trace-step-*.json)
   step qwen3-bf16 180 python3 -m profuse step --model hf:qwen3 --preset Qwen3-0.6B --precision bf16 \
     --variants eager,fused,liger --trials 12 --profile-steps 0 --out "$out/qwen3-bf16"
   step qwen3-amp 200 python3 -m profuse step --model hf:qwen3 --preset Qwen3-0.6B --precision amp \
     --variants eager,fused,liger --trials 12 --profile-steps 0 --out "$out/qwen3-amp"
 else
-  step check-fuse 100 python3 "$here/check_fuse.py" --out "$out/check-fuse"
+  step check-fuse 240 python3 "$here/check_fuse.py" --out "$out/check-fuse"
 fi
 echo "### done $(date -u +%FT%TZ)"
 date -u +%FT%TZ > "$out/done-$part"
