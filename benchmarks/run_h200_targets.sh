@@ -19,9 +19,11 @@
 #       its Part C traces also packed in main/traces.tgz (a few MB), kept where the large
 #       Llama traces are left behind: they hold each fused op's host time on the card
 #     profuse step Qwen3-0.6B bf16 and amp: eager, fused, liger        bf16 118 s on an H100
-#   part 4 (limit 240 s):
+#   part 4 (limits 240 + 150 s):
 #     benchmarks/check_fuse.py: profuse.fuse with the real kernels, every op against float64: 68 s
 #       with warm caches, over 100 s on a fresh machine (H100, 2026-12-07)
+#     research/host_gap.py: where the fused small step's extra host time goes (the backward's
+#       thread, the forward, the Python)                                          ~1 min (est.)
 #
 #   bash benchmarks/run_h200_targets.sh [PREFIX] [1|2|3|4]
 #
@@ -94,6 +96,7 @@ elif [ "$part" = 3 ]; then
     --variants eager,fused,liger --trials 12 --profile-steps 0 --out "$out/qwen3-amp"
 else
   step check-fuse 240 python3 "$here/check_fuse.py" --out "$out/check-fuse"
+  step host-gap 150 python3 research/host_gap.py --out "$out/host-gap"
 fi
 echo "### done $(date -u +%FT%TZ)"
 date -u +%FT%TZ > "$out/done-$part"
