@@ -307,6 +307,63 @@ def test_both_stopped_in_bf16_keeps_amp_whole_and_says_so(tmp_path, capsys, monk
     assert "=== Part C: the whole training step" in out
 
 
+TWO_VARIANTS = [*GPT_FLAGS[:-1], "eager,fused", "--profile-steps", "1"]
+
+
+@pytest.mark.parametrize("precision", ["amp", "both"])
+def test_an_interrupt_in_the_profiles_keeps_the_timed_trials(precision, tmp_path, capsys, monkeypatch):
+    """Ctrl-C (or a time limit's SIGINT) once the trials are done: step.json keeps them, with the
+    profiles finished before it, marked interrupted; the report says so; --precision both's
+    second precision is named as not run. Nothing measured is lost."""
+    real, profiled = S.profile_variant, []
+
+    def stopped_at_fused(step, name, **kw):
+        if name == "fused":
+            raise KeyboardInterrupt
+        profiled.append(name)
+        return real(step, name, **kw)
+
+    monkeypatch.setattr(S, "profile_variant", stopped_at_fused)
+    code, out, err = run(["step", *TWO_VARIANTS, "--precision", precision, "--out", str(tmp_path)], capsys)
+    assert code == 130 and profiled == ["eager"]
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("profuse: interrupted; amp was interrupted in the profiles (fused not profiled)")
+    assert str(tmp_path / "step.json") in line
+    assert ("bf16 did not run" in line) == (precision == "both")
+    data = json.loads((tmp_path / "step.json").read_text())
+    assert "runs" not in data and data["config"]["precision"] == "amp"
+    assert data["interrupted"] == "interrupted in the profiles (fused not profiled)"
+    assert set(data["results"]) == {"eager", "fused"}
+    assert len(data["comparison"]["timings"]["fused"]["times_s"]) >= 2
+    assert list(data["profiles"]) == ["eager"] and data["amdahl"] is None and data["verdict"]
+    assert "INTERRUPTED: interrupted in the profiles (fused not profiled)" in out and "VERDICT:" in out
+    assert "INTERRUPTED" in format_step(data)  # profuse report prints it again
+
+
+def test_an_interrupt_in_amdahl_keeps_every_profile(tmp_path, capsys, monkeypatch):
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(S, "_amdahl_stage", stopped)
+    code, out, err = run(["step", *TWO_VARIANTS, "--out", str(tmp_path)], capsys)
+    assert code == 130 and "amp was interrupted in Amdahl's prediction, after its timed trials" in err
+    data = json.loads((tmp_path / "step.json").read_text())
+    assert data["interrupted"] == "interrupted in Amdahl's prediction"
+    assert set(data["profiles"]) == {"eager", "fused"} and data["amdahl"] is None
+
+
+def test_an_interrupt_before_the_trials_end_saves_nothing(tmp_path, capsys, monkeypatch):
+    """Trials cut short are no measurement: no step.json, the plain interrupted line."""
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(S, "_timed_steps", stopped)
+    code, out, err = run(["step", *TWO_VARIANTS, "--out", str(tmp_path)], capsys)
+    assert code == 130 and err.strip().splitlines()[-1] == "profuse: interrupted"
+    assert not (tmp_path / "step.json").exists()
+
+
 @pytest.mark.parametrize(
     "command, flags",
     [("step", GPT_FLAGS), ("profile", ["--device", "cpu", "--profile-steps", "1"])],

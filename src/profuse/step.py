@@ -922,10 +922,10 @@ def _labelled(
     return replace(target, model=model, net=model), ""
 
 
-def _profile_stage(cfg, variants, optimizer, batch, tell, phase, ops) -> dict[str, VariantProfile]:
+def _profile_stage(cfg, variants, optimizer, batch, tell, phase, ops, profiles: dict) -> None:
     """Step 5: each timed variant's step profiled as it was timed (nothing built or compiled
-    again); eager and fused (block ops `ops`) through labelled copies, for Amdahl's in-step times."""
-    profiles: dict[str, VariantProfile] = {}
+    again); eager and fused (block ops `ops`) through labelled copies, for Amdahl's in-step times.
+    Each profile goes into `profiles` as it is made: an interrupted stage leaves the finished ones."""
     eager = next((v for v in variants if v.name == BASELINE), None)
     for i, v in enumerate(variants):
         say = lambda msg, i=i, name=v.name: tell(f"profile: {name}: {msg}", i, len(variants))
@@ -950,7 +950,6 @@ def _profile_stage(cfg, variants, optimizer, batch, tell, phase, ops) -> dict[st
                 timed_step=_train_step(v, optimizer, batch, cfg.device),
             )
         del target, step
-    return profiles
 
 
 # --------------------------------------------------------------------------------------------
@@ -1057,6 +1056,9 @@ class StepResult:
     math: dict[str, samemath.MathStatus] = field(default_factory=dict)
     # "compile+loss vs compile": the fused loss alone on top of torch.compile, like fusion_over_compile
     loss_over_compile: Speedup | None = None
+    # where an interrupt (Ctrl-C, a time limit's SIGINT) stopped the run after its timed trials;
+    # "" where it ran to its end
+    interrupted: str = ""
 
     def to_dict(self) -> dict:
         cmp = self.comparison
@@ -1101,7 +1103,18 @@ class StepResult:
             "fused_ops": self.fused_ops,
             "math": {k: v.to_dict() for k, v in self.math.items()},
             "comparison": cmp.to_dict() if cmp else None,
+            "interrupted": self.interrupted,
         }
+
+
+class StepInterrupted(KeyboardInterrupt):
+    """An interrupt that came after the timed trials: `result` holds the run as far as it went
+    (its trials, memory and checks; the profiles finished before it; `result.interrupted` says
+    where it stopped), for the caller to save."""
+
+    def __init__(self, result: StepResult):
+        super().__init__(result.interrupted)
+        self.result = result
 
 
 def math_rows(
@@ -1232,18 +1245,28 @@ def run_step(
     }
 
     profiles: dict[str, VariantProfile] = {}
-    if cfg.profile_steps > 0 and timed:  # step 4
-        with phase("profiles"):
-            timed_variants = [v for v in variants if v.name in timed]
-            profiles = _profile_stage(cfg, timed_variants, optimizer, batch, tell, phase, block_ops)
-            del timed_variants
-        for name, p in profiles.items():  # the unsynchronised profile beside the timed trials
-            if p.steady is not None:
-                agreement(p.steady, comparison.timings[name].times_s)
+    ops_timed, amdahl, amdahl_note, interrupted = {}, None, "", ""
+    to_profile = [v for v in variants if v.name in timed] if cfg.profile_steps > 0 else []
+    stage = "the profiles"
+    try:  # an interrupt from here on keeps the timed trials (StepInterrupted)
+        if to_profile:  # step 4
+            with phase("profiles"):
+                _profile_stage(cfg, to_profile, optimizer, batch, tell, phase, block_ops, profiles)
+        stage = "Amdahl's prediction"
+        with phase("ops"):
+            ops_timed, amdahl, amdahl_note = _amdahl_stage(cfg, comparison, profiles)
+    except KeyboardInterrupt:
+        if comparison is None:
+            raise
+        left = [v.name for v in to_profile if v.name not in profiles]
+        interrupted = f"interrupted in {stage}" + (f" ({', '.join(left)} not profiled)" if left else "")
+        amdahl_note = "the run was interrupted before Amdahl's prediction"
+    del to_profile
+    for name, p in profiles.items():  # the unsynchronised profile beside the timed trials
+        if p.steady is not None:
+            agreement(p.steady, comparison.timings[name].times_s)
     del steps, variants, optimizer, params
     _release(dev)
-    with phase("ops"):
-        ops_timed, amdahl, amdahl_note = _amdahl_stage(cfg, comparison, profiles)
 
     result = StepResult(
         config=cfg,
@@ -1272,7 +1295,10 @@ def run_step(
         masks=masks,
         fused_ops=fused_ops,
         math=math_rows(cfg.variants, skipped, failed, checks, same_math, same_math_note),
+        interrupted=interrupted,
     )
     result.phases["total"] = clock() - start
     result.verdict = decide(result.to_dict())
+    if interrupted:
+        raise StepInterrupted(result)
     return result

@@ -235,7 +235,11 @@ def cmd_main(argv: list[str]) -> int:
             ) from None
     if step is not None:
         print()
-        run_part_c(step)
+        try:
+            run_part_c(step)
+        except KeyboardInterrupt as err:
+            kept = f"Parts A and B had finished: their files are kept in {args.out}"
+            raise KeyboardInterrupt(f"{err}; {kept}" if str(err) else kept) from None
     elif whole_job:
         print()
         print(CPU_STEP_HINT)

@@ -198,15 +198,18 @@ def run_part_c(cfgs, progress: ProgressLines | None = None) -> None:
     moved; step.json holds it all."""
     from profuse.files import write_result
     from profuse.report.step import both_precisions, format_step
-    from profuse.step import run_step
+    from profuse.step import StepInterrupted, run_step
 
     cfgs = cfgs if isinstance(cfgs, (list, tuple)) else [cfgs]
     progress = progress or ProgressLines()
-    runs, stopped = [], None
+    runs, cut, stopped = [], "", None
     try:
         for cfg in cfgs:
             progress.prefix = f"{cfg.precision}: " if len(cfgs) > 1 else ""
             runs.append(run_step(cfg, progress=progress).to_dict())
+    except StepInterrupted as err:  # after its timed trials: they are saved, marked
+        runs.append(err.result.to_dict())
+        cut = f"{err.result.config.precision} was {err.result.interrupted}, after its timed trials"
     except KeyboardInterrupt:
         if not runs:
             raise
@@ -216,6 +219,12 @@ def run_part_c(cfgs, progress: ProgressLines | None = None) -> None:
     data = runs[0] if len(runs) == 1 else both_precisions(runs)
     print(format_step(data))
     path = write_result(Path(cfgs[0].out_dir) / "step.json", data)
+    if cut:
+        unrun = [c.precision for c in cfgs[len(runs) :]]
+        raise KeyboardInterrupt(
+            f"{cut}: what it finished is kept in {path} (its trials, memory and checks; no Amdahl)"
+            + (f"; {', '.join(unrun)} did not run" if unrun else "")
+        )
     if stopped is not None:
         done = cfgs[0].precision
         raise KeyboardInterrupt(

@@ -524,6 +524,9 @@ def format_step(data: dict) -> str:
     if traces:
         lines.append(f"traces: {', '.join(traces)} - open them at https://ui.perfetto.dev")
     lines += time_lines(data)
+    if data.get("interrupted"):
+        cut = data["interrupted"]
+        lines += ["", f"INTERRUPTED: {cut}; the trials above had finished, and the verdict is theirs"]
     lines += ["", verdict_line(data)]
     env = data["env"]
     lines.append(describe(env))
