@@ -14,8 +14,9 @@
 #     Llama-3.2-1B bf16, 12 trials, one profile step each: eager, fused, liger (the speed and
 #       memory targets), compile, compile+fused (every op) and compile+loss (the fused loss
 #       alone, the rest left to Inductor), the mask fix in all three          ~6 min (est.)
-#   part 3 (limits 150 + 180 + 200 s):
-#     profuse --out ...   (the default job: Parts A, B and C at the small preset)              ~105 s
+#   part 3 (limits 220 + 180 + 200 s):
+#     profuse --out ...   (the default job: Parts A, B and C at the small preset)        ~105-145 s
+#       (a 140 s limit stopped it in Part C's profiles on a fresh H100, 2026-12-07)
 #       its Part C traces also packed in main/traces.tgz (a few MB), kept where the large
 #       Llama traces are left behind: they hold each fused op's host time on the card
 #     profuse step Qwen3-0.6B bf16 and amp: eager, fused, liger        bf16 118 s on an H100
@@ -88,7 +89,7 @@ elif [ "$part" = 2 ]; then
     --variants eager,fused,liger,compile,compile+fused,compile+loss --trials 12 --profile-steps 1 \
     --out "$out/llama-bf16"
 elif [ "$part" = 3 ]; then
-  step main 150 python3 -m profuse --out "$out/main"
+  step main 220 python3 -m profuse --out "$out/main"
   (cd "$out/main" && ls trace-step-*.json > /dev/null 2>&1 && tar czf traces.tgz trace-step-*.json)
   step qwen3-bf16 180 python3 -m profuse step --model hf:qwen3 --preset Qwen3-0.6B --precision bf16 \
     --variants eager,fused,liger --trials 12 --profile-steps 0 --out "$out/qwen3-bf16"
