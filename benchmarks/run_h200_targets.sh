@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # Every target of the whole fused step on a card, in four parts that each fit one 10-minute call:
-#   part 1, the first call on a fresh machine (cold Triton and Inductor caches, as the target is
-#   set), run in the background and waited on over as many calls of part 1 as it takes:
+#   part 1, cold as the target is set (Triton and Inductor caches in empty folders of its own, so
+#   it may follow other parts on one machine), run in the background and waited on over as many
+#   calls of part 1 as it takes:
 #     profuse step --model hf:llama --preset Llama-3.2-1B --precision both: every default variant
 #       (eager, fused, liger-ops, liger, compile, compile+fused, cudagraphs) with its profiles,
 #       amp then bf16, trials fitted to the step (--trials left out). Its wall time is the
 #       target (8 minutes); its tables are the Llama targets: fused vs eager and Liger, memory,
-#       amp, compile+fused vs compile with their profiles                 ~12 min on an H100
+#       amp, compile+fused vs compile with their profiles   658 s on a fresh H100 (2026-12-07)
 #   part 2 (limits 150 + 420 s):
 #     research/memory_peak.py: where each variant's step peaks (Llama-3.2-1B): eager, fused with
 #       the loss's chunk and accumulator as set and overridden, Liger; the allocator's split
@@ -67,7 +68,13 @@ if [ "$part" = 1 ]; then
   both="$out/llama-both"
   if [ ! -e "$both/pid" ]; then
     mkdir -p "$both"
-    echo "### llama-both: started $(date -u +%FT%TZ) in the background, limit 1500 s"
+    # Cold wherever it runs: Inductor's and Triton's caches start empty in folders of its own, so
+    # parts run before it on the same machine do not warm its compiles (COLD=0 keeps the defaults).
+    if [ "${COLD:-1}" != 0 ]; then
+      export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d /tmp/profuse-cold-inductor.XXXXXX)
+      export TRITON_CACHE_DIR=$(mktemp -d /tmp/profuse-cold-triton.XXXXXX)
+    fi
+    echo "### llama-both: started $(date -u +%FT%TZ) in the background, limit 1500 s, caches ${TORCHINDUCTOR_CACHE_DIR:-as set}"
     setsid bash -c "timeout -s INT -k 10 1500 python3 -m profuse step --model hf:llama --preset Llama-3.2-1B \
       --precision both --out '$both' 2>&1 | python3 '$here/stamp.py' '$both/console.log' > /dev/null; \
       echo \${PIPESTATUS[0]} > '$both/rc'" < /dev/null > /dev/null 2>&1 &
