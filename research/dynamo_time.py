@@ -8,14 +8,15 @@ step of compile+fused spent 37.8 s in Dynamo (the forward's compile within) agai
 same thing where it can be seen without a card: the model's tiny preset widened to `--layers`
 decoder layers, compiled with `backend="eager"` (Dynamo alone: no AOTAutograd, no Inductor), one
 forward. For each of plain (the model as built) and fused (`profuse.fuse`) it reports Dynamo's
-own compile time (`torch._dynamo.utils.compile_times`) and, by timing every frame Dynamo inlines
-(`InliningInstructionTranslator.inline_call_`), each frame's own time and the files that hold it.
+own compile time (torch's phase timers, as profuse.compiletime reads them) and, by timing every
+frame Dynamo inlines (`InliningInstructionTranslator.inline_call_`), each frame's own time and
+the files that hold it.
 
 The frame timing patches a private Dynamo method; where a torch release has renamed it, the
 breakdown is left out and the totals still print.
 
-On a CPU (torch 2.13, 2026-12-07, 16 layers): Dynamo 3.1-3.4 s plain, 5.9 s fused (the frame
-timing on or off), about 2 minutes in all with the Triton interpreter.
+On a CPU (torch 2.13, 2026-12-07, 16 layers): Dynamo 3.1-3.7 s plain, 5.9-6.0 s fused (the
+frame timing on or off, three runs), about 2 minutes in all with the Triton interpreter.
 """
 
 from __future__ import annotations
@@ -67,14 +68,15 @@ def frame_timer():
     return stats
 
 
-def one(arch: str, layers: int, fused: bool, frames: bool) -> dict:
-    """One variant in this process: Dynamo's compile time and, with `frames`, the breakdown."""
+def one(arch: str, layers: int, fused: bool) -> dict:
+    """One variant in this process: Dynamo's compile time and, where it can, the breakdown."""
     import torch
 
     import profuse
+    from profuse.compiletime import split_compile
     from profuse.models import model_spec
 
-    stats = frame_timer() if frames else None
+    stats = frame_timer()
     torch.manual_seed(0)
     spec = model_spec(f"hf:{arch}", "tiny", batch_size=1, seq_len=64)
     spec.config.num_hidden_layers = layers
@@ -83,12 +85,9 @@ def one(arch: str, layers: int, fused: bool, frames: bool) -> dict:
         profuse.fuse(model)
     compiled = torch.compile(model, backend="eager")
     ids = torch.randint(0, spec.config.vocab_size, (1, 64))
-    compiled(input_ids=ids, labels=ids)
-    from torch._dynamo.utils import compile_times
-
-    times = compile_times(repr="csv", aggregate=True)
-    row = dict(zip(times[0], times[1], strict=False)) if isinstance(times, tuple) else {}
-    out = {"dynamo_s": float(row.get("_compile.compile_inner", "nan"))}
+    with split_compile() as split:
+        compiled(input_ids=ids, labels=ids)
+    out = {"dynamo_s": split[0].phases.get("_compile.compile_inner", float("nan"))}
     if stats is not None:
         by_file: collections.Counter = collections.Counter()
         for key, (_, _, own) in stats.items():
@@ -111,14 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.layers < 1:
         p.error("--layers must be at least 1")
     if args.variant:  # a child: one variant, alone in its process (Dynamo's counters are global)
-        print(json.dumps(one(args.arch, args.layers, args.variant == "fused", frames=True)))
+        print(json.dumps(one(args.arch, args.layers, args.variant == "fused")))
         return 0
     results = {}
     for variant in ("plain", "fused"):
         print(f"{variant}: compiling {args.layers} layers of hf:{args.arch} tiny, Dynamo only", flush=True)
         cmd = [sys.executable, __file__, "--arch", args.arch, "--layers", str(args.layers)]
         cmd += ["--variant", variant]
-        done = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
+        done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no output"])[-1]
             print(f"error: the {variant} run failed: {last}", file=sys.stderr)
