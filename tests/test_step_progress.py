@@ -14,7 +14,7 @@ import pytest
 
 from profuse import compiletime as C
 from profuse import step as S
-from profuse.cli.common import ProgressLines, tagged
+from profuse.cli.common import ProgressLines, TrackedStages, tagged
 from profuse.model import GPTConfig
 from profuse.verdict import SYNCED_SOURCE, decide
 
@@ -110,6 +110,105 @@ def test_a_quiet_start_says_nothing_unless_it_lasts_past_the_heartbeat():
     ]
     say("plan (bf16): eager, fused", 0, 1)  # the run's first stage: a line, from the same start
     assert lines_of(out)[-1] == "[ 0:16] plan (bf16): eager, fused"
+
+
+def test_tracked_stages_speak_only_through_the_heartbeat_with_their_count_and_pace():
+    """Parts A and B in a log: a quick stage prints nothing; one that runs past the heartbeat is
+    named with its count and the time left at its pace, and never ten seconds pass silent."""
+    clock, out = FakeClock(), io.StringIO()
+    say = ProgressLines(out, clock=clock, thread=False, heartbeat_s=8.0)
+    for k in range(4):  # quick stages, 1 s each
+        say.track(f"Part B: checking {k}", 0, 1)
+        clock.advance(1.0)
+        say.beat()
+    assert lines_of(out) == []
+    say.track("Part B: trials", 1, 20)
+    for k in range(2, 21):
+        clock.advance(2.0)  # a trial every 2 s
+        say.track("Part B: trials", k, 20)
+        say.beat()
+    lines = lines_of(out)
+    assert lines[0] == "[ 0:08] Part B: trials: 3/20, about 0:34 left, 4 s so far"
+    assert all(b - a <= 10 for a, b in zip(_times(lines), _times(lines)[1:]))
+    assert len(lines) == 5  # every 8 s over the stage's 38 s, not a line a count
+
+
+def test_tracked_stages_on_a_terminal_are_bars_and_the_lines_fall_silent():
+    class Bars:
+        enabled = True
+
+        def __init__(self):
+            self.calls, self.closed = [], 0
+
+        def __call__(self, stage, done, total):
+            self.calls.append((stage, done, total))
+
+        def close(self):
+            self.closed += 1
+
+    clock, out = FakeClock(), io.StringIO()
+    lines = ProgressLines(out, clock=clock, thread=False, heartbeat_s=8.0)
+    lines.quietly("starting: torch and the device")
+    bars = Bars()
+    stages = TrackedStages(lines, bars)
+    stages("Part A: profiling 2 training steps", 0, 1)
+    for _ in range(30):
+        clock.advance(1.0)
+        lines.beat()
+    stages.close()
+    assert bars.calls == [("Part A: profiling 2 training steps", 0, 1)] and bars.closed == 1
+    assert lines_of(out) == []  # the bar speaks; no heartbeat line breaks it
+    bars.enabled = False
+    stages = TrackedStages(lines, bars)
+    stages("Part B: trials", 2, 3)
+    clock.advance(9.0)
+    lines.beat()
+    assert lines_of(out) == ["[ 0:39] Part B: trials: 2/3, 9 s so far"]
+
+
+def test_the_main_job_tracks_parts_a_and_b_from_its_start(monkeypatch, tmp_path):
+    """`profuse` in a log: one ProgressLines from before torch is imported, Part A's and Part
+    B's stages tracked by it, named as theirs."""
+    from profuse.cli import parts
+
+    seen = []
+
+    class Recording(ProgressLines):
+        def __init__(self):
+            super().__init__(io.StringIO(), thread=False)
+
+        def quietly(self, stage):
+            seen.append(("quietly", stage))
+            super().quietly(stage)
+
+        def track(self, stage, done, total):
+            seen.append(("track", stage))
+            super().track(stage, done, total)
+
+    monkeypatch.setattr(parts, "ProgressLines", Recording)
+    monkeypatch.setattr(parts.TrackedStages, "__init__", _no_bars)
+    argv = ["--layers", "1", "--d-model", "32", "--heads", "2", "--vocab-size", "64", "--seq-len", "16",
+            "--batch-size", "2", "--profile-steps", "1", "--rows", "8", "--cols", "16", "--trials", "2",
+            "--variants", "eager,rms_norm", "--device", "cpu", "--out", str(tmp_path)]  # fmt: skip
+    assert parts.cmd_main(argv) == 0
+    assert seen[0] == ("quietly", "starting: torch and the device")
+    stages = [stage for how, stage in seen if how == "track"]
+    assert stages and {s.split(":")[0] for s in stages} == {"Part A", "Part B"}
+    first_b = next(i for i, s in enumerate(stages) if s.startswith("Part B"))
+    assert all(s.startswith("Part A") for s in stages[:first_b])
+    assert all(s.startswith("Part B") for s in stages[first_b:])
+
+
+def _no_bars(self, lines, bars=None):
+    """TrackedStages as in a log, whatever pytest's stderr is."""
+
+    class Off:
+        enabled = False
+
+        def close(self):
+            pass
+
+    self.lines, self.bars = lines, Off()
 
 
 def test_the_prefix_names_the_precision_and_the_thread_stops_on_close():

@@ -427,6 +427,28 @@ def _clock_text(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
+class TrackedStages:
+    """Parts A and B's progress in the main job: a terminal's bars (Progress), or elsewhere (a
+    log, a pipe) their stages kept silently by `lines` (ProgressLines.track), whose heartbeat
+    names a stage only where it runs past it: a quick part prints nothing, a slow one never goes
+    quiet for more than about 10 s."""
+
+    def __init__(self, lines: ProgressLines, bars: Progress | None = None):
+        self.lines = lines
+        self.bars = bars if bars is not None else Progress()
+        if self.bars.enabled:
+            lines.pause()
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if self.bars.enabled:
+            self.bars(stage, done, total)
+        else:
+            self.lines.track(stage, done, total)
+
+    def close(self) -> None:
+        self.bars.close()
+
+
 class ProgressLines:
     """Progress of a run that takes minutes, as lines on stderr (a terminal, a log or a pipe
     alike): a line as each stage starts, a counted stage's progress (trials 12/30) at most every
@@ -480,6 +502,23 @@ class ProgressLines:
             self.done, self.total = done, total
             if done >= total or now - self.last_line >= self.every_s:
                 self._say(now, self._text(now))
+
+    def track(self, stage: str, done: int, total: int) -> None:
+        """As a call, but silent: the stage and its count are kept for the heartbeat alone, so a
+        stage says something only where it outlasts `heartbeat_s` (Parts A and B in a log)."""
+        with self._lock:
+            now = self.clock()
+            stage = self.prefix + stage
+            if stage != self.stage:
+                self.stage, self.stage_start, self._paced = stage, now, None
+            elif self._paced is None and done > self.done:
+                self._paced = (now, done)
+            self.done, self.total = done, total
+
+    def pause(self) -> None:
+        """No stage, so no heartbeat, until the next call (a terminal's bar speaks meanwhile)."""
+        with self._lock:
+            self.stage = None
 
     def quietly(self, stage: str) -> None:
         """Enter `stage` without a line: it is named only if it lasts past the heartbeat (a start

@@ -13,7 +13,8 @@ from profuse.cli.common import (
     PROFILE_JSON,
     RESULTS_JSON,
     TRACE_JSON,
-    Progress,
+    ProgressLines,
+    TrackedStages,
     build_parser,
     build_profile_parser,
     check_out,
@@ -100,7 +101,7 @@ def _profile_config(args, device):
     )  # fmt: skip
 
 
-def run_part_a(args, device) -> None:
+def run_part_a(args, device, progress: TrackedStages) -> None:
     """Part A: the built-in GPT, a Hugging Face model or the user's --step, through
     profuse.profiling.profile; eager, and compiled beside it with --compile-step; in each
     precision --precision names (both: one after the other, each its own model)."""
@@ -115,7 +116,7 @@ def run_part_a(args, device) -> None:
         for precision in chosen:
             need = spec.train_bytes(compute_dtype(device, precision), precision)
             check_fits(need, device, f"Part A's step of {spec.describe()} ({precision})")
-    runs = {p: _part_a_run(args, device, spec, p, tag=p if len(chosen) > 1 else "") for p in chosen}
+    runs = {p: _part_a_run(args, device, spec, p, p if len(chosen) > 1 else "", progress) for p in chosen}
     summary = {"kind": SUMMARY_KIND, **(runs[chosen[0]] if len(chosen) == 1 else {"runs": runs})}
     path = Path(args.out) / PROFILE_JSON
     earlier = replaced_note(path)
@@ -124,7 +125,7 @@ def run_part_a(args, device) -> None:
     print()
 
 
-def _part_a_run(args, device, spec, precision: str, tag: str) -> dict:
+def _part_a_run(args, device, spec, precision: str, tag: str, progress: TrackedStages) -> dict:
     """One precision's Part A, printed as it finishes; its part of profile.json."""
     from profuse.profiling import compiled_trace_name, profile, spec_precision, spec_step
     from profuse.report.profile import format_profile, format_profile_comparison
@@ -141,8 +142,7 @@ def _part_a_run(args, device, spec, precision: str, tag: str) -> dict:
         about = {"step": args.step, "describe": f"your step, {args.step}"}
         where = None if getattr(args, "device", "auto") == "auto" else device  # None: ask the step
         how = None  # as the user's step runs it
-    progress = Progress()
-    label = f"{precision}: " if tag else ""
+    label = f"Part A: {precision}: " if tag else "Part A: "
     say = lambda text: progress(label + text, 0, 1)
     common = dict(steps=args.profile_steps, out=args.out, progress=say, summary_name=None, about=about,
                   precision=how)  # fmt: skip
@@ -182,14 +182,14 @@ def triton_note(args, device) -> str:
     )
 
 
-def run_part_b(args, cfg) -> None:
+def run_part_b(args, cfg, progress: TrackedStages) -> None:
     from profuse.bench.tail_bench import run_tail_bench
     from profuse.files import write_result
     from profuse.report.bench import format_tail_bench
 
-    progress = Progress()
+    say = lambda stage, done, total: progress(f"Part B: {stage}", done, total)
     try:
-        res = run_tail_bench(cfg, progress=progress)
+        res = run_tail_bench(cfg, progress=say)
     finally:
         progress.close()
     print(format_tail_bench(res))
@@ -208,7 +208,19 @@ def cmd_main(argv: list[str]) -> int:
         raise UsageError("--skip-profile and --profile-only leave nothing to run: pick one")
     names = () if args.skip_profile else part_a_files(args.compile_step)
     check_out(args, names + (() if args.profile_only else (RESULTS_JSON,)))
-    set_threads(args)
+    # One stream of progress lines on stderr through Parts A, B and C, from the start: importing
+    # torch and starting the device took about 15 s on a card's host before Part A's first line
+    # (H100, 2026-12-08), and a log or pipe shows no terminal's bars.
+    progress = ProgressLines()
+    try:
+        progress.quietly("starting: torch and the device")
+        set_threads(args)
+        return _main_job(args, progress)
+    finally:
+        progress.close()
+
+
+def _main_job(args, progress: ProgressLines) -> int:
     from profuse.env import resolve_device
 
     device = resolve_device(args.device)
@@ -221,10 +233,11 @@ def cmd_main(argv: list[str]) -> int:
         step = step_config(argparse.Namespace(seed=args.seed, out=args.out), device, "small")
         check_step(step)
     if not args.skip_profile:
-        run_part_a(args, device)
+        run_part_a(args, device, TrackedStages(progress))
     if bench is not None:
+        progress.quietly("Part B: starting")
         try:
-            run_part_b(args, bench)
+            run_part_b(args, bench, TrackedStages(progress))
         except KeyboardInterrupt:
             if args.skip_profile:
                 raise
@@ -235,8 +248,9 @@ def cmd_main(argv: list[str]) -> int:
             ) from None
     if step is not None:
         print()
+        progress.quietly("Part C: starting")
         try:
-            run_part_c(step)
+            run_part_c(step, progress)
         except KeyboardInterrupt as err:
             kept = f"Parts A and B had finished: their files are kept in {args.out}"
             raise KeyboardInterrupt(f"{err}; {kept}" if str(err) else kept) from None
@@ -263,7 +277,12 @@ def cmd_profile(argv: list[str]) -> int:
     if args.nproc is not None or started_by_launcher():
         _profile_config(args, "cpu")  # the flags checked before any rank starts
         return run_part_a_ddp(args)
-    run_part_a(args, resolve_device(args.device))
+    progress = ProgressLines()
+    try:
+        progress.quietly("starting: torch and the device")
+        run_part_a(args, resolve_device(args.device), TrackedStages(progress))
+    finally:
+        progress.close()
     return 0
 
 
