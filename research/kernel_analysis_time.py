@@ -1,0 +1,259 @@
+"""How much of compile+fused's longer compile is torch working out what each Triton launch writes.
+
+    PYTHONPATH=src python research/kernel_analysis_time.py --out DIR     # about 4 minutes on an H100
+
+On an H100 (2026-12-07, late, `benchmarks/results/h100-2026-12-07-late/llama-both/step.json`,
+its `compile` phases) compile+fused's first step of Llama-3.2-1B took 12.7 s (amp) and 15.5 s
+(bf16) longer in torch.compile than compile's. Dynamo's own bytecode tracing is 2.3-4.1 s of
+that; the rest is downstream: AOTAutograd's joint trace (+5.3-6.5 s), Inductor's
+GraphLowering.run (+7.5-8.8 s) and its pass decomposing the Triton-kernel wrappers (+2.9-3.3 s).
+Under torch.compile on CUDA profuse's fused ops are Triton ops whose launches Inductor inlines
+(kernels/autotune.py); for every such launch torch derives which arguments the kernel reads and
+writes by compiling it to TTIR and walking the result, and it does so separately in
+functionalization, in two places of Inductor's lowering and in the kernel's IR node, with no
+cache between them (pytorch/pytorch#193227, open on 2026-08-12, says so). The 16 layers launch
+the same kernels with the same arguments' kinds, so nearly every analysis repeats one already
+made.
+
+This probe compiles the model's training step (forward, loss, backward) cold, each variant in a
+fresh process with empty Inductor and Triton caches, and times torch's analysis functions
+(whichever of generate_ttir, identify_accessed_tensors, identify_mutated_tensors the torch has):
+calls, seconds and distinct launch signatures. Variants:
+
+    compile         the model as built, torch.compile
+    compile+fused   profuse.fuse, then torch.compile
+    compile+fused, memo   the same, with the analysis remembered per launch signature (the
+                    kernel, each tensor's dtype, every other argument's value): what a cache
+                    would save, and whether the step's loss and gradients stay the same
+
+Prediction, written before a card ran it: the analysis takes at least 6 s of compile+fused's
+first step in bf16, and the memo cuts the first step by at least 5 s with the loss and every
+gradient bitwise the same as without it.
+
+The memo patches a private torch function for the length of one run in its own process; where a
+torch release has none of the names, the analysis is reported as not seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VARIANTS = ("compile", "compile+fused", "compile+fused, memo")
+ANALYSIS = ("generate_ttir", "identify_accessed_tensors", "identify_mutated_tensors")
+
+
+def signature(value) -> object:
+    """What a launch's argument contributes to its TTIR: a tensor's dtype (fake, real or an
+    Inductor TensorBox alike), any other value itself."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None and hasattr(value, "get_dtype"):
+        try:
+            dtype = value.get_dtype()
+        except Exception:
+            dtype = None
+    if dtype is not None:
+        return ("tensor", str(dtype))
+    if isinstance(value, (int, float, bool, str, type(None))):
+        return (type(value).__name__, value)
+    return ("other", repr(value))
+
+
+def launch_key(args: tuple, kwargs: dict) -> tuple:
+    kernel, rest = args[0], args[1:]
+    named = rest[0] if rest and isinstance(rest[0], dict) else kwargs.get("kwargs", {})
+    extra = tuple(repr(a) for a in rest[1:]) + tuple(f"{k}={v!r}" for k, v in kwargs.items() if k != "kwargs")
+    fn = getattr(kernel, "fn", kernel)
+    ident = (getattr(fn, "__module__", ""), getattr(fn, "__qualname__", repr(fn)), id(kernel))
+    return ident, tuple(sorted((k, signature(v)) for k, v in named.items())), extra
+
+
+def watch(memo: bool) -> dict:
+    """Wrap torch's analysis functions: calls, seconds (inclusive: generate_ttir runs inside the
+    others) and distinct launch signatures of each; with `memo`, the outermost one the torch has
+    answers from a cache per signature."""
+    import torch._higher_order_ops.triton_kernel_wrap as W
+
+    stats = {n: {"calls": 0, "seconds": 0.0, "keys": set(), "hits": 0} for n in ANALYSIS if hasattr(W, n)}
+    memo_name = next((n for n in reversed(ANALYSIS) if n in stats), None) if memo else None
+    cache: dict = {}
+
+    def wrap(name, orig):
+        @functools.wraps(orig)
+        def timed(*args, **kwargs):
+            s = stats[name]
+            s["calls"] += 1
+            key = launch_key(args, kwargs)
+            s["keys"].add(key)
+            if name == memo_name and key in cache:
+                s["hits"] += 1
+                return cache[key]
+            t0 = time.perf_counter()
+            try:
+                out = orig(*args, **kwargs)
+            finally:
+                s["seconds"] += time.perf_counter() - t0
+            if name == memo_name:
+                cache[key] = out
+            return out
+
+        return timed
+
+    for name in stats:
+        setattr(W, name, wrap(name, getattr(W, name)))
+    return stats
+
+
+def one(variant: str, preset: str, precision: str, layers: int | None, out: Path) -> dict:
+    """One variant's cold first step in this process."""
+    import torch
+
+    import profuse
+    from profuse.compiletime import split_compile
+    from profuse.models import model_spec
+
+    stats = watch(memo=variant.endswith("memo"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    spec = model_spec("hf:llama", preset, batch_size=4 if device.type == "cuda" else 1,
+                      seq_len=2048 if device.type == "cuda" else 64)  # fmt: skip
+    if layers:
+        spec.config.num_hidden_layers = layers
+    with torch.device(device):
+        model = spec.build_for(device, 0, precision)
+    if "fused" in variant:
+        profuse.fuse(model)
+    compiled = torch.compile(model)
+    ids = torch.randint(0, spec.config.vocab_size, (spec.batch_size, spec.seq_len), device=device,
+                        generator=torch.Generator(device).manual_seed(1))  # fmt: skip
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "amp")
+    t0 = time.perf_counter()
+    with split_compile() as split:
+        with autocast:
+            loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    first_s = time.perf_counter() - t0
+    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters() if p.grad is not None}
+    torch.save({"loss": loss.detach().float().cpu(), "grads": grads}, out)
+    phases = split[0].phases if split else {}
+    return {
+        "variant": variant,
+        "first_step_s": first_s,
+        "dynamo_s": phases.get("_compile.compile_inner"),
+        "phases": {k: v for k, v in sorted(phases.items(), key=lambda kv: -kv[1])[:25]},
+        "analysis": {
+            name: {
+                "calls": s["calls"],
+                "seconds": s["seconds"],
+                "signatures": len(s["keys"]),
+                "hits": s["hits"],
+            }
+            for name, s in stats.items()
+        },
+        "loss": float(loss),
+        "card": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+    }
+
+
+def compare(a: Path, b: Path) -> dict:
+    """The loss and every gradient of two runs: bitwise equal, or the largest relative difference."""
+    import torch
+
+    x, y = torch.load(a), torch.load(b)
+    worst, name_worst, equal = 0.0, "", bool(torch.equal(x["loss"], y["loss"]))
+    for name, g in x["grads"].items():
+        h = y["grads"][name]
+        if not torch.equal(g, h):
+            equal = False
+            rel = float((g - h).norm() / g.norm().clamp_min(1e-30))
+            if rel > worst:
+                worst, name_worst = rel, name
+    return {"bitwise_equal": equal, "worst_relative": worst, "worst_tensor": name_worst,
+            "loss": [float(x["loss"]), float(y["loss"])]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--preset", default=None, help="hf:llama preset (default: Llama-3.2-1B on CUDA, tiny on a CPU)"
+    )
+    p.add_argument("--precision", default="bf16", choices=["bf16", "amp"])
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the preset's)")
+    p.add_argument("--out", type=Path, required=True, help="folder for kernel_analysis.json")
+    p.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # one, in a child
+    p.add_argument("--grads", type=Path, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.layers is not None and args.layers < 1:
+        p.error("--layers must be at least 1")
+    if args.variant:  # a child: one variant, alone in its process, its caches empty
+        print(json.dumps(one(args.variant, args.preset, args.precision, args.layers, args.grads)))
+        return 0
+    if args.preset is None:
+        import torch
+
+        args.preset = "Llama-3.2-1B" if torch.cuda.is_available() else "tiny"
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    args.out.mkdir(parents=True, exist_ok=True)
+    results, grads = [], {}
+    with tempfile.TemporaryDirectory(prefix="profuse-analysis-") as tmp:
+        for i, variant in enumerate(VARIANTS):
+            env = dict(
+                os.environ,
+                TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor-{i}",
+                TRITON_CACHE_DIR=f"{tmp}/triton-{i}",
+            )
+            grads[variant] = Path(tmp) / f"grads-{i}.pt"
+            cmd = [sys.executable, __file__, "--variant", variant, "--preset", args.preset, "--precision",
+                   args.precision, "--out", str(args.out), "--grads", str(grads[variant])]  # fmt: skip
+            if args.layers:
+                cmd += ["--layers", str(args.layers)]
+            print(
+                f"{variant}: compiling hf:llama {args.preset} ({args.precision}) cold, in its own process",
+                flush=True,
+            )
+            done = subprocess.run(cmd, capture_output=True, text=True, env=env)
+            if done.returncode != 0:
+                last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+                print(f"error: {variant} failed: {last}", file=sys.stderr)
+                return 1
+            r = json.loads(done.stdout.strip().splitlines()[-1])
+            results.append(r)
+            seen = ", ".join(
+                f"{n} {a['calls']} calls, {a['seconds']:.2f} s, {a['signatures']} signatures"
+                + (f", {a['hits']} answered by the memo" if a["hits"] else "")
+                for n, a in r["analysis"].items()
+            )
+            dynamo = "not timed" if r["dynamo_s"] is None else f"{r['dynamo_s']:.1f} s"
+            print(f"    first step {r['first_step_s']:.1f} s, Dynamo (the forward's compile within) "
+                  f"{dynamo}; {seen or 'no analysis function seen'}")  # fmt: skip
+        same = compare(grads["compile+fused"], grads["compile+fused, memo"])
+    print(
+        "compile+fused with and without the memo: "
+        + (
+            "loss and every gradient bitwise equal"
+            if same["bitwise_equal"]
+            else f"not bitwise equal; worst {same['worst_tensor']} {same['worst_relative']:.1e} relative"
+        )  # fmt: skip
+    )
+    from profuse.env import provenance
+    from profuse.files import write_json
+
+    data = {"preset": args.preset, "precision": args.precision, "layers": args.layers, "results": results,
+            "memo_vs_plain": same, "provenance": provenance(started)}  # fmt: skip
+    path = write_json(args.out / "kernel_analysis.json", data)
+    print(f"results: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
