@@ -18,20 +18,18 @@ made.
 This probe compiles the model's training step (forward, loss, backward) cold, each variant in a
 fresh process with empty Inductor and Triton caches, and times torch's analysis functions
 (whichever of generate_ttir, identify_accessed_tensors, identify_mutated_tensors the torch has):
-calls, seconds and distinct launch signatures. Variants:
+the calls that reach torch, their seconds and their distinct launch signatures. Variants:
 
-    compile         the model as built, torch.compile
-    compile+fused   profuse.fuse, then torch.compile
-    compile+fused, memo   the same, with the analysis remembered per launch signature (the
-                    kernel, each tensor's dtype, every other argument's value): what a cache
-                    would save, and whether the step's loss and gradients stay the same
+    compile                   the model as built, torch.compile
+    compile+fused, memo off   profuse.fuse, then torch.compile, PROFUSE_ANALYSIS_MEMO=0: torch
+                              analyses every launch, as it would without profuse's memo
+    compile+fused             the same with profuse's memo (kernels/launch_analysis.py): each
+                              launch signature analysed once; the loss and every gradient
+                              compared with the run above
 
-Prediction, written before a card ran it: the analysis takes at least 6 s of compile+fused's
-first step in bf16, and the memo cuts the first step by at least 5 s with the loss and every
-gradient bitwise the same as without it.
-
-The memo patches a private torch function for the length of one run in its own process; where a
-torch release has none of the names, the analysis is reported as not seen.
+Prediction, written before a card ran it: without the memo the analysis takes at least 6 s of
+compile+fused's first step in bf16, and the memo cuts that first step by at least 5 s, the loss
+and every gradient bitwise the same.
 """
 
 from __future__ import annotations
@@ -46,63 +44,39 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = ("compile", "compile+fused", "compile+fused, memo")
+VARIANTS = ("compile", "compile+fused, memo off", "compile+fused")
 ANALYSIS = ("generate_ttir", "identify_accessed_tensors", "identify_mutated_tensors")
 
 
-def signature(value) -> object:
-    """What a launch's argument contributes to its TTIR: a tensor's dtype (fake, real or an
-    Inductor TensorBox alike), any other value itself."""
-    dtype = getattr(value, "dtype", None)
-    if dtype is None and hasattr(value, "get_dtype"):
-        try:
-            dtype = value.get_dtype()
-        except Exception:
-            dtype = None
-    if dtype is not None:
-        return ("tensor", str(dtype))
-    if isinstance(value, (int, float, bool, str, type(None))):
-        return (type(value).__name__, value)
-    return ("other", repr(value))
-
-
 def launch_key(args: tuple, kwargs: dict) -> tuple:
+    """A launch's signature as profuse's memo reads it (kernels.launch_analysis.signature), for
+    any kernel: how many distinct launches torch analysed."""
+    from profuse.kernels.launch_analysis import _argument
+
     kernel, rest = args[0], args[1:]
     named = rest[0] if rest and isinstance(rest[0], dict) else kwargs.get("kwargs", {})
-    extra = tuple(repr(a) for a in rest[1:]) + tuple(f"{k}={v!r}" for k, v in kwargs.items() if k != "kwargs")
-    fn = getattr(kernel, "fn", kernel)
-    ident = (getattr(fn, "__module__", ""), getattr(fn, "__qualname__", repr(fn)), id(kernel))
-    return ident, tuple(sorted((k, signature(v)) for k, v in named.items())), extra
+    return id(kernel), tuple(sorted((str(k), _argument(v)) for k, v in named.items()))
 
 
-def watch(memo: bool) -> dict:
-    """Wrap torch's analysis functions: calls, seconds (inclusive: generate_ttir runs inside the
-    others) and distinct launch signatures of each; with `memo`, the outermost one the torch has
-    answers from a cache per signature."""
+def watch() -> dict:
+    """Wrap torch's analysis functions, before profuse's memo wraps the one it answers: calls,
+    seconds (inclusive: generate_ttir runs inside the others) and distinct launch signatures of
+    each, counting only the calls that reach torch."""
     import torch._higher_order_ops.triton_kernel_wrap as W
 
-    stats = {n: {"calls": 0, "seconds": 0.0, "keys": set(), "hits": 0} for n in ANALYSIS if hasattr(W, n)}
-    memo_name = next((n for n in reversed(ANALYSIS) if n in stats), None) if memo else None
-    cache: dict = {}
+    stats = {n: {"calls": 0, "seconds": 0.0, "keys": set()} for n in ANALYSIS if hasattr(W, n)}
 
     def wrap(name, orig):
         @functools.wraps(orig)
         def timed(*args, **kwargs):
             s = stats[name]
             s["calls"] += 1
-            key = launch_key(args, kwargs)
-            s["keys"].add(key)
-            if name == memo_name and key in cache:
-                s["hits"] += 1
-                return cache[key]
+            s["keys"].add(launch_key(args, kwargs))
             t0 = time.perf_counter()
             try:
-                out = orig(*args, **kwargs)
+                return orig(*args, **kwargs)
             finally:
                 s["seconds"] += time.perf_counter() - t0
-            if name == memo_name:
-                cache[key] = out
-            return out
 
         return timed
 
@@ -119,7 +93,7 @@ def one(variant: str, preset: str, precision: str, layers: int | None, out: Path
     from profuse.compiletime import split_compile
     from profuse.models import model_spec
 
-    stats = watch(memo=variant.endswith("memo"))
+    stats = watch()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     spec = model_spec("hf:llama", preset, batch_size=4 if device.type == "cuda" else 1,
@@ -151,18 +125,25 @@ def one(variant: str, preset: str, precision: str, layers: int | None, out: Path
         "dynamo_s": phases.get("_compile.compile_inner"),
         "phases": {k: v for k, v in sorted(phases.items(), key=lambda kv: -kv[1])[:25]},
         "analysis": {
-            name: {
-                "calls": s["calls"],
-                "seconds": s["seconds"],
-                "signatures": len(s["keys"]),
-                "hits": s["hits"],
-            }
+            name: {"calls": s["calls"], "seconds": s["seconds"], "signatures": len(s["keys"])}
             for name, s in stats.items()
         },
+        "memo": memo_counts(),
         "loss": float(loss),
         "card": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
     }
+
+
+def memo_counts() -> dict:
+    """profuse's memo (kernels/launch_analysis.py) over the run: answers it gave, answers torch made."""
+    import torch._higher_order_ops.triton_kernel_wrap as W
+
+    for name in ("identify_accessed_tensors", "identify_mutated_tensors"):
+        fn = getattr(W, name, None)
+        if fn is not None and hasattr(fn, "hits"):
+            return {"function": name, "hits": fn.hits, "misses": fn.misses}
+    return {}
 
 
 def compare(a: Path, b: Path) -> dict:
@@ -211,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
                 os.environ,
                 TORCHINDUCTOR_CACHE_DIR=f"{tmp}/inductor-{i}",
                 TRITON_CACHE_DIR=f"{tmp}/triton-{i}",
+                PROFUSE_ANALYSIS_MEMO="0" if variant.endswith("memo off") else "1",
             )
             grads[variant] = Path(tmp) / f"grads-{i}.pt"
             cmd = [sys.executable, __file__, "--variant", variant, "--preset", args.preset, "--precision",
@@ -230,13 +212,14 @@ def main(argv: list[str] | None = None) -> int:
             results.append(r)
             seen = ", ".join(
                 f"{n} {a['calls']} calls, {a['seconds']:.2f} s, {a['signatures']} signatures"
-                + (f", {a['hits']} answered by the memo" if a["hits"] else "")
                 for n, a in r["analysis"].items()
             )
+            if r["memo"]:
+                seen += f"; profuse's memo answered {r['memo']['hits']}, torch {r['memo']['misses']}"
             dynamo = "not timed" if r["dynamo_s"] is None else f"{r['dynamo_s']:.1f} s"
             print(f"    first step {r['first_step_s']:.1f} s, Dynamo (the forward's compile within) "
                   f"{dynamo}; {seen or 'no analysis function seen'}")  # fmt: skip
-        same = compare(grads["compile+fused"], grads["compile+fused, memo"])
+        same = compare(grads["compile+fused, memo off"], grads["compile+fused"])
     print(
         "compile+fused with and without the memo: "
         + (
