@@ -137,7 +137,9 @@ def test_on_this_torch_the_wrapped_analysis_answers_as_torch_does(monkeypatch, c
     monkeypatch.delenv("PROFUSE_ANALYSIS_MEMO", raising=False)
     name = next(n for n in LA.ANALYSIS_NAMES if hasattr(W, n))
     original = getattr(W, name)
-    monkeypatch.setattr(W, name, original)  # put back after the test
+    if getattr(original, LA._MARK, False):  # wrapped already by a compile earlier in this process
+        original = original.__wrapped__
+    monkeypatch.setattr(W, name, original)  # torch's own for the test; as it was after it
     kernel = next(
         getattr(add_rms_norm, n) for n in dir(add_rms_norm) if hasattr(getattr(add_rms_norm, n), "arg_names")
     )
