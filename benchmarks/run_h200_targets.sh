@@ -26,8 +26,12 @@
 #       with warm caches, over 100 s on a fresh machine (H100, 2026-12-07)
 #     research/host_gap.py: where the fused small step's extra host time goes (the backward's
 #       thread, the forward, the Python)                                          ~1 min (est.)
+#   part 5 (limit 330 s):
+#     research/kernel_analysis_time.py: compile+fused's longer compile: torch's analysis of each
+#       Triton launch, and profuse's memo of it (PROFUSE_ANALYSIS_MEMO) off and on, Llama-3.2-1B
+#       bf16, three cold compiles in processes of their own                        ~4 min (est.)
 #
-#   bash benchmarks/run_h200_targets.sh [PREFIX] [1|2|3|4]
+#   bash benchmarks/run_h200_targets.sh [PREFIX] [1|2|3|4|5]
 #
 # PREFIX defaults to benchmarks/results/CARD-DATE, CARD the GPU found (h100, h200); writes
 # PREFIX-targets/: one folder a step (its step.json or other files, its console output as
@@ -102,9 +106,11 @@ elif [ "$part" = 3 ]; then
     --variants eager,fused,liger --trials 12 --profile-steps 0 --out "$out/qwen3-bf16"
   step qwen3-amp 200 python3 -m profuse step --model hf:qwen3 --preset Qwen3-0.6B --precision amp \
     --variants eager,fused,liger --trials 12 --profile-steps 0 --out "$out/qwen3-amp"
-else
+elif [ "$part" = 4 ]; then
   step check-fuse 240 python3 "$here/check_fuse.py" --out "$out/check-fuse"
   step host-gap 150 python3 research/host_gap.py --out "$out/host-gap"
+else
+  step kernel-analysis 330 python3 research/kernel_analysis_time.py --out "$out/kernel-analysis"
 fi
 echo "### done $(date -u +%FT%TZ)"
 date -u +%FT%TZ > "$out/done-$part"

@@ -1,6 +1,7 @@
 """profuse's memo of torch's per-launch Triton analysis (kernels/launch_analysis.py): one analysis
 per launch signature of profuse's own kernels, a copy of it to each caller, every other kernel
-passed through, and nothing wrapped where it is turned off or where torch has no such function."""
+passed through, and nothing wrapped unless it is turned on (PROFUSE_ANALYSIS_MEMO=1) or where
+torch has no such function."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _args(dtype=torch.bfloat16, rows=7, n_cols=96, block=64):
 
 
 def test_a_signature_is_analysed_once_and_each_caller_gets_its_own_copy(monkeypatch):
-    monkeypatch.delenv("PROFUSE_ANALYSIS_MEMO", raising=False)
+    monkeypatch.setenv("PROFUSE_ANALYSIS_MEMO", "1")
     fake = Torch()
     assert LA.install(fake) == "identify_accessed_tensors"
     analyse, kernel = fake.identify_accessed_tensors, _kernel("profuse.kernels.fake")
@@ -64,7 +65,7 @@ def test_a_signature_is_analysed_once_and_each_caller_gets_its_own_copy(monkeypa
     ],
 )
 def test_what_changes_a_kernels_ttir_is_analysed_again(monkeypatch, change):
-    monkeypatch.delenv("PROFUSE_ANALYSIS_MEMO", raising=False)
+    monkeypatch.setenv("PROFUSE_ANALYSIS_MEMO", "1")
     fake = Torch()
     LA.install(fake)
     kernel = _kernel("profuse.kernels.fake")
@@ -74,7 +75,7 @@ def test_what_changes_a_kernels_ttir_is_analysed_again(monkeypatch, change):
 
 
 def test_a_tensors_kind_and_the_tma_metadata_are_part_of_the_signature(monkeypatch):
-    monkeypatch.delenv("PROFUSE_ANALYSIS_MEMO", raising=False)
+    monkeypatch.setenv("PROFUSE_ANALYSIS_MEMO", "1")
     fake = Torch()
     LA.install(fake)
     kernel = _kernel("profuse.kernels.fake")
@@ -90,7 +91,7 @@ def test_a_tensors_kind_and_the_tma_metadata_are_part_of_the_signature(monkeypat
 
 
 def test_other_kernels_and_unread_forms_reach_torch_every_time(monkeypatch):
-    monkeypatch.delenv("PROFUSE_ANALYSIS_MEMO", raising=False)
+    monkeypatch.setenv("PROFUSE_ANALYSIS_MEMO", "1")
     fake = Torch()
     LA.install(fake)
     theirs = _kernel("mypackage.kernels")
@@ -104,7 +105,7 @@ def test_other_kernels_and_unread_forms_reach_torch_every_time(monkeypatch):
 
 
 def test_install_wraps_once_the_newest_function_torch_has_and_can_be_turned_off(monkeypatch):
-    monkeypatch.delenv("PROFUSE_ANALYSIS_MEMO", raising=False)
+    monkeypatch.setenv("PROFUSE_ANALYSIS_MEMO", "1")
     fake = Torch()
     LA.install(fake)
     wrapped = fake.identify_accessed_tensors
@@ -112,10 +113,14 @@ def test_install_wraps_once_the_newest_function_torch_has_and_can_be_turned_off(
     older = Torch("identify_mutated_tensors")  # torch releases before identify_accessed_tensors
     assert LA.install(older) == "identify_mutated_tensors"
     assert LA.install(types.SimpleNamespace()) is None
-    monkeypatch.setenv("PROFUSE_ANALYSIS_MEMO", "0")
-    off = Torch()
-    original = off.identify_accessed_tensors
-    assert LA.install(off) is None and off.identify_accessed_tensors is original
+    for setting in ("0", None):  # off, and off by default until a card has measured it
+        if setting is None:
+            monkeypatch.delenv("PROFUSE_ANALYSIS_MEMO")
+        else:
+            monkeypatch.setenv("PROFUSE_ANALYSIS_MEMO", setting)
+        off = Torch()
+        original = off.identify_accessed_tensors
+        assert LA.install(off) is None and off.identify_accessed_tensors is original
 
 
 def test_the_memo_starts_again_past_its_size(monkeypatch):
@@ -134,7 +139,7 @@ def test_on_this_torch_the_wrapped_analysis_answers_as_torch_does(monkeypatch, c
     W = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
     from profuse.kernels import add_rms_norm
 
-    monkeypatch.delenv("PROFUSE_ANALYSIS_MEMO", raising=False)
+    monkeypatch.setenv("PROFUSE_ANALYSIS_MEMO", "1")
     name = next(n for n in LA.ANALYSIS_NAMES if hasattr(W, n))
     original = getattr(W, name)
     if getattr(original, LA._MARK, False):  # wrapped already by a compile earlier in this process

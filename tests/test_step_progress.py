@@ -166,10 +166,11 @@ def test_tracked_stages_on_a_terminal_are_bars_and_the_lines_fall_silent():
     assert lines_of(out) == ["[ 0:39] Part B: trials: 2/3, 9 s so far"]
 
 
-def test_the_main_job_tracks_parts_a_and_b_from_its_start(monkeypatch, tmp_path):
-    """`profuse` in a log: one ProgressLines from before torch is imported, Part A's and Part
-    B's stages tracked by it, named as theirs."""
-    from profuse.cli import parts
+@pytest.fixture
+def in_a_log(monkeypatch):
+    """The CLI's progress as in a log (no terminal's bars, whatever pytest's stderr is), with
+    what goes to the ProgressLines recorded: ("quietly" | "track", stage)."""
+    from profuse.cli import common, parts, results
 
     seen = []
 
@@ -185,30 +186,43 @@ def test_the_main_job_tracks_parts_a_and_b_from_its_start(monkeypatch, tmp_path)
             seen.append(("track", stage))
             super().track(stage, done, total)
 
-    monkeypatch.setattr(parts, "ProgressLines", Recording)
-    monkeypatch.setattr(parts.TrackedStages, "__init__", _no_bars)
+    class NoTerminal(common.Progress):
+        def __init__(self):
+            super().__init__(enabled=False)
+
+    for module in (parts, results):
+        monkeypatch.setattr(module, "ProgressLines", Recording)
+    monkeypatch.setattr(common, "Progress", NoTerminal)  # TrackedStages' own default
+    monkeypatch.setattr(results, "Progress", NoTerminal)
+    return seen
+
+
+def test_the_main_job_tracks_parts_a_and_b_from_its_start(in_a_log, tmp_path):
+    """`profuse` in a log: one ProgressLines from before torch is imported, Part A's and Part
+    B's stages tracked by it, named as theirs."""
+    from profuse.cli import parts
+
     argv = ["--layers", "1", "--d-model", "32", "--heads", "2", "--vocab-size", "64", "--seq-len", "16",
             "--batch-size", "2", "--profile-steps", "1", "--rows", "8", "--cols", "16", "--trials", "2",
             "--variants", "eager,rms_norm", "--device", "cpu", "--out", str(tmp_path)]  # fmt: skip
     assert parts.cmd_main(argv) == 0
-    assert seen[0] == ("quietly", "starting: torch and the device")
-    stages = [stage for how, stage in seen if how == "track"]
+    assert in_a_log[0] == ("quietly", "starting: torch and the device")
+    stages = [stage for how, stage in in_a_log if how == "track"]
     assert stages and {s.split(":")[0] for s in stages} == {"Part A", "Part B"}
     first_b = next(i for i, s in enumerate(stages) if s.startswith("Part B"))
     assert all(s.startswith("Part A") for s in stages[:first_b])
     assert all(s.startswith("Part B") for s in stages[first_b:])
 
 
-def _no_bars(self, lines, bars=None):
-    """TrackedStages as in a log, whatever pytest's stderr is."""
+def test_a_sweep_in_a_log_is_tracked_from_its_start(in_a_log, tmp_path):
+    from cases import TINY_SWEEP
 
-    class Off:
-        enabled = False
+    from profuse.cli import main
 
-        def close(self):
-            pass
-
-    self.lines, self.bars = lines, Off()
+    assert main(["sweep", *TINY_SWEEP, "--out", str(tmp_path)]) == 0
+    assert in_a_log[0] == ("quietly", "starting: torch and the device")
+    stages = [stage for how, stage in in_a_log if how == "track"]
+    assert any(s.startswith("size 2/2") for s in stages)
 
 
 def test_the_prefix_names_the_precision_and_the_thread_stops_on_close():

@@ -436,11 +436,12 @@ class TrackedStages:
     def __init__(self, lines: ProgressLines, bars: Progress | None = None):
         self.lines = lines
         self.bars = bars if bars is not None else Progress()
-        if self.bars.enabled:
+        self.shown = getattr(self.bars, "enabled", True)  # a stand-in without the flag takes every call
+        if self.shown:
             lines.pause()
 
     def __call__(self, stage: str, done: int, total: int) -> None:
-        if self.bars.enabled:
+        if self.shown:
             self.bars(stage, done, total)
         else:
             self.lines.track(stage, done, total)

@@ -15,6 +15,8 @@ from profuse.cli.common import (
     RESULTS_JSON,
     Parser,
     Progress,
+    ProgressLines,
+    TrackedStages,
     add_bench_args,
     add_device_args,
     add_out_arg,
@@ -96,7 +98,18 @@ def build_diff_parser() -> argparse.ArgumentParser:
 def cmd_sweep(argv: list[str]) -> int:
     args = build_sweep_parser().parse_args(argv)
     check_out(args, (RESULTS_JSON, RESULTS_CSV, PARTIAL_JSON, *PLOTS))
-    set_threads(args)
+    # Progress lines from the start where no terminal shows the bars: a sweep in a log is named by
+    # the heartbeat wherever a stage runs long, from torch's start on (main job's TrackedStages).
+    lines = ProgressLines()
+    try:
+        lines.quietly("starting: torch and the device")
+        set_threads(args)
+        return _sweep(args, lines)
+    finally:
+        lines.close()
+
+
+def _sweep(args, lines: ProgressLines) -> int:
     from profuse.env import resolve_device
     from profuse.files import with_provenance, write_result
     from profuse.report import plots
@@ -122,7 +135,7 @@ def cmd_sweep(argv: list[str]) -> int:
             write_result(partial, {**res.to_dict(), "partial": True})
             done[:] = [res]
 
-    progress = Progress()
+    progress = TrackedStages(lines, Progress())
     try:
         res = run_sweep(cfg, progress=progress, on_size=save_partial)
     except KeyboardInterrupt:

@@ -26,8 +26,9 @@ and later): `traced(fn, *args)` runs a launcher with every launch recorded throu
 launches them with its own launcher. An opaque custom op instead costs a dispatch into Python and
 the launcher's host path at every call of the compiled step (about 0.18 ms a call on the H200's
 host, measured at Part C's lab size). The plans the trace needs are made first, on real tensors
-shaped like the traced ones, so they are tuned as an eager call's would be. torch's analysis of
-what each recorded launch writes is made once per launch signature (kernels/launch_analysis.py).
+shaped like the traced ones, so they are tuned as an eager call's would be. With
+PROFUSE_ANALYSIS_MEMO=1, torch's analysis of what each recorded launch writes is made once per
+launch signature (kernels/launch_analysis.py).
 """
 
 from __future__ import annotations
@@ -270,7 +271,7 @@ def traced(fn: Callable, *args):
     global _TRACING
     if all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor)):
         return fn(*args)  # called on real tensors: nothing is traced
-    launch_analysis.install()  # torch's analysis of each launch, once a signature (idempotent)
+    launch_analysis.install()  # PROFUSE_ANALYSIS_MEMO=1: torch's analysis once a launch signature
     with _disable_current_modes():
         fn(*[_real_like(a) for a in args])
     _TRACING = True

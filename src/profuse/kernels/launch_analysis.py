@@ -18,8 +18,11 @@ Inductor buffer) with a tensor's dtype or any other value itself. The answer is 
 those alone: the kernel's source is fixed, a pointer's TTIR type is its dtype, and an int's
 specialization follows from its value. So the memo changes how often an answer is worked out,
 never the answer; each caller gets its own copy. Every other kernel's launch goes to torch as
-before. PROFUSE_ANALYSIS_MEMO=0 leaves torch as it is; where torch has neither function,
-nothing is wrapped.
+before. Where torch has neither function, nothing is wrapped.
+
+Off unless PROFUSE_ANALYSIS_MEMO=1: what it saves has not been measured on a card yet
+(research/kernel_analysis_time.py measures it, on and off, with the loss and gradients of the
+two compiled steps compared), and a patch of torch's internals is on by default only once it has.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ _MARK = "_profuse_memo"
 
 
 def enabled_by_environment() -> bool:
-    return os.environ.get("PROFUSE_ANALYSIS_MEMO", "1") != "0"
+    return os.environ.get("PROFUSE_ANALYSIS_MEMO", "0") == "1"
 
 
 def is_profuse_kernel(kernel) -> bool:
@@ -105,7 +108,7 @@ def memoized(analyse: Callable, max_entries: int = MAX_ENTRIES) -> Callable:
 
 def install(module=None) -> str | None:
     """Wrap torch's analysis function in `module` (torch._higher_order_ops.triton_kernel_wrap)
-    once; returns the name wrapped, or None (turned off, or nothing there to wrap)."""
+    once; returns the name wrapped, or None (not turned on, or nothing there to wrap)."""
     if not enabled_by_environment():
         return None
     if module is None:
