@@ -428,10 +428,10 @@ def _clock_text(seconds: float) -> str:
 
 
 class TrackedStages:
-    """Parts A and B's progress in the main job: a terminal's bars (Progress), or elsewhere (a
-    log, a pipe) their stages kept silently by `lines` (ProgressLines.track), whose heartbeat
-    names a stage only where it runs past it: a quick part prints nothing, a slow one never goes
-    quiet for more than about 10 s."""
+    """The progress of the main job's Parts A and B and of a sweep: a terminal's bars (Progress),
+    or elsewhere (a log, a pipe) their stages kept silently by `lines` (ProgressLines.track),
+    whose heartbeat names a stage only where it runs past it: a quick part prints nothing, a slow
+    one never goes quiet for more than about 10 s."""
 
     def __init__(self, lines: ProgressLines, bars: Progress | None = None):
         self.lines = lines
@@ -506,7 +506,7 @@ class ProgressLines:
 
     def track(self, stage: str, done: int, total: int) -> None:
         """As a call, but silent: the stage and its count are kept for the heartbeat alone, so a
-        stage says something only where it outlasts `heartbeat_s` (Parts A and B in a log)."""
+        stage says something only where it outlasts `heartbeat_s` (TrackedStages, in a log)."""
         with self._lock:
             now = self.clock()
             stage = self.prefix + stage
