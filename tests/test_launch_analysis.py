@@ -155,3 +155,39 @@ def test_on_this_torch_the_wrapped_analysis_answers_as_torch_does(monkeypatch, c
         wrapped = getattr(W, name)
         assert wrapped(kernel, kwargs, {}) == expected == wrapped(kernel, kwargs, {})
     assert (wrapped.hits, wrapped.misses) == (1, 1)
+
+
+def test_with_real_ttir_the_memo_answers_as_torch_does_and_a_second_layer_from_the_memo(tmp_path):
+    """research/launch_analysis_check.py: a stand-in driver (an sm_90 target, no GPU) lets torch
+    build the TTIR of profuse's real kernels and walk it. Every launch of silu_mul (pair and
+    packed), add_rms_norm and the tail, forward and backward, at 4 rows twice and at 7 rows,
+    analysed afresh and through the memo: the same answer for every launch, one answer a
+    signature from torch itself, and the second layer's launches all from the memo."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from profuse.kernels import HAS_TRITON
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    root = Path(__file__).resolve().parents[1]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, (str(root / "src"), os.environ.get("PYTHONPATH")))),
+    }
+    out = tmp_path / "check.json"
+    cmd = [sys.executable, str(root / "research" / "launch_analysis_check.py"), "--json", str(out)]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = json.loads(out.read_text())
+    if "skipped" in result:
+        pytest.skip(result["skipped"])
+    assert result["memo_differs"] == [] and result["one_answer_a_signature"]
+    assert {"_silu_mul_fwd_kernel", "_silu_mul_bwd_kernel", "_add_rms_norm_fwd_kernel",
+            "_add_rms_norm_bwd_kernel"} <= set(result["kernels"])  # fmt: skip
+    layer1, layer2 = result["passes"]["layer 1, 4 rows"], result["passes"]["layer 2, 4 rows"]
+    assert layer1["from_memo"] == 0 and layer2["launches"] == layer1["launches"] == layer2["from_memo"] > 0
+    assert result["signatures"] < result["launches"]

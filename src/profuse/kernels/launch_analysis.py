@@ -20,9 +20,12 @@ specialization follows from its value. So the memo changes how often an answer i
 never the answer; each caller gets its own copy. Every other kernel's launch goes to torch as
 before. Where torch has neither function, nothing is wrapped.
 
-Off unless PROFUSE_ANALYSIS_MEMO=1: what it saves has not been measured on a card yet
-(research/kernel_analysis_time.py measures it, on and off, with the loss and gradients of the
-two compiled steps compared), and a patch of torch's internals is on by default only once it has.
+On a CPU, research/launch_analysis_check.py lets torch build real TTIR (a stand-in driver) for
+the launches of silu_mul, add_rms_norm and the tail, forward and backward: the memo's answer
+equals torch's for every one. Off unless PROFUSE_ANALYSIS_MEMO=1: what it saves has not been
+measured on a card yet (research/kernel_analysis_time.py measures it, on and off, with the loss
+and gradients of the two compiled steps compared), and a patch of torch's internals is on by
+default only once it has.
 """
 
 from __future__ import annotations
