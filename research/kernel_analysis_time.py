@@ -49,13 +49,11 @@ ANALYSIS = ("generate_ttir", "identify_accessed_tensors", "identify_mutated_tens
 
 
 def launch_key(args: tuple, kwargs: dict) -> tuple:
-    """A launch's signature as profuse's memo reads it (kernels.launch_analysis.signature), for
-    any kernel: how many distinct launches torch analysed."""
-    from profuse.kernels.launch_analysis import _argument
+    """A launch's signature as profuse's memo reads it (kernels.launch_analysis.signature); any
+    other kernel by itself: how many distinct launches torch analysed."""
+    from profuse.kernels.launch_analysis import signature
 
-    kernel, rest = args[0], args[1:]
-    named = rest[0] if rest and isinstance(rest[0], dict) else kwargs.get("kwargs", {})
-    return id(kernel), tuple(sorted((str(k), _argument(v)) for k, v in named.items()))
+    return signature(args, kwargs) or ("not profuse's", id(args[0]) if args else None)
 
 
 def watch() -> dict:
@@ -139,7 +137,9 @@ def memo_counts() -> dict:
     """profuse's memo (kernels/launch_analysis.py) over the run: answers it gave, answers torch made."""
     import torch._higher_order_ops.triton_kernel_wrap as W
 
-    for name in ("identify_accessed_tensors", "identify_mutated_tensors"):
+    from profuse.kernels.launch_analysis import ANALYSIS_NAMES
+
+    for name in ANALYSIS_NAMES:
         fn = getattr(W, name, None)
         if fn is not None and hasattr(fn, "hits"):
             return {"function": name, "hits": fn.hits, "misses": fn.misses}
