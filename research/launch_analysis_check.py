@@ -121,12 +121,12 @@ def recorded_launches() -> dict[str, list]:
         for fn, args, grads in [*LR.cases(rows=rows, cols=64).values(), *more_cases(rows).values()]:
             call = LR.calls(fn, args, grads)["fwd_bwd"]
             call()  # the plans, built and compiled (the stand-in driver) as an eager call makes them
-            wrap, A._TRACING = torch.library.wrap_triton, True
-            torch.library.wrap_triton = Recorder(launches)
+            wrap, torch.library.wrap_triton = torch.library.wrap_triton, Recorder(launches)
             try:
-                call()
+                with A.recording():
+                    call()
             finally:
-                torch.library.wrap_triton, A._TRACING = wrap, False
+                torch.library.wrap_triton = wrap
         out[name] = launches
     return out
 

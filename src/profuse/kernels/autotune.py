@@ -29,21 +29,32 @@ host, measured at Part C's lab size). The plans the trace needs are made first, 
 shaped like the traced ones, so they are tuned as an eager call's would be. With
 PROFUSE_ANALYSIS_MEMO=1, torch's analysis of what each recorded launch writes is made once per
 launch signature (kernels/launch_analysis.py).
+
+A new tuning key's candidates are built at once before any is run (`Autotuner.precompile`): a
+dry run of each candidate's launch collects what it would compile, and triton's AsyncCompileMode
+(triton 3.4 and later) compiles them in a pool of threads, which triton's compiler lets run in
+parallel (it releases the GIL in its passes and in ptxas). A cold fused Llama step compiles most
+of its kernels as tuning candidates, one after another without this. PROFUSE_COMPILE_THREADS
+sets the pool's size (1: one at a time, as triton before 3.4 always does).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import operator
 import os
 import statistics
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+import triton
 from torch.utils._python_dispatch import _disable_current_modes
 
+from profuse.env import interpreting
 from profuse.kernels import fast_launch, launch_analysis
 from profuse.kernels.configs import KernelConfig
 from profuse.timers import CudaTimer
@@ -79,6 +90,14 @@ HAS_TRITON_OP = hasattr(torch.library, "triton_op") and hasattr(torch.library, "
 
 # True while `traced` runs a launcher: launches are recorded for torch.compile, not run.
 _TRACING = False
+# Where a Launch goes instead of running while a launcher is traced or dry-run (`_detour`):
+# `route(launch, args)`. One global read on a launch's path, None there.
+_DETOUR: Callable | None = None
+
+# triton's parallel build of kernels (3.4 and later): warmups under it compile in an executor.
+_ASYNC_COMPILE = getattr(triton, "AsyncCompileMode", None)
+COMPILE_THREADS_ENV = "PROFUSE_COMPILE_THREADS"
+MAX_COMPILE_THREADS = 16
 
 _DATA_PTR = torch.Tensor.data_ptr
 _DTYPE = operator.attrgetter("dtype")
@@ -159,8 +178,8 @@ class Launch:
         self.layout = None  # where the tensors are among the runtime arguments, once bound
 
     def __call__(self, *args) -> None:
-        if _TRACING:
-            torch.library.wrap_triton(self.kernel)[self.grid](*args, **self.meta)
+        if _DETOUR is not None:
+            _DETOUR(self, args)
             return
         bound = self.bound
         if _FAST and bound and fast_launch.hooks_idle():
@@ -264,21 +283,105 @@ def _real_like(a):
     return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device=a.device).fill_(1)
 
 
+@contextlib.contextmanager
+def _detour(route: Callable, tracing: bool = False) -> Iterator[None]:
+    """Every Launch called inside the block goes to `route(launch, args)` and does not run;
+    `tracing`: torch.compile is tracing (scratch is then never kept: scratch_key)."""
+    global _DETOUR, _TRACING
+    saved = _DETOUR, _TRACING
+    _DETOUR, _TRACING = route, tracing
+    try:
+        yield
+    finally:
+        _DETOUR, _TRACING = saved
+
+
+def _to_wrap_triton(launch: Launch, args: tuple) -> None:
+    torch.library.wrap_triton(launch.kernel)[launch.grid](*args, **launch.meta)
+
+
+def recording() -> contextlib.AbstractContextManager:
+    """Launches inside the block are recorded through torch.library.wrap_triton, as `traced`
+    records them (research/launch_analysis_check.py replays a step through it)."""
+    return _detour(_to_wrap_triton, tracing=True)
+
+
 def traced(fn: Callable, *args):
     """`fn(*args)` (a launcher) with its launches recorded through torch.library.wrap_triton:
     the body of a triton_op. Its plans are made first by an eager call on real tensors like
     `args` (tuned there if new, and kept), so the recorded launches are the tuned ones."""
-    global _TRACING
     if all(type(a) is torch.Tensor for a in args if isinstance(a, torch.Tensor)):
         return fn(*args)  # called on real tensors: nothing is traced
     launch_analysis.install()  # PROFUSE_ANALYSIS_MEMO=1: torch's analysis once a launch signature
     with _disable_current_modes():
         fn(*[_real_like(a) for a in args])
-    _TRACING = True
-    try:
+    with recording():
         return fn(*args)
-    finally:
-        _TRACING = False
+
+
+def compile_threads() -> int:
+    """Threads that build a tuning key's candidates at once: PROFUSE_COMPILE_THREADS, else this
+    process's CPUs up to MAX_COMPILE_THREADS; 1 (one at a time) where triton has no
+    AsyncCompileMode (before 3.4) or interprets its kernels (nothing is compiled)."""
+    if _ASYNC_COMPILE is None or interpreting():
+        return 1
+    raw = os.environ.get(COMPILE_THREADS_ENV)
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            raise ValueError(f"{COMPILE_THREADS_ENV}={raw!r} is not a whole number of threads") from None
+        return max(n, 1)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cpus, MAX_COMPILE_THREADS))
+
+
+class _DryRun(Exception):
+    """A tuner asked to pick inside another's dry run: that candidate's collection stops there."""
+
+
+def _placeholder(a):
+    """A launch argument as a warmup takes it: a tensor by its dtype (triton specialises a
+    16-byte-aligned pointer as the placeholder's), anything else as it is."""
+    return a.dtype if isinstance(a, torch.Tensor) else a
+
+
+def dry_run(calls: Sequence[Callable[[], object]]) -> list[tuple]:
+    """(kernel, grid, arguments, meta) of every launch `calls` would make, none of them run;
+    a call that raises is left at that point (its compile is left to the real run)."""
+    jobs: list[tuple] = []
+    route = lambda launch, args: jobs.append((launch.kernel, launch.grid, tuple(map(_placeholder, args)),
+                                              launch.meta))  # fmt: skip
+    with _detour(route):
+        for call in calls:
+            try:
+                call()
+            except Exception:
+                continue
+    return jobs
+
+
+def build_at_once(jobs: Sequence[tuple], threads: int) -> None:
+    """Compile the kernels of `jobs` (dry_run's) in `threads` threads, through triton's
+    AsyncCompileMode, and wait for them: the compiled kernels land in each kernel's own cache,
+    where the launches that follow find them. A compile that fails is dropped here; the launch
+    that needs it compiles it again and fails there, as it would have."""
+    if _ASYNC_COMPILE is None or threads < 2 or len(jobs) < 2:
+        return
+    with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="profuse-compile") as pool:
+        try:
+            mode = _ASYNC_COMPILE(pool, ignore_errors=True)
+        except TypeError:  # an AsyncCompileMode without the option: a failure then ends the wait
+            mode = _ASYNC_COMPILE(pool)
+        try:
+            with mode:
+                for kernel, grid, args, meta in jobs:
+                    try:
+                        kernel.warmup(*args, grid=grid, **meta)
+                    except Exception:
+                        continue
+        except Exception:  # another AsyncCompileMode active, or a compile failed: launches compile
+            pass
 
 
 def compiled_op(name: str, fn: Callable, fake: Callable) -> Callable[[torch.Tensor], object]:
@@ -410,6 +513,9 @@ class Autotuner:
             return self.chosen[key]
         if len(candidates) == 1 or not autotune_enabled(device) or capturing(device):
             return candidates[0]
+        if _DETOUR is not None and not _TRACING:
+            raise _DryRun(key)
+        self.precompile(candidates, launch)
         runnable, reference = [], None
         for cfg in candidates:
             try:
@@ -439,6 +545,16 @@ class Autotuner:
             close = [close[again.index(min(again))]]
         self.chosen[key] = close[0]
         return self.chosen[key]
+
+    def precompile(self, candidates: Sequence[KernelConfig], launch) -> int:
+        """Build every candidate's kernels at once (compile_threads threads) before `pick` runs
+        them one by one, each then finding its kernels built. Returns the launches collected."""
+        threads = compile_threads()
+        if threads < 2:
+            return 0
+        jobs = dry_run([functools.partial(launch, cfg) for cfg in candidates])
+        build_at_once(jobs, threads)
+        return len(jobs)
 
     def chosen_dict(self) -> dict[str, dict]:
         """Every config chosen so far in this process, for a results file."""
