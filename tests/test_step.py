@@ -340,7 +340,9 @@ def test_run_records_its_phases_budget_and_first_step_splits(eager_vs_fused):
     b = data["budget"]
     assert (b["variants"], b["compiles"], b["checks"], b["trial_rounds"], b["host_rounds"]) == (2, 0, 1, 4, 0)
     assert b["profiled_steps"] == 2 * 2 and b["op_timings"] == 0
-    assert set(data["compile"]) == {"eager", "fused"}  # every first step split, compiled or not
+    # every first step split, compiled or not, and the same-math check's
+    assert set(data["compile"]) == {"eager", "fused", "check:fused"}
+    assert data["compile"]["check:fused"]["seconds"] > 0
     assert data["compile"]["fused"]["tuner_configs"] == 0  # fusion.EAGER: nothing to tune
     assert data["verdict"]["winner"] in (None, "eager", "fused") and data["verdict"]["bound"] == "host-bound"
 

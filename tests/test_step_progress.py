@@ -249,10 +249,12 @@ class FakeTuner:
     def __init__(self, clock: FakeClock):
         self.chosen: dict = {}
         self.clock = clock
+        self.build_s = 10.0  # from before the step
 
     def pick(self, key, candidates, launch, device):
         if key not in self.chosen:
             self.clock.advance(2.0)  # compiling and timing every candidate
+            self.build_s += 1.5  # of which building them
             self.chosen[key] = candidates[0]
         return self.chosen[key]
 
@@ -272,9 +274,29 @@ def test_the_tuner_is_watched_for_one_step_and_left_as_it_was():
         cs.compiled_anything
         and "profuse's autotuner 4.0 s (2 new shape(s), 5 launch config(s)" in cs.summary()
     )
+    assert cs.tuner_build_s == 3.0 and "launch config(s) compiled and timed, built in 3.0 s)" in cs.summary()
     with C.split_compile(clock=clock, tuner=tuner) as split:
         tuner.pick(("silu_mul", 8192), ["a", "b"], None, None)
-    assert split[0].tuner_shapes == 0 and not split[0].compiled_anything
+    assert split[0].tuner_shapes == 0 and split[0].tuner_build_s == 0 and not split[0].compiled_anything
+
+
+def test_first_launch_checks_in_the_step_are_counted(monkeypatch):
+    """The first launches through a binding (checked against triton's JIT route) that fall in
+    the step: their count and seconds, not those before it."""
+    from profuse.kernels import HAS_TRITON
+
+    if not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    from profuse.kernels import autotune as A
+
+    monkeypatch.setattr(A, "FIRST_LAUNCH_CHECKS", [7, 30.0])
+    clock = FakeClock()
+    with C.split_compile(clock=clock, tuner=FakeTuner(clock)) as split:
+        A.FIRST_LAUNCH_CHECKS[0] += 3
+        A.FIRST_LAUNCH_CHECKS[1] += 2.5
+    cs = split[0]
+    assert (cs.launch_checks, cs.launch_checks_s) == (3, 2.5) and cs.compiled_anything
+    assert cs.summary().endswith("; 3 first launch(es) checked against triton's JIT route 2.5 s")
 
 
 def test_torch_compile_phases_are_read_from_its_own_timers(monkeypatch):
@@ -404,3 +426,32 @@ def test_amdahl_does_not_import_step_even_for_types():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert "profuse.step" not in imported
+
+
+def test_the_report_names_each_check_and_first_step_split_and_reads_older_files():
+    from profuse.report.step import time_lines
+
+    check = C.CompileSplit(seconds=21.0, tuner_s=12.0, tuner_shapes=8, tuner_configs=58, tuner_build_s=11.0)
+    first = C.CompileSplit(seconds=11.2, tuner_s=3.7, tuner_shapes=9, tuner_configs=72, launch_checks=14,
+                           launch_checks_s=4.2)  # fmt: skip
+    older = {
+        "seconds": 36.6,
+        "phases": {"_compile.compile_inner": 23.7},
+        "counts": {},
+        "tuner_s": 0.0,
+        "tuner_shapes": 0,
+        "tuner_configs": 0,
+    }  # fmt: skip  (a file from before the build split)
+    data = {
+        "phases": {"check": 26.3, "first:fused": 13.9, "first:compile": 38.5, "total": 325.0},
+        "compile": {"check:fused": check.to_dict(), "fused": first.to_dict(), "compile": older},
+    }
+    lines = time_lines(data)
+    assert lines[0].startswith("run time: check 26.3 s, first steps 52.4 s")
+    assert lines[1] == (
+        "    same-math check of fused: 21.0 s; profuse's autotuner 12.0 s (8 new shape(s), 58 launch "
+        "config(s) compiled and timed, built in 11.0 s)"
+    )
+    assert lines[2].startswith("    first step of fused: 11.2 s; profuse's autotuner 3.7 s")
+    assert lines[2].endswith("; 14 first launch(es) checked against triton's JIT route 4.2 s")
+    assert lines[3].startswith("    first step of compile: 36.6 s; torch.compile: Dynamo")

@@ -12,9 +12,17 @@ Llama-3.2-1B, 4 x 2048 tokens) `compile+fused` took 37.1 s to its first step aga
 - the graphs compiled, graph breaks and Inductor's FX-graph cache hits and misses
   (torch._dynamo.utils.counters), which say whether the compile started cold;
 - profuse's autotuner (kernels/autotune.TUNER): the seconds spent in its `pick` and the launch
-  configs it compiled and timed for shapes it had not seen. The hypothesis this tests: under
-  torch.compile, autotune.traced runs profuse's launchers on real tensors while Dynamo traces,
-  so every candidate config of every new shape is compiled and timed cold inside the compile.
+  configs it compiled and timed for shapes it had not seen, and of those seconds the ones spent
+  building the candidates (compiling them, then each one's first launch) before their timing.
+  The hypothesis this tests: under torch.compile, autotune.traced runs profuse's launchers on
+  real tensors while Dynamo traces, so every candidate config of every new shape is compiled
+  and timed cold inside the compile;
+- the first launches through a binding, each checked against triton's JIT route
+  (autotune.Launch): how many, and their seconds, waits for the device included (their copies
+  of large tensors go through host memory).
+
+The same split is kept for each variant's same-math check (profuse.step), where a cold process
+compiles most of profuse's kernels.
 
 Nothing here changes what runs: the tuner is watched by wrapping its `pick` on the instance for
 the length of one step, then unwrapped.
@@ -40,6 +48,7 @@ NAMED_PHASES = {
     "PyCodeCache.load_by_key_path": "loading compiled code",
 }
 SHOWN_PHASES = 4  # where torch has none of NAMED_PHASES: its largest, by name
+CHECK_SPLIT = "check:"  # a run's splits: "check:NAME" is NAME's same-math check, NAME its first step
 
 
 def _metrics() -> dict[str, float]:
@@ -76,6 +85,9 @@ class TunerWatch:
     picks: int = 0  # calls of pick
     tuned: int = 0  # shapes (tuning keys) tuned for the first time
     configs: int = 0  # launch configs those shapes offered: each compiled and timed once
+    build_s: float = 0.0  # of `seconds`, building the candidates before their timing
+    checks: int = 0  # first launches through a binding, checked against the JIT route
+    checks_s: float = 0.0  # their seconds
 
 
 @contextlib.contextmanager
@@ -83,12 +95,15 @@ def watch_tuner(tuner=None, clock: Callable[[], float] = time.perf_counter) -> I
     """Count and time `tuner.pick` (default kernels.autotune.TUNER, where Triton is installed)
     inside the block; the tuner is left as it was after it."""
     watch = TunerWatch()
+    try:
+        from profuse.kernels import autotune
+    except Exception:  # no triton: nothing to tune, nothing to watch
+        yield watch
+        return
     if tuner is None:
-        try:
-            from profuse.kernels.autotune import TUNER as tuner
-        except Exception:  # no triton: nothing to tune, nothing to watch
-            yield watch
-            return
+        tuner = autotune.TUNER
+    build_s = getattr(tuner, "build_s", 0.0)
+    checks = list(autotune.FIRST_LAUNCH_CHECKS)
     had_own = "pick" in vars(tuner)
     own = vars(tuner).get("pick")
     original = tuner.pick
@@ -113,6 +128,9 @@ def watch_tuner(tuner=None, clock: Callable[[], float] = time.perf_counter) -> I
             tuner.pick = own
         else:
             del tuner.pick
+        watch.build_s = getattr(tuner, "build_s", 0.0) - build_s
+        watch.checks = autotune.FIRST_LAUNCH_CHECKS[0] - checks[0]
+        watch.checks_s = autotune.FIRST_LAUNCH_CHECKS[1] - checks[1]
 
 
 @dataclass
@@ -125,14 +143,17 @@ class CompileSplit:
     tuner_s: float = 0.0  # in profuse's autotuner
     tuner_shapes: int = 0  # new shapes it tuned
     tuner_configs: int = 0  # launch configs it compiled and timed for them
+    tuner_build_s: float = 0.0  # of tuner_s, building those configs before their timing
+    launch_checks: int = 0  # first launches through a binding, checked against the JIT route
+    launch_checks_s: float = 0.0  # their seconds, waits for the device included
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @property
     def compiled_anything(self) -> bool:
-        """Did torch.compile or profuse's autotuner work in this step?"""
-        return bool(self.phases or self.tuner_configs or self.counts.get("graphs"))
+        """Did torch.compile or profuse's autotuner work in this step, or a first launch?"""
+        return bool(self.phases or self.tuner_configs or self.counts.get("graphs") or self.launch_checks)
 
     def summary(self) -> str:
         """'Dynamo/Inductor: _compile.compile_inner 4.1 s, ...; 2 graphs; autotuner 30.2 s (12
@@ -146,10 +167,16 @@ class CompileSplit:
         breaks = int(self.counts.get("graph_breaks", 0))
         if graphs or breaks:
             parts.append(f"{graphs} graph(s), {breaks} graph break(s)")
+        built = f", built in {self.tuner_build_s:.1f} s" if self.tuner_configs else ""
         parts.append(
             f"profuse's autotuner {self.tuner_s:.1f} s ({self.tuner_shapes} new shape(s), "
-            f"{self.tuner_configs} launch config(s) compiled and timed)"
+            f"{self.tuner_configs} launch config(s) compiled and timed{built})"
         )
+        if self.launch_checks:
+            parts.append(
+                f"{self.launch_checks} first launch(es) checked against triton's JIT route "
+                f"{self.launch_checks_s:.1f} s"
+            )
         return "; ".join(parts)
 
 
@@ -174,5 +201,8 @@ def split_compile(clock: Callable[[], float] = time.perf_counter, tuner=None) ->
             tuner_s=watch.seconds,
             tuner_shapes=watch.tuned,
             tuner_configs=watch.configs,
+            tuner_build_s=watch.build_s,
+            launch_checks=watch.checks,
+            launch_checks_s=watch.checks_s,
         )
     )

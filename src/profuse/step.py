@@ -103,7 +103,7 @@ from profuse.amdahl import Amdahl, OpTiming
 from profuse.bench import DEFAULT_TRIALS
 from profuse.bench.stats import OVER_COMPILE, Speedup, speedup_ci
 from profuse.bench.timing import REFEREE, Comparison, TrialDesign, balanced_trials, compare, design_rows
-from profuse.compiletime import CompileSplit, split_compile
+from profuse.compiletime import CHECK_SPLIT, CompileSplit, split_compile
 from profuse.env import FIT_SHARE, check_fits, dtype_name, environment, interpreting
 from profuse.errors import UsageError
 from profuse.kernels import HAS_TRITON, TRITON_MISSING
@@ -568,18 +568,28 @@ def _checked(names: Sequence[str]) -> list[str]:
 
 
 def _math_stage(
-    cfg, names, block_ops, failed, tell, todo: Sequence[str] | None = None
+    cfg, names, block_ops, failed, tell, todo: Sequence[str] | None = None, splits: dict | None = None
 ) -> tuple[dict[str, MathCheck], list[str]]:
     """Step 2: the same-math check of each checked variant that is to run (the compiled fused
-    ones ride on fused's), or of `todo`; the variants that fail it go to `failed` and leave `names`."""
+    ones ride on fused's), or of `todo`; the variants that fail it go to `failed` and leave `names`.
+    Each check's split (compiletime: a cold process builds most of profuse's kernels here) goes
+    to `splits` as "check:NAME"."""
     checks: dict[str, MathCheck] = {}
     if todo is None:
         todo = _checked(names)
     for i, name in enumerate(todo):
-        tell(f"checking the {name} step against float64", i, len(todo))
-        check = (
-            check_same_math(cfg, block_ops) if name == "fused" else check_variant_math(cfg, name, block_ops)
-        )
+        what = f"checking the {name} step against float64"
+        tell(what, i, len(todo))
+        with split_compile() as split:
+            check = (
+                check_same_math(cfg, block_ops)
+                if name == "fused"
+                else check_variant_math(cfg, name, block_ops)
+            )
+        if splits is not None:
+            splits[f"{CHECK_SPLIT}{name}"] = split[0]
+        if split[0].compiled_anything:
+            tell(f"{what} took {split[0].seconds:.1f} s: {split[0].summary()}", i + 1, len(todo))
         checks[name] = check
         if not check.passed:
             why = check.error or f"its {check.worst} is outside the bound against float64"
@@ -1041,7 +1051,8 @@ class StepResult:
     amdahl: Amdahl | None
     checks: dict[str, MathCheck] = field(default_factory=dict)  # the Liger variants' same-math checks
     amdahl_note: str = ""  # why there is no Amdahl prediction, where profiles ran but it could not be made
-    compile: dict[str, CompileSplit] = field(default_factory=dict)  # each first step, split (compiletime)
+    # each first step, split (compiletime), and each same-math check's ("check:NAME")
+    compile: dict[str, CompileSplit] = field(default_factory=dict)
     phases: dict[str, float] = field(default_factory=dict)  # phase -> wall seconds ("total": the run)
     budget: dict[str, int] = field(default_factory=dict)  # what the run was to do, counted up front
     verdict: StepVerdict | None = None  # decided once (profuse.verdict); the report prints it
@@ -1202,8 +1213,9 @@ def run_step(
     counts = budget(cfg, names)
     tell(plan_line(cfg, names, counts), 0, 1)
     failed: dict[str, str] = {}
+    splits: dict[str, CompileSplit] = {}
     with phase("check"):
-        checks, names = _math_stage(cfg, names, block_ops, failed, tell)
+        checks, names = _math_stage(cfg, names, block_ops, failed, tell, splits=splits)
         _release(dev)
 
     with phase("build"):
@@ -1213,7 +1225,7 @@ def run_step(
     masks = {v.name: v.mask for v in variants if v.mask is not None}
     fused_ops = {v.name: v.fused for v in variants if v.fused is not None}
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    comparison, memory, weights, splits = None, {}, None, {}
+    comparison, memory, weights = None, {}, None
     with stepstate.zero_lr(optimizer):  # every variant times the same weights (profuse.stepstate)
         stepstate.make_state(optimizer)
         before = stepstate.fingerprint(params)
@@ -1222,7 +1234,7 @@ def run_step(
         if not refs:  # the timed shapes go unchecked: a small copy checks every variant step 2 did not
             with phase("check"):
                 todo = [v.name for v in variants if v.name != BASELINE and v.name not in checks]
-                more, _ = _math_stage(cfg, todo, block_ops, failed, tell, todo)
+                more, _ = _math_stage(cfg, todo, block_ops, failed, tell, todo, splits)
                 checks.update(more)
                 _release(dev)
             variants = [v for v in variants if v.name not in failed]

@@ -46,6 +46,7 @@ import math
 import operator
 import os
 import statistics
+import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -73,6 +74,10 @@ CHECK_ON_DEVICE_BYTES = 64 << 20
 
 # Set to a list to record (kind, config, registers, spills) of each launch (benchmarks do).
 LAUNCH_LOG: list | None = None
+# [count, seconds] of the first launches through a binding, each checked against the JIT route
+# (Launch._first_fast_launch): compiletime reports what a first step spent in them.
+FIRST_LAUNCH_CHECKS: list = [0, 0.0]
+_clock = time.perf_counter
 
 
 def autotune_enabled(device: torch.device) -> bool:
@@ -193,7 +198,11 @@ class Launch:
                     if LAUNCH_LOG is not None:
                         log_launch(self, b.compiled)
                     return
-                if self._first_fast_launch(b, args):
+                t0 = _clock()
+                checked = self._first_fast_launch(b, args)
+                FIRST_LAUNCH_CHECKS[0] += 1
+                FIRST_LAUNCH_CHECKS[1] += _clock() - t0
+                if checked:
                     return
         compiled = self.run(*args, **self.meta)
         log_launch(self, compiled)
@@ -477,6 +486,9 @@ class Autotuner:
         self.make_timer = make_timer  # device -> an object with time_calls(list of calls) -> seconds
         self.trials = trials
         self.chosen: dict[tuple, KernelConfig] = {}
+        # seconds building new keys' candidates (the builds at once, then each one's first
+        # launch and answer) before their timing: compiletime splits the tuner's time by it
+        self.build_s = 0.0
         # key -> [(config, relative error)] of the candidates whose answer disagreed
         self.rejected: dict[tuple, list[tuple[KernelConfig, float]]] = {}
 
@@ -515,6 +527,7 @@ class Autotuner:
             return candidates[0]
         if _DETOUR is not None and not _TRACING:
             raise _DryRun(key)
+        t0 = _clock()
         self.precompile(candidates, launch)
         runnable, reference = [], None
         for cfg in candidates:
@@ -537,6 +550,7 @@ class Autotuner:
             runnable.append(cfg)
         if not runnable:
             raise RuntimeError(f"no launch config of the Triton kernel runs for {key}")
+        self.build_s += _clock() - t0
         times = self.time_configs(launch, runnable, device)
         fastest = min(times)
         close = [c for c, t in zip(runnable, times, strict=True) if t <= fastest * (1 + RUNOFF_MARGIN)]

@@ -24,7 +24,7 @@ from profuse.bench.stats import (
     unsteady_warning,
 )
 from profuse.bench.timing import WARMUP_BUDGET_S, TrialDesign, steady_rule, warmup_note
-from profuse.compiletime import CompileSplit
+from profuse.compiletime import CHECK_SPLIT, CompileSplit
 from profuse.env import card_name, describe
 from profuse.errors import UsageError
 from profuse.report.stepchecks import (
@@ -721,7 +721,9 @@ def time_lines(data: dict) -> list[str]:
     for name, split in (data.get("compile") or {}).items():
         cs = CompileSplit(**split)
         if cs.compiled_anything:
-            lines.append(f"{'':>4}first step of {name}: {cs.seconds:.1f} s; {cs.summary()}")
+            checked = name.removeprefix(CHECK_SPLIT)
+            what = f"same-math check of {checked}" if checked != name else f"first step of {name}"
+            lines.append(f"{'':>4}{what}: {cs.seconds:.1f} s; {cs.summary()}")
     return lines
 
 
