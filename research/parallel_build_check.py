@@ -12,8 +12,9 @@ driver (an sm_90 target: triton compiles for real, ptxas included, and nothing i
 
 1. the ops of a fused Llama step at the check's size (128 rows: add_rms_norm and rms_norm at
    2048 columns, silu_mul pair and packed at 8192, rope at 32 and 8 heads of 64, the fused loss),
-   forward and backward, tuned as on an H100 (132 SMs, autotuning on, a timer that ranks the
-   candidates in their order), each in a fresh process with an empty triton cache, once with
+   forward and backward (`--only tail`: the default job's Part B instead, the tail at 8192 x
+   4096), tuned as on an H100 (132 SMs, autotuning on, a timer that ranks the candidates in
+   their order), each in a fresh process with an empty triton cache, once with
    PROFUSE_COMPILE_THREADS=1 (one at a time, as before) and once with this machine's CPUs;
 2. both must compile the same number of kernels (a dry run's build that a launch did not find
    would be compiled twice) and pick the same config for every tuning key.
@@ -39,14 +40,16 @@ from pathlib import Path
 HERE = Path(__file__).parent
 ROWS, HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 128, 2048, 8192, 32, 8, 64, 4096
 SMS = 132
+TAIL, PART_B = "tail", (8192, 4096)  # the default job's Part B: the lab's tail, bf16 (--only tail)
 
 
-def ops():
+def ops(part_b: bool = False):
     """(name, fn, inputs, output gradients) of a fused Llama step at the check's size: bf16
-    activations, fp32 residual stream and norm weights, as amp runs them."""
+    activations, fp32 residual stream and norm weights, as amp runs them; or (`part_b`) the
+    default job's Part B, the tail in bf16."""
     import torch
 
-    from profuse import blockops, crossentropy, rotary
+    from profuse import blockops, crossentropy, rotary, tail
 
     gen = torch.Generator().manual_seed(0)
     bf16, fp32 = torch.bfloat16, torch.float32
@@ -57,6 +60,10 @@ def ops():
     def grad(*shape, dtype=bf16):
         return torch.randn(*shape, generator=gen).to(dtype)
 
+    if part_b:
+        rows_b, cols_b = PART_B
+        args = (leaf(rows_b, cols_b), leaf(rows_b, cols_b), leaf(rows_b, cols_b), leaf(cols_b))
+        return [(TAIL, lambda *a: tail.tail_triton(*a, 1e-6), args, (grad(rows_b, cols_b),))]
     x, r, w = leaf(ROWS, HIDDEN), leaf(ROWS, HIDDEN, dtype=fp32), leaf(HIDDEN, dtype=fp32)
     g, u, gu = leaf(ROWS, FFN), leaf(ROWS, FFN), leaf(ROWS, 2 * FFN)
     q, k = leaf(1, HEADS, ROWS, HEAD_DIM), leaf(1, KV_HEADS, ROWS, HEAD_DIM)
@@ -119,7 +126,7 @@ def child(threads: int, out: Path, only: str | None = None) -> None:
     warnings.simplefilter("ignore")  # triton's and torch's notes on a CPU run of CUDA kernels
     seconds = {}
     t_all = time.perf_counter()
-    for name, fn, args, grads in ops():
+    for name, fn, args, grads in ops(part_b=only == TAIL):
         if only and name != only:
             continue
         t0 = time.perf_counter()
@@ -149,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", type=Path, help="write both runs here")
     p.add_argument("--quick", action="store_true", help="add_rms_norm alone, built at once only")
+    p.add_argument("--only", help="one op (add_rms_norm, rope, ...), or tail: Part B's tail at 8192 x 4096")
     p.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -167,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'ok' if ok else 'FAILED'}: add_rms_norm, {run['threads']} threads: {built} kernels built "
               f"at once, {on_launch} compiled on a launch, {len(run['chosen'])} tuning keys")  # fmt: skip
         return 0 if ok else 1
-    one, many = run_child(1), run_child(max(cpus, 2))
+    one, many = run_child(1, args.only), run_child(max(cpus, 2), args.only)
     total = lambda r: sum(r["compiled"].values())
     same_picks = one["chosen"] == many["chosen"]
     ok = same_picks and total(one) == total(many) and many["compiled"]["built at once"] > 0
