@@ -449,6 +449,32 @@ def test_bad_input_exits_2_with_one_line(case, capsys, tmp_path):
 
 
 @pytest.mark.parametrize(
+    "setting, value, message",
+    [
+        (
+            "PROFUSE_COMPILE_THREADS",
+            "many",
+            "PROFUSE_COMPILE_THREADS='many' is not a whole number of threads",
+        ),
+        ("PROFUSE_CE_CHUNK", "1.5k", "PROFUSE_CE_CHUNK='1.5k' is not a whole number of tokens"),
+        ("PROFUSE_CE_ACCUM", "fp16", "PROFUSE_CE_ACCUM must be one of fp32, weight; got 'fp16'"),
+    ],
+)
+def test_a_bad_setting_in_the_environment_is_one_line_before_any_work(
+    setting, value, message, capsys, tmp_path, monkeypatch
+):
+    """The kernels read these at their first call, minutes into a run on a card: the command
+    reads them first. --help still answers."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv(setting, value)
+    for argv in ([*SMALL], ["step", "--model", "hf:llama", "--preset", "tiny", "--trials", "2"]):
+        code, _out, err = run([*argv, "--out", str(tmp_path)], capsys)
+        assert_one_clear_line(code, err)
+        assert message in err and not any(tmp_path.iterdir())
+    assert run(["step", "--help"], capsys)[0] == 0
+
+
+@pytest.mark.parametrize(
     "argv",
     [
         ["profile", "--d-model", "65536", "--layers", "64"],

@@ -22,6 +22,7 @@ from profuse.cli.common import (
     Progress,
     build_parser,
     build_profile_parser,
+    check_settings,
     part_a_files,
 )
 from profuse.cli.fuse import build_fuse_parser, cmd_fuse
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] in COMMANDS:
         command, argv = COMMANDS[argv[0]], argv[1:]
     try:
+        if not {"-h", "--help"} & set(argv):
+            check_settings()
         return command(argv)
     except UsageError as err:
         print(f"profuse: error: {err}", file=sys.stderr)

@@ -26,6 +26,31 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+# Settings in the environment that take a value, read by the kernels at their first call (deep
+# in a run): `check_settings` reads them at the start instead.
+VALUE_SETTINGS = ("PROFUSE_COMPILE_THREADS", "PROFUSE_CE_CHUNK", "PROFUSE_CE_ACCUM")
+
+
+def check_settings() -> None:
+    """Raise UsageError (one line) where a PROFUSE_* setting in VALUE_SETTINGS has a value the
+    kernels cannot read, before any work starts. Nothing to read without triton."""
+    if not any(os.environ.get(name) for name in VALUE_SETTINGS):
+        return
+    from profuse.errors import UsageError
+    from profuse.kernels import HAS_TRITON
+
+    if not HAS_TRITON:
+        return
+    from profuse.kernels import autotune, cross_entropy
+
+    try:
+        autotune.compile_threads()
+        cross_entropy.requested_chunk(None)
+        cross_entropy.requested_accumulate(None)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+
+
 # --------------------------------------------------------------------------------------------
 # Argument types
 # --------------------------------------------------------------------------------------------

@@ -332,15 +332,17 @@ def compile_threads() -> int:
     """Threads that build a tuning key's candidates at once: PROFUSE_COMPILE_THREADS, else this
     process's CPUs up to MAX_COMPILE_THREADS; 1 (one at a time) where triton has no
     AsyncCompileMode (before 3.4) or interprets its kernels (nothing is compiled)."""
-    if _ASYNC_COMPILE is None or interpreting():
-        return 1
     raw = os.environ.get(COMPILE_THREADS_ENV)
+    asked = None
     if raw:
         try:
-            n = int(raw)
+            asked = max(int(raw), 1)
         except ValueError:
             raise ValueError(f"{COMPILE_THREADS_ENV}={raw!r} is not a whole number of threads") from None
-        return max(n, 1)
+    if _ASYNC_COMPILE is None or interpreting():
+        return 1
+    if asked is not None:
+        return asked
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cpus, MAX_COMPILE_THREADS))
 

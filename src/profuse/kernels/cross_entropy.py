@@ -270,7 +270,8 @@ def requested_accumulate(accumulate: str | None) -> str:
     """The accumulator asked for: the argument, else PROFUSE_CE_ACCUM, else "fp32"."""
     value = accumulate if accumulate is not None else os.environ.get(ACCUM_ENV) or "fp32"
     if value not in ACCUMULATE:
-        raise ValueError(f"accumulate must be one of {', '.join(ACCUMULATE)}; got {value!r}")
+        what = "accumulate" if accumulate is not None else ACCUM_ENV
+        raise ValueError(f"{what} must be one of {', '.join(ACCUMULATE)}; got {value!r}")
     return value
 
 
