@@ -21,8 +21,8 @@ driver (an sm_90 target: triton compiles for real, ptxas included, and nothing i
 
 Prints one line and, with --json, writes both runs; exits 1 where they differ. `--quick` (a test
 runs it, a few seconds): add_rms_norm alone, only the run with threads, which must have built
-every kernel its launches then needed. Needs triton 3.4 or later (AsyncCompileMode, knobs): with
-an older one it says so and exits 0.
+every kernel its launches then needed. Needs triton 3.6 or later (an AsyncCompileMode that can
+drop a failed compile): with an older one it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -164,8 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import triton
 
-    if not hasattr(triton, "AsyncCompileMode") or not hasattr(triton, "knobs"):
-        print(f"skipped: triton {triton.__version__} has no AsyncCompileMode (3.4 and later)")
+    from profuse.kernels.autotune import async_compile_mode
+
+    if async_compile_mode() is None:
+        print(f"skipped: triton {triton.__version__} has no AsyncCompileMode profuse uses (3.6 and later)")
         return 0
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if args.quick:

@@ -7,6 +7,7 @@ them, is research/parallel_build_check.py's (the last test runs its quick form).
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -219,7 +220,41 @@ def test_compile_threads(monkeypatch):
     assert A.compile_threads() == 1  # the interpreter compiles nothing
     monkeypatch.setattr(A, "interpreting", lambda: False)
     monkeypatch.setattr(A, "_ASYNC_COMPILE", None)
-    assert A.compile_threads() == 1  # triton before 3.4
+    assert A.compile_threads() == 1  # triton before 3.6
+
+
+def test_only_a_mode_that_can_drop_a_failed_compile_is_used():
+    """triton 3.5's AsyncCompileMode raises a failed compile when it waits and stays active for
+    every later compile: only one that takes ignore_errors (3.6 and later) is used."""
+
+    class Older:
+        def __init__(self, executor):
+            pass
+
+    assert A.async_compile_mode(Mode) is Mode
+    assert A.async_compile_mode(Older) is None
+
+
+def test_a_mode_whose_wait_raised_is_not_left_active(building, monkeypatch):
+    """Should triton's mode exit by raising, it is no longer the active one after the builds,
+    and a mode that was active before is left so."""
+    active = pytest.importorskip("triton.runtime._async_compile").active_mode
+
+    class Raising(Mode):
+        def __enter__(self):
+            active.set(self)
+            return self
+
+        def __exit__(self, *exc):
+            raise RuntimeError("a compile failed")
+
+    monkeypatch.setattr(A, "_ASYNC_COMPILE", Raising)
+    events = building
+    launch = launcher(events)
+    jobs = A.dry_run([functools.partial(launch, c) for c in CONFIGS])
+    A.build_at_once(jobs, 3)
+    assert active.get() is None
+    assert len([e for e in events if e[0] == "build"]) == len(jobs)
 
 
 def test_one_thread_builds_nothing_ahead(building, monkeypatch):
@@ -235,8 +270,8 @@ def test_with_triton_real_kernels_are_built_in_threads_and_found_by_their_launch
     an sm_90 target through the stand-in driver, in threads; its launches compile nothing."""
     import triton
 
-    if not hasattr(triton, "AsyncCompileMode"):
-        pytest.skip(f"triton {triton.__version__} has no AsyncCompileMode")
+    if A.async_compile_mode() is None:
+        pytest.skip(f"triton {triton.__version__} has no AsyncCompileMode profuse uses")
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run(

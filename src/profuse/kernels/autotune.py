@@ -32,16 +32,17 @@ launch signature (kernels/launch_analysis.py).
 
 A new tuning key's candidates are built at once before any is run (`Autotuner.precompile`): a
 dry run of each candidate's launch collects what it would compile, and triton's AsyncCompileMode
-(triton 3.4 and later) compiles them in a pool of threads, which triton's compiler lets run in
+(triton 3.6 and later) compiles them in a pool of threads, which triton's compiler lets run in
 parallel (it releases the GIL in its passes and in ptxas). A cold fused Llama step compiles most
 of its kernels as tuning candidates, one after another without this. PROFUSE_COMPILE_THREADS
-sets the pool's size (1: one at a time, as triton before 3.4 always does).
+sets the pool's size (1: one at a time, as before triton 3.6 always).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 import operator
 import os
@@ -99,8 +100,19 @@ _TRACING = False
 # `route(launch, args)`. One global read on a launch's path, None there.
 _DETOUR: Callable | None = None
 
-# triton's parallel build of kernels (3.4 and later): warmups under it compile in an executor.
-_ASYNC_COMPILE = getattr(triton, "AsyncCompileMode", None)
+
+def async_compile_mode(mode=None):
+    """triton's AsyncCompileMode (warmups under it compile in an executor) where it can drop a
+    failed compile (`ignore_errors`, triton 3.6 and later), else None. 3.5's raises the failure
+    when it waits, and leaves itself active for every later compile, so it is not used."""
+    mode = getattr(triton, "AsyncCompileMode", None) if mode is None else mode
+    try:
+        return mode if mode is not None and "ignore_errors" in inspect.signature(mode).parameters else None
+    except (TypeError, ValueError):  # no signature to read
+        return None
+
+
+_ASYNC_COMPILE = async_compile_mode()
 COMPILE_THREADS_ENV = "PROFUSE_COMPILE_THREADS"
 MAX_COMPILE_THREADS = 16
 
@@ -330,8 +342,9 @@ def traced(fn: Callable, *args):
 
 def compile_threads() -> int:
     """Threads that build a tuning key's candidates at once: PROFUSE_COMPILE_THREADS, else this
-    process's CPUs up to MAX_COMPILE_THREADS; 1 (one at a time) where triton has no
-    AsyncCompileMode (before 3.4) or interprets its kernels (nothing is compiled)."""
+    process's CPUs up to MAX_COMPILE_THREADS; 1 (one at a time) where triton has no usable
+    AsyncCompileMode (before 3.6: async_compile_mode) or interprets its kernels (nothing is
+    compiled)."""
     raw = os.environ.get(COMPILE_THREADS_ENV)
     asked = None
     if raw:
@@ -380,10 +393,7 @@ def build_at_once(jobs: Sequence[tuple], threads: int) -> None:
     if _ASYNC_COMPILE is None or threads < 2 or len(jobs) < 2:
         return
     with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="profuse-compile") as pool:
-        try:
-            mode = _ASYNC_COMPILE(pool, ignore_errors=True)
-        except TypeError:  # an AsyncCompileMode without the option: a failure then ends the wait
-            mode = _ASYNC_COMPILE(pool)
+        mode = _ASYNC_COMPILE(pool, ignore_errors=True)
         try:
             with mode:
                 for kernel, grid, args, meta in jobs:
@@ -391,8 +401,18 @@ def build_at_once(jobs: Sequence[tuple], threads: int) -> None:
                         kernel.warmup(*args, grid=grid, **meta)
                     except Exception:
                         continue
-        except Exception:  # another AsyncCompileMode active, or a compile failed: launches compile
+        except Exception:  # another AsyncCompileMode active: the launches compile, as before
             pass
+        finally:
+            _leave(mode)
+
+
+def _leave(mode) -> None:
+    """Make sure `mode` is no longer triton's active AsyncCompileMode (its exit clears it; this
+    covers an exit that raised), leaving any other mode as it is."""
+    active = getattr(getattr(triton.runtime, "_async_compile", None), "active_mode", None)
+    if active is not None and active.get() is mode:
+        active.set(None)
 
 
 def compiled_op(name: str, fn: Callable, fake: Callable) -> Callable[[torch.Tensor], object]:
