@@ -97,13 +97,16 @@ def watch_tuner(tuner=None, clock: Callable[[], float] = time.perf_counter) -> I
     watch = TunerWatch()
     try:
         from profuse.kernels import autotune
-    except Exception:  # no triton: nothing to tune, nothing to watch
-        yield watch
-        return
+    except Exception:  # no triton: no first launches to count, and no tuner unless one is given
+        autotune = None
     if tuner is None:
+        if autotune is None:
+            yield watch
+            return
         tuner = autotune.TUNER
+    launch_checks = autotune.FIRST_LAUNCH_CHECKS if autotune is not None else [0, 0.0]
     build_s = getattr(tuner, "build_s", 0.0)
-    checks = list(autotune.FIRST_LAUNCH_CHECKS)
+    checks = list(launch_checks)
     had_own = "pick" in vars(tuner)
     own = vars(tuner).get("pick")
     original = tuner.pick
@@ -129,8 +132,8 @@ def watch_tuner(tuner=None, clock: Callable[[], float] = time.perf_counter) -> I
         else:
             del tuner.pick
         watch.build_s = getattr(tuner, "build_s", 0.0) - build_s
-        watch.checks = autotune.FIRST_LAUNCH_CHECKS[0] - checks[0]
-        watch.checks_s = autotune.FIRST_LAUNCH_CHECKS[1] - checks[1]
+        watch.checks = launch_checks[0] - checks[0]
+        watch.checks_s = launch_checks[1] - checks[1]
 
 
 @dataclass

@@ -147,6 +147,18 @@ def _nvidia_smi(
     return dict(zip(fields, values)) if len(values) == len(fields) else {}
 
 
+def whole_number_setting(name: str, unit: str) -> int | None:
+    """The environment variable `name` as an int, None where unset or empty; ValueError naming
+    it where it is not a whole number (of `unit`)."""
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a whole number of {unit}") from None
+
+
 def interpreting() -> bool:
     """Does Triton run its kernels through the interpreter (on CPU tensors)?"""
     return os.environ.get("TRITON_INTERPRET") == "1"

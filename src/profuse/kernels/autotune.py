@@ -56,7 +56,7 @@ import torch
 import triton
 from torch.utils._python_dispatch import _disable_current_modes
 
-from profuse.env import interpreting
+from profuse.env import interpreting, whole_number_setting
 from profuse.kernels import fast_launch, launch_analysis
 from profuse.kernels.configs import KernelConfig
 from profuse.timers import CudaTimer
@@ -345,17 +345,11 @@ def compile_threads() -> int:
     process's CPUs up to MAX_COMPILE_THREADS; 1 (one at a time) where triton has no usable
     AsyncCompileMode (before 3.6: async_compile_mode) or interprets its kernels (nothing is
     compiled)."""
-    raw = os.environ.get(COMPILE_THREADS_ENV)
-    asked = None
-    if raw:
-        try:
-            asked = max(int(raw), 1)
-        except ValueError:
-            raise ValueError(f"{COMPILE_THREADS_ENV}={raw!r} is not a whole number of threads") from None
+    asked = whole_number_setting(COMPILE_THREADS_ENV, "threads")
     if _ASYNC_COMPILE is None or interpreting():
         return 1
     if asked is not None:
-        return asked
+        return max(asked, 1)
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cpus, MAX_COMPILE_THREADS))
 

@@ -81,7 +81,7 @@ import torch
 import triton
 import triton.language as tl
 
-from profuse.env import free_memory_bytes, sm_count
+from profuse.env import free_memory_bytes, sm_count, whole_number_setting
 from profuse.kernels.autotune import Launch, PlanCache
 from profuse.kernels.configs import KernelConfig
 from profuse.kernels.rows import check_runnable, double_backward_error
@@ -254,13 +254,9 @@ def chunk_rows(n_tokens: int, hidden: int, vocab: int, mm_bytes: int, free_bytes
 def requested_chunk(chunk_size: int | None) -> int:
     """The chunk asked for: the argument, else PROFUSE_CE_CHUNK, else 0 (the rule decides)."""
     if chunk_size is None:
-        raw = os.environ.get(CHUNK_ENV)
-        if not raw:
+        chunk_size = whole_number_setting(CHUNK_ENV, "tokens")
+        if chunk_size is None:
             return 0
-        try:
-            chunk_size = int(raw)
-        except ValueError:
-            raise ValueError(f"{CHUNK_ENV}={raw!r} is not a whole number of tokens") from None
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive whole number of tokens, got {chunk_size!r}")
     return chunk_size
